@@ -1,0 +1,206 @@
+"""``backend="chunk"``: the chunked WY/UT form, matmuls inside a chunk, ``lax.scan`` across chunks.
+
+DeltaNet paper §3 and GDN paper §3.3. Within a chunk of C tokens with local
+cumulative log decay gamma_i = sum_{j<=i} g_j (per head, or per key channel)::
+
+    Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0   (exponent masked BEFORE exp)
+    A        = strictly_lower((beta K) K^T * Gamma);   T = (I + A)^-1
+    W        = T ((beta K) * exp(gamma));              U = T (beta V)
+    per chunk, with S the state entering it:
+      V_new = U - W S
+      O     = (Q * exp(gamma)) S + tril(Q K^T * Gamma) V_new
+      S    <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T V_new
+
+Per-key-channel decay (Kimi Delta Attention) cannot factor
+(K e^gamma)(K e^-gamma)^T without overflow, so the Gram matrices are built in
+16-token sub-blocks: a diagonal sub-block as a masked [16, 16, K] exponential,
+an off-diagonal one through the sub-block boundary r, exp(gamma_i - gamma_r) *
+exp(gamma_r - gamma_j), both factors <= 1 when g <= 0.
+
+Any T: the sequence is padded at the end with g = 0, beta = 0, k = v = q = 0,
+which leaves the state untouched and creates no exponentials of padding.
+Packed sequences (``cu_seqlens``) are re-laid so that every sequence starts on a
+chunk boundary (at most N*(C-1) extra tokens); the state is reset to the
+sequence's initial state at its first chunk and read out after its last one.
+
+Per-value-channel beta is declined (``NotImplementedError``): use ``backend="scan"``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=_HI)
+
+
+def _tril_mask(C, strict: bool):
+    i = jnp.arange(C)[:, None]
+    j = jnp.arange(C)[None, :]
+    return (i > j) if strict else (i >= j)
+
+
+def _decay_gram_head(a, b, gc):
+    """M_ij = (a_i . b_j) exp(gc_i - gc_j) for i >= j, else 0. a,b [...,C,D]; gc [...,C]."""
+    C = gc.shape[-1]
+    mask = _tril_mask(C, strict=False)
+    diff = gc[..., :, None] - gc[..., None, :]
+    gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+    return _mm(a, jnp.swapaxes(b, -1, -2)) * gamma
+
+
+def _decay_gram_channel(a, b, gc, sub: int = 16):
+    """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
+
+    Overflow-free for gc non-increasing along C (g <= 0): see the module docstring.
+    """
+    C, K = gc.shape[-2:]
+    s = sub if (C % sub == 0 and C > sub) else C
+    nb = C // s
+    lead = gc.shape[:-2]
+    ab = a.reshape(lead + (nb, s, K))
+    bb = b.reshape(lead + (nb, s, K))
+    gb = gc.reshape(lead + (nb, s, K))
+    # diagonal sub-blocks: masked [s, s, K] exponential
+    m = _tril_mask(s, strict=False)[..., None]
+    d = gb[..., :, None, :] - gb[..., None, :, :]
+    e = jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), 0.0)
+    diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=_HI)  # [..., nb, s, s]
+    eye = jnp.eye(nb, dtype=diag.dtype)
+    full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
+    if nb == 1:
+        return full
+    # off-diagonal: rows of sub-block r against columns j < r*s, through gamma at position r*s
+    gref = gb[..., :, 0, :]  # [..., nb, K]
+    a_s = ab * jnp.exp(gb - gref[..., :, None, :])  # [..., nb, s, K], exponent <= 0
+    col = jnp.arange(C)[None, :, None]
+    start = (jnp.arange(nb) * s)[:, None, None]
+    cm = col < start  # [nb, C, 1]
+    ex = gref[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K], <= 0 where cm
+    b_s = jnp.where(cm, b[..., None, :, :] * jnp.exp(jnp.where(cm, ex, 0.0)), 0.0)
+    off = jnp.einsum("...rik,...rjk->...rij", a_s, b_s, precision=_HI)  # [..., nb, s, C]
+    return full + off.reshape(lead + (C, C))
+
+
+def _chunk_layout(cu_seqlens, T: int, C: int):
+    """Static padded length and index maps that put every packed sequence on chunk boundaries."""
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    N = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    plen = ((lens + C - 1) // C) * C
+    pstart = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(plen)]).astype(jnp.int32)
+    T_pad = -(-(T + N * (C - 1)) // C) * C
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq_id = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), N - 1).astype(jnp.int32)
+    pos = t - cu[seq_id] + pstart[seq_id]
+    n_chunks = T_pad // C
+    p = jnp.arange(n_chunks, dtype=jnp.int32) * C
+    cseq = jnp.minimum(jnp.searchsorted(pstart[1:], p, side="right"), N - 1).astype(jnp.int32)
+    used = p < pstart[-1]
+    first = used & (p == pstart[cseq])
+    last = used & (p + C == pstart[cseq + 1])
+    return T_pad, pos, cseq, first, last
+
+
+def _to_chunks(x, n, C):
+    """[B,T,H,*] -> head-major chunks [B,H,n,C,*]."""
+    B, T, H = x.shape[:3]
+    x = jnp.moveaxis(x, 2, 1)  # [B,H,T,*]
+    return x.reshape((B, H, n, C) + x.shape[3:])
+
+
+def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: int, g_pc: bool, b_pc: bool):
+    """Chunked forward. Inputs [B,T,H,*] in the accumulation dtype, q pre-scaled.
+
+    Returns (o [B,T,H,V], final_state [B,H,K,V] or [N,H,K,V], valid flag).
+    """
+    if b_pc:
+        raise NotImplementedError(
+            "backend='chunk' does not take per-value-channel beta [B,T,H,V]; use backend='scan' "
+            "(or backend='auto', which picks it)"
+        )
+    from ._common import seq_info
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = int(chunk_size)
+    dt = q.dtype
+    valid = jnp.asarray(True)
+
+    if cu_seqlens is None:
+        T_pad = -(-T // C) * C
+        pad = T_pad - T
+        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+        q, k, v, g, beta = map(padf, (q, k, v, g, beta))
+    else:
+        N = cu_seqlens.shape[0] - 1
+        valid = seq_info(cu_seqlens, T)[3]
+        T_pad, pos, cseq, cfirst, clast = _chunk_layout(cu_seqlens, T, C)
+        scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
+        q, k, v, g, beta = map(scat, (q, k, v, g, beta))
+    n = T_pad // C
+
+    qc, kc, vc, gcc, bc = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
+    gam = jnp.cumsum(gcc, axis=3)  # [B,H,n,C] or [B,H,n,C,K]
+    kb = kc * bc[..., None]
+    strict = _tril_mask(C, strict=True)
+    if g_pc:
+        A = _decay_gram_channel(kb, kc, gam)
+        Aqk = _decay_gram_channel(qc, kc, gam)
+        eg = jnp.exp(gam)
+        glast = gam[..., -1:, :]
+        kd = kc * jnp.exp(glast - gam)
+        dec = jnp.exp(glast[..., 0, :])[..., :, None]  # [B,H,n,K,1]
+    else:
+        A = _decay_gram_head(kb, kc, gam)
+        Aqk = _decay_gram_head(qc, kc, gam)
+        eg = jnp.exp(gam)[..., None]
+        glast = gam[..., -1:]
+        kd = kc * jnp.exp(glast - gam)[..., None]
+        dec = jnp.exp(glast)[..., None]  # [B,H,n,1,1]
+    A = jnp.where(strict, A, 0.0)
+    IA = A + jnp.eye(C, dtype=dt)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(IA, rhs, left_side=True, lower=True, unit_diagonal=True)
+    W = solve(kb * eg)  # [B,H,n,C,K]
+    U = solve(vc * bc[..., None])  # [B,H,n,C,V]
+    qg = qc * eg
+
+    tm = lambda x: jnp.moveaxis(x, 2, 0)  # chunk axis first for the scan
+    xs = tuple(map(tm, (W, U, qg, Aqk, kd, dec)))
+
+    def chunk_step(S, x):
+        W, U, qg, Aqk, kd, dec = x
+        vn = U - _mm(W, S)
+        o = _mm(qg, S) + _mm(Aqk, vn)
+        S = dec * S + _mm(jnp.swapaxes(kd, -1, -2), vn)
+        return S, o
+
+    if cu_seqlens is None:
+        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
+        S, o = jax.lax.scan(chunk_step, S0, xs)
+        fin = S
+    else:
+        h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
+
+        def packed_step(carry, x):
+            S, fin = carry
+            sid, first, last, xc = x
+            S = jnp.where(first, h0[sid][None], S)
+            S, o = chunk_step(S, xc)
+            fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
+            return (S, fin), o
+
+        (_, fin), o = jax.lax.scan(
+            packed_step, (jnp.zeros((B, H, K, V), dt), h0), (cseq, cfirst, clast, xs)
+        )
+    # o: [n,B,H,C,V] -> [B,T_pad,H,V]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, T_pad, V)
+    o = jnp.moveaxis(o, 1, 2)
+    if cu_seqlens is None:
+        o = o[:, :T]
+    else:
+        o = o[:, pos]
+    return o, fin, valid

@@ -1,0 +1,151 @@
+"""The public operator: ``gated_delta_rule`` and its backend dispatch."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from . import chunk as _chunk
+from . import scan as _scan
+from ._common import GateForms, acc_dtype, check_inputs, poison_if_invalid, prepare
+
+BACKENDS = ("auto", "scan", "chunk", "pallas")
+
+
+def _pallas_module():
+    from . import pallas as _pallas  # imported lazily: the kernels pull in jax.experimental.pallas
+
+    return _pallas
+
+
+def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, V: int, dtype, platform: Optional[str] = None) -> str:
+    """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
+
+    ``"auto"``: ``"pallas"`` on GPU/TPU for the calls its kernels cover, else ``"chunk"``;
+    ``"scan"`` for per-value-channel beta (the only backend that takes it).
+
+    Raises:
+      ValueError: unknown backend name.
+      NotImplementedError: an explicit backend that cannot take the call's options.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        platform = platform or jax.default_backend()
+        if platform in ("gpu", "cuda", "rocm", "tpu"):
+            try:
+                pl = _pallas_module()
+            except ImportError:  # pragma: no cover - Pallas unavailable on this install
+                pl = None
+            if pl is not None and pl.supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype) is None:
+                return "pallas"
+        if forms.beta_per_channel:
+            return "scan"
+        return "chunk"
+    if backend == "chunk" and forms.beta_per_channel:
+        raise NotImplementedError(
+            "backend='chunk' does not take per-value-channel beta [B,T,H,V]; use backend='scan' "
+            "(or backend='auto', which picks it)"
+        )
+    if backend == "pallas":
+        reason = _pallas_module().supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype)
+        if reason is not None:
+            raise NotImplementedError(f"backend='pallas' {reason}; use backend='chunk' or 'auto'")
+    return backend
+
+
+def gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[jax.Array] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[jax.Array] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """Gated delta rule (Gated DeltaNet; Yang, Kautz & Hatamizadeh, ICLR 2025, eq. 10).
+
+    Per batch element and head, with state S in R^{K x V} (float32; float64 for float64 inputs)::
+
+        S   <- exp(g_t) * S                             # decay FIRST
+        S   <- S + k_t (beta_t * (v_t - S^T k_t))^T      # delta-rule write; prediction from the decayed state
+        o_t  = S^T (scale * q_t)
+
+    i.e. S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with a_t = exp(g_t). This is the
+    paper's, FLA's and Qwen3-Next's order; seed 004's boxed formula reads the prediction from
+    S_{t-1} before the decay, which differs measurably under strong gates. g = 0 gives DeltaNet.
+
+    Args:
+      q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
+      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
+      g: LOG-space decay (g <= 0; the state is multiplied by exp(g)), ``[B, T, H]`` per head
+        (GDN, Qwen3-Next) or ``[B, T, H, K]`` per key channel (Kimi Delta Attention: row c of S
+        is scaled by exp(g[..., c])).
+      beta: write strength, ``[B, T, H]`` per head or ``[B, T, H, V]`` per value channel
+        (seed 004's layer; only ``backend="scan"`` takes it). Usually in (0, 1); (0, 2) allows
+        negative eigenvalues (needs unit-norm keys).
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
+      output_final_state: also return the final state.
+      cu_seqlens: integer ``[N + 1]`` boundaries of N packed sequences, from 0 to T, non-decreasing
+        (an empty sequence keeps its initial state); requires B = 1. The state restarts at every
+        boundary from ``initial_state[n]`` (or zero). May be a traced value of static length
+        under ``jit`` (packing can change every step without recompiling). Concrete values are
+        validated (``ValueError``); traced values cannot be, so a malformed traced ``cu_seqlens``
+        (not starting at 0, not ending at T, or decreasing) makes the op return an all-NaN ``o``
+        rather than a silently wrong one.
+      use_qk_l2norm: L2-normalise q and k over the last axis inside the op
+        (``x / sqrt(sum(x**2) + 1e-6)``), before the scale is applied.
+      chunk_size: tokens per chunk for the chunked backends (16, 32, 64 or 128 are tested).
+      backend: ``"scan"`` (token-by-token ``lax.scan``: the oracle, every gate form),
+        ``"chunk"`` (WY/UT chunked matmuls; per-head or per-key-channel g, per-head beta),
+        ``"pallas"`` (Pallas kernels of the chunked form; see its module for coverage) or
+        ``"auto"`` (pallas on GPU/TPU where it covers the call, scan for per-value-channel beta,
+        chunk otherwise).
+
+    Returns:
+      ``(o, final_state)``: o ``[B, T, H, V]`` in ``v.dtype``; final_state ``[B, H, K, V]``
+      (``[N, H, K, V]`` with ``cu_seqlens``) in float32 (float64 for float64 inputs), or ``None``
+      unless ``output_final_state``.
+
+    Raises:
+      TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size.
+      ValueError: wrong ranks or mismatched B/T/H/K/V (the message names the argument and gives the
+        shape received and expected), chunk_size <= 0, cu_seqlens with B != 1 or not from 0 to T
+        or decreasing, initial_state of the wrong shape, unknown backend.
+      NotImplementedError: an explicit backend that does not take the call's gate forms.
+    """
+    forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
+    K, V = q.shape[-1], v.shape[-1]
+    dt = acc_dtype(q, k, v, g, beta, initial_state)
+    which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens)
+    if which == "pallas":
+        o, fin, valid = _pallas_module().pallas_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms,
+        )
+    else:
+        qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
+        h0 = None if initial_state is None else initial_state.astype(dt)
+        if which == "scan":
+            o, fin, valid = _scan.scan_forward(
+                qs, ks, vs, gs, bs, h0, cu_seqlens, g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel
+            )
+        else:
+            o, fin, valid = _chunk.chunk_forward(
+                qs, ks, vs, gs, bs, h0, cu_seqlens, chunk_size=chunk_size,
+                g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel,
+            )
+    o = o.astype(v.dtype)
+    if cu_seqlens is not None:
+        o = poison_if_invalid(o, valid)
+    return o, (fin if output_final_state else None)
