@@ -1,0 +1,105 @@
+"""Causal softmax attention mixer with RoPE (optionally Qwen3-Next's gated variant)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..ops._common import seq_info
+
+
+def rope(x, positions, *, rot_dim: int, theta: float = 10000.0):
+    """Rotary position embedding (rotate-half form) on the first ``rot_dim`` channels.
+
+    x ``[B, T, N, D]``, positions ``[B, T]`` or ``[T]`` (integer) -> x's shape and dtype.
+    """
+    if rot_dim == 0:
+        return x
+    half = rot_dim // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = jnp.asarray(positions, jnp.float32)[..., None] * freq  # [.., T, half]
+    if ang.ndim == 2:
+        ang = ang[None]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xr, xp = x[..., :rot_dim].astype(jnp.float32), x[..., rot_dim:]
+    x1, x2 = xr[..., :half], xr[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([out, xp], axis=-1)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head softmax attention through ``jax.nn.dot_product_attention``, with RoPE.
+
+    ``x [B, T, hidden_size] -> [B, T, hidden_size]``. With ``qk_norm`` (per-head RMSNorm on q and
+    k), ``output_gate`` (``o * sigmoid(W_g x)``) and ``rope_fraction`` < 1 (partial RoPE) it is the
+    gated attention of Qwen3-Next's hybrid layers.
+
+    Args:
+      hidden_size, num_heads, head_dim (default ``hidden_size // num_heads``).
+      rope_theta: RoPE base. rope_fraction: share of each head's channels that are rotated.
+      qk_norm, output_gate: Qwen3-Next's gated-attention options (off by default).
+      dtype, param_dtype, rngs: as usual in NNX.
+
+    ``cu_seqlens`` (B = 1): packed sequences; attention is masked to each sequence and RoPE
+    positions restart at each boundary.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
+                 rope_theta: float = 10000.0, rope_fraction: float = 1.0, qk_norm: bool = False,
+                 output_gate: bool = False, norm_eps: float = 1e-6, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
+            head_dim = hidden_size // num_heads
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.rot_dim = int(head_dim * rope_fraction) // 2 * 2
+        self.rope_theta, self.dtype = rope_theta, dtype
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = lin(hidden_size, num_heads * head_dim)
+        self.k_proj = lin(hidden_size, num_heads * head_dim)
+        self.v_proj = lin(hidden_size, num_heads * head_dim)
+        self.o_proj = lin(num_heads * head_dim, hidden_size)
+        self.qk_norm, self.output_gate = qk_norm, output_gate
+        if qk_norm:
+            self.q_norm = nnx.RMSNorm(head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if output_gate:
+            self.g_proj = lin(hidden_size, num_heads * head_dim)
+
+    def qkv(self, x, positions):
+        B, T, _ = x.shape
+        N, D = self.num_heads, self.head_dim
+        q = self.q_proj(x).reshape(B, T, N, D)
+        k = self.k_proj(x).reshape(B, T, N, D)
+        v = self.v_proj(x).reshape(B, T, N, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions, rot_dim=self.rot_dim, theta=self.rope_theta)
+        k = rope(k, positions, rot_dim=self.rot_dim, theta=self.rope_theta)
+        return q, k, v
+
+    def output(self, o, x):
+        B, T = x.shape[:2]
+        o = o.reshape(B, T, -1)
+        if self.output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def __call__(self, x, *, cu_seqlens=None):
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        mask = None
+        positions = jnp.arange(T)
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens needs batch size 1, got x of shape {tuple(x.shape)}")
+            seq_id, _, _, _ = seq_info(cu_seqlens, T)
+            positions = positions - jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id]
+            mask = (seq_id[:, None] == seq_id[None, :])[None, None]
+        q, k, v = self.qkv(x, positions)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+        return self.output(o, x)

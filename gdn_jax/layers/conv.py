@@ -1,0 +1,67 @@
+"""Short causal depthwise convolution (kernel 4 + SiLU), as in Mamba2, FLA and Qwen3-Next."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..ops._common import seq_info
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise 1-D convolution over time, followed by SiLU.
+
+    ``y_t = silu(sum_{s=0}^{W-1} w[W-1-s] * x_{t-s})`` per channel, with ``x_{t-s}`` taken as zero
+    before the start of the sequence (or of the packed sequence holding t, with ``cu_seqlens``).
+
+    Init: near identity, as in the calibration run of REFERENCE §6 — the last tap (the current
+    token) is 1, the earlier taps N(0, 0.2) — so that the layer starts close to the seeds' plain
+    projections.
+
+    Args:
+      channels: number of channels D.
+      kernel_size: W (4 by default).
+      activation: apply SiLU after the convolution (default True).
+      rngs: ``nnx.Rngs``.
+
+    Shapes: ``x [B, T, D]`` -> ``[B, T, D]`` in x's dtype. ``cache``, when given, is the last W-1
+    inputs ``[B, W-1, D]`` preceding x (decode); the call then also returns the new cache.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True,
+                 init_std: float = 0.2, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        w = init_std * jax.random.normal(rngs.params(), (kernel_size, channels), param_dtype)
+        w = w.at[-1].set(1.0)
+        self.weight = nnx.Param(w)  # [W, D]; weight[-1] multiplies the current token
+        self.kernel_size = kernel_size
+        self.activation = activation
+
+    def __call__(self, x, *, cu_seqlens=None, cache: Optional[jax.Array] = None):
+        W = self.kernel_size
+        B, T, D = x.shape
+        w = self.weight.value.astype(x.dtype)
+        if cache is not None:
+            if cache.shape != (B, W - 1, D):
+                raise ValueError(f"conv cache must have shape [B, W-1, D] = {(B, W - 1, D)}, got {cache.shape}")
+            xx = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+        else:
+            xx = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
+        if cu_seqlens is not None:
+            seq_id, _, _, _ = seq_info(cu_seqlens, T)
+            start = jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id]
+            pos_in_seq = jnp.arange(T) - start  # taps further back than this cross a boundary
+        y = jnp.zeros_like(x)
+        for s in range(W):  # tap s looks s tokens back
+            xs = jax.lax.dynamic_slice_in_dim(xx, W - 1 - s, T, axis=1)
+            if cu_seqlens is not None and s > 0:
+                xs = jnp.where((pos_in_seq >= s)[None, :, None], xs, 0)
+            y = y + xs * w[W - 1 - s]
+        if self.activation:
+            y = jax.nn.silu(y)
+        if cache is not None:
+            return y, xx[:, -(W - 1):] if W > 1 else xx[:, :0]
+        return y

@@ -1,0 +1,154 @@
+"""Gated DeltaNet layer (Flax NNX), with the paper's parameterisation."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..ops import gated_delta_rule
+from .conv import ShortConv
+
+DECAY_KINDS = ("mamba2", "sigmoid")
+
+
+def inverse_softplus(x):
+    """softplus^-1(x) = x + log(-expm1(-x)), exact for x > 0."""
+    return x + jnp.log(-jnp.expm1(-x))
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh, ICLR 2025; FLA layer; Qwen3-Next).
+
+    ``x [B, T, hidden_size] -> [B, T, hidden_size]``::
+
+        q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # short conv, optional
+        g       = -exp(A_log) * softplus(W_a x + dt_bias)    # log decay, per head  (decay="mamba2")
+                  log sigmoid(W_a x)                          # seed 000's gate      (decay="sigmoid")
+        beta    = sigmoid(W_b x)  (x2 with allow_neg_eigval)  # per head, or per value channel
+        o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # q,k L2-normalised and
+                                                                          # q scaled by K^-1/2, once
+        y       = W_o (RMSNorm(o) * silu(W_g x))              # per-head RMSNorm over V
+
+    Init (REFERENCE §3): ``A ~ U(0, 16)`` sampled in float32 and clipped to >= 1e-4 (a bf16 sample
+    can be exactly 0 and give A_log = -inf); ``dt`` log-uniform in [1e-3, 0.1] and
+    ``dt_bias = softplus^-1(dt)`` (the Mamba2/FLA init — the seed's ``dt_bias = 1`` makes the decay
+    so strong, g ~ -1.3*A per token, that the model keeps almost no memory, and ``dt_bias = 0``
+    was measured to leave a tiny MQAR model at chance). The short conv starts near identity.
+
+    Args:
+      hidden_size: model width d.
+      num_heads: H.
+      head_dim: key head dim K (default ``hidden_size // num_heads``).
+      value_head_dim: V (default K).
+      decay: ``"mamba2"`` (default) or ``"sigmoid"``.
+      decay_per_channel: one decay per key channel (Kimi Delta Attention, g ``[B,T,H,K]``).
+      beta_per_channel: one beta per value channel (seed 004; runs on the scan backend).
+      allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) (negative eigenvalues; Grazzi et al. 2024).
+      use_short_conv, conv_size: the causal depthwise conv on q, k, v (on by default).
+      backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule`.
+      norm_eps: RMSNorm epsilon.
+      dtype: computation dtype of the projections (the recurrence state is always float32).
+      param_dtype: parameter dtype.
+      rngs: ``nnx.Rngs``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
+                 value_head_dim: Optional[int] = None, *, decay: str = "mamba2",
+                 decay_per_channel: bool = False, beta_per_channel: bool = False,
+                 allow_neg_eigval: bool = False, use_short_conv: bool = True, conv_size: int = 4,
+                 backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if decay not in DECAY_KINDS:
+            raise ValueError(f"decay must be one of {DECAY_KINDS}, got {decay!r}")
+        if hidden_size <= 0 or num_heads <= 0:
+            raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
+            head_dim = hidden_size // num_heads
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        H, K, V = num_heads, head_dim, value_head_dim
+        self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
+        self.decay, self.decay_per_channel = decay, decay_per_channel
+        self.beta_per_channel, self.allow_neg_eigval = beta_per_channel, allow_neg_eigval
+        self.use_short_conv, self.backend, self.chunk_size = use_short_conv, backend, chunk_size
+        self.dtype = dtype
+
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = lin(hidden_size, H * K)
+        self.k_proj = lin(hidden_size, H * K)
+        self.v_proj = lin(hidden_size, H * V)
+        n_decay = H * K if decay_per_channel else H
+        self.a_proj = lin(hidden_size, n_decay)
+        self.b_proj = lin(hidden_size, H * V if beta_per_channel else H)
+        self.g_proj = lin(hidden_size, H * V)
+        self.o_proj = lin(H * V, hidden_size)
+        if use_short_conv:
+            self.q_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self.k_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+        if decay == "mamba2":
+            lo, hi = A_init_range
+            A = jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)
+            self.A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
+            u = jax.random.uniform(rngs.params(), (n_decay,), jnp.float32)
+            dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            dt = jnp.maximum(dt, 1e-4)
+            self.dt_bias = nnx.Param(inverse_softplus(dt).astype(param_dtype))
+        self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+
+    def gates(self, x):
+        """Log decay g ``[B,T,H]`` / ``[B,T,H,K]`` and beta ``[B,T,H]`` / ``[B,T,H,V]`` in float32."""
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        a = self.a_proj(x).astype(jnp.float32)
+        if self.decay == "mamba2":
+            a = a + self.dt_bias.value.astype(jnp.float32)
+            A = jnp.exp(self.A_log.value.astype(jnp.float32))
+            if self.decay_per_channel:
+                g = -A[:, None] * jax.nn.softplus(a.reshape(B, T, H, K))
+            else:
+                g = -A * jax.nn.softplus(a)
+        else:
+            g = jax.nn.log_sigmoid(a)
+            if self.decay_per_channel:
+                g = g.reshape(B, T, H, K)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
+        if self.beta_per_channel:
+            beta = beta.reshape(B, T, H, V)
+        return g, beta
+
+    def __call__(self, x, *, cu_seqlens=None):
+        """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]`` (dtype ``self.dtype``).
+
+        ``cu_seqlens`` (B = 1): packed sequences; the recurrence and the short conv restart at
+        every boundary.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q = self.q_conv(q, cu_seqlens=cu_seqlens)
+            k = self.k_conv(k, cu_seqlens=cu_seqlens)
+            v = self.v_conv(v, cu_seqlens=cu_seqlens)
+        g, beta = self.gates(x)
+        o, _ = gated_delta_rule(
+            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), g, beta,
+            cu_seqlens=cu_seqlens, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend,
+        )
+        return self._output(o, x)
+
+    def _output(self, o, x):
+        B, T = x.shape[:2]
+        gate = self.g_proj(x).reshape(B, T, self.num_heads, self.value_head_dim)
+        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
+        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))

@@ -1,0 +1,169 @@
+"""A small pre-norm language model with pluggable token mixers."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..layers import Attention, GatedDeltaNet
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Configuration of :class:`LM`.
+
+    Attributes:
+      vocab_size, d_model, num_layers, num_heads: the usual sizes.
+      head_dim: per-head key dim (default ``d_model // num_heads``).
+      mixer: mixer name for every layer (see ``MIXERS``), or a tuple of names, one per layer.
+      hybrid_every: if > 0, layer i uses ``hybrid_mixer`` iff ``(i + 1) % hybrid_every == 0``
+        (Qwen3-Next's 3:1 pattern is ``hybrid_every=4``), ``mixer`` otherwise.
+      hybrid_mixer: the mixer of those layers (default ``"attention"``).
+      mlp_ratio: SwiGLU MLP hidden size as a multiple of d_model; 0 disables the MLP.
+      backend, chunk_size: passed to the GDN op.
+      use_short_conv, decay, decay_per_channel, beta_per_channel, allow_neg_eigval: GDN layer options.
+      norm_eps: RMSNorm epsilon. embed_init_std: token-embedding init std (tied LM head).
+      dtype / param_dtype: computation / parameter dtypes.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: Optional[int] = None
+    mixer: Union[str, Tuple[str, ...]] = "gdn"
+    hybrid_every: int = 0
+    hybrid_mixer: str = "attention"
+    mlp_ratio: float = 0.0
+    backend: str = "auto"
+    chunk_size: int = 64
+    use_short_conv: bool = True
+    decay: str = "mamba2"
+    decay_per_channel: bool = False
+    beta_per_channel: bool = False
+    allow_neg_eigval: bool = False
+    norm_eps: float = 1e-6
+    embed_init_std: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def layer_mixers(self) -> Tuple[str, ...]:
+        """The mixer name of each layer."""
+        if isinstance(self.mixer, (tuple, list)):
+            if len(self.mixer) != self.num_layers:
+                raise ValueError(f"mixer has {len(self.mixer)} names for num_layers = {self.num_layers}")
+            return tuple(self.mixer)
+        if self.hybrid_every < 0:
+            raise ValueError(f"hybrid_every must be >= 0, got {self.hybrid_every}")
+        return tuple(
+            self.hybrid_mixer if self.hybrid_every and (i + 1) % self.hybrid_every == 0 else self.mixer
+            for i in range(self.num_layers)
+        )
+
+
+MixerFactory = Callable[[LMConfig, int, nnx.Rngs], nnx.Module]
+MIXERS: Dict[str, MixerFactory] = {}
+
+
+def register_mixer(name: str, factory: Optional[MixerFactory] = None):
+    """Register a token mixer: ``factory(cfg, layer_index, rngs) -> nnx.Module``.
+
+    The module is called as ``mixer(x, cu_seqlens=None)`` with ``x [B, T, d_model]`` and returns
+    the same shape. Usable as a decorator.
+    """
+
+    def deco(f):
+        MIXERS[name] = f
+        return f
+
+    return deco(factory) if factory is not None else deco
+
+
+def _dt(name):
+    return jnp.dtype(name)
+
+
+@register_mixer("gdn")
+def _gdn(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+    return GatedDeltaNet(
+        cfg.d_model, cfg.num_heads, cfg.head_dim, decay=cfg.decay, decay_per_channel=cfg.decay_per_channel,
+        beta_per_channel=cfg.beta_per_channel, allow_neg_eigval=cfg.allow_neg_eigval,
+        use_short_conv=cfg.use_short_conv, backend=cfg.backend, chunk_size=cfg.chunk_size,
+        norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs,
+    )
+
+
+@register_mixer("attention")
+def _attention(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+    return Attention(cfg.d_model, cfg.num_heads, cfg.head_dim, norm_eps=cfg.norm_eps,
+                     dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+
+
+@register_mixer("gated_attention")
+def _gated_attention(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+    """Qwen3-Next's attention: sigmoid output gate, per-head q/k RMSNorm, partial RoPE (1/4)."""
+    return Attention(cfg.d_model, cfg.num_heads, cfg.head_dim, qk_norm=True, output_gate=True,
+                     rope_fraction=0.25, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
+                     param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+
+
+class SwiGLU(nnx.Module):
+    """``W_down(silu(W_gate x) * W_up x)``."""
+
+    def __init__(self, d: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate, self.up, self.down = lin(d, hidden), lin(d, hidden), lin(hidden, d)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (if any)."""
+
+    def __init__(self, cfg: LMConfig, i: int, mixer: str, *, rngs: nnx.Rngs):
+        if mixer not in MIXERS:
+            raise ValueError(f"unknown mixer {mixer!r}; registered: {sorted(MIXERS)}")
+        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
+        self.mixer_name = mixer
+        self.norm1 = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.mixer = MIXERS[mixer](cfg, i, rngs)
+        if cfg.mlp_ratio > 0:
+            self.norm2 = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+            self.mlp = SwiGLU(cfg.d_model, int(cfg.mlp_ratio * cfg.d_model), dtype=dt, param_dtype=pdt, rngs=rngs)
+        else:
+            self.norm2 = self.mlp = None
+
+    def __call__(self, x, *, cu_seqlens=None):
+        x = x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens)
+        if self.mlp is not None:
+            x = x + self.mlp(self.norm2(x))
+        return x
+
+
+class LM(nnx.Module):
+    """Token embedding, N pre-norm blocks, final RMSNorm and a tied LM head.
+
+    ``tokens [B, T] int -> logits [B, T, vocab_size]`` (float32).
+    """
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
+                               embedding_init=nnx.initializers.normal(cfg.embed_init_std), rngs=rngs)
+        blocks = [Block(cfg, i, m, rngs=rngs) for i, m in enumerate(cfg.layer_mixers())]
+        self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
+        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+    def __call__(self, tokens, *, cu_seqlens=None):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens=cu_seqlens)
+        x = self.norm(x)
+        return self.embed.attend(x).astype(jnp.float32)
