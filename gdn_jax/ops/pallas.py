@@ -1,0 +1,281 @@
+"""``backend="pallas"``: the chunked gated delta rule as Pallas kernels, forward and backward.
+
+Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet paper
+§3): see ``chunk.py`` for the math and ``pallas_kernels.py`` for the kernels.
+
+What runs where
+---------------
+Plain JAX (differentiated by autodiff): upcast / optional q,k L2 normalisation;
+padding of T to a multiple of the chunk C (g = 0, beta = 0, q = k = v = 0, which
+leaves the state exact); for ``cu_seqlens`` the re-layout of ``chunk.py`` that
+starts every sequence on a chunk boundary; the in-chunk cumulative log decay
+gamma and the factors e^gamma, e^{gamma_C - gamma}, e^{gamma_C} (TPU Pallas has
+no in-kernel cumsum; the reverse cumsum of the gradient also happens here).
+
+Pallas (one ``jax.custom_vjp``, :func:`_core`): forward = intra-chunk kernel
+(A, T = (I+A)^-1, W, U) -> state pass (fori_loop over chunks, S on chip) ->
+output kernel. Backward = intra kernel again (W, U, and dVl = Aqk^T dO) ->
+forward state pass again (h_n, Vn) -> reverse state pass (dS on chip; dVn, dh_n,
+d h0) -> per-chunk gradient kernel (dq, dk, dv, dbeta, d gamma terms).
+
+Coverage (:func:`supports`): per-head g and beta, initial/final state,
+``cu_seqlens``, any T, K and V multiples of 16 up to 256 (non powers of two are
+zero-padded to the next power of two), chunk_size 16/32/64/128, float32 / bfloat16
+/ float16 inputs with float32 accumulation. Declined with a reason:
+per-key-channel g, per-value-channel beta, float64.
+
+Platforms: see ``_pallas_platform.py`` (GPU: Triton lowering; TPU: Mosaic;
+CPU: interpret mode).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _pallas_platform as _plat
+from . import pallas_kernels as _k
+from ._common import L2NORM_EPS, GateForms, l2norm, seq_info
+from .pallas_kernels import Tuning
+
+__all__ = ["supports", "pallas_gated_delta_rule", "Tuning", "tuning", "SUPPORTED_CHUNK_SIZES", "MAX_DIM"]
+
+SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
+MAX_DIM = 256
+F32 = jnp.float32
+
+_TUNING = Tuning()
+
+
+@contextlib.contextmanager
+def tuning(**kw):
+    """Temporarily change kernel settings (:class:`pallas_kernels.Tuning` fields), e.g.
+    ``with tuning(bv_state=64, warps_grad=4): jax.jit(f)(...)``. Settings are read when a
+    function is traced, so trace (jit) inside the ``with``."""
+    global _TUNING
+    old = _TUNING
+    _TUNING = dataclasses.replace(old, **kw)
+    try:
+        yield _TUNING
+    finally:
+        _TUNING = old
+
+
+def supports(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> Optional[str]:
+    """None when ``backend="pallas"`` covers a call, else the reason (names the option)."""
+    if forms.beta_per_channel:
+        return "does not take per-value-channel beta [B,T,H,V] (use backend='scan')"
+    if forms.g_per_channel:
+        return "does not take per-key-channel g [B,T,H,K] (Kimi Delta Attention; use backend='chunk')"
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        return f"does not take chunk_size={chunk_size} (supported: {', '.join(map(str, SUPPORTED_CHUNK_SIZES))})"
+    for name, d in (("K", K), ("V", V)):
+        if d % 16 or d < 16 or d > MAX_DIM:
+            return f"does not take head dim {name}={d} (needs a multiple of 16 from 16 to {MAX_DIM})"
+    dt = jnp.dtype(dtype)
+    if dt == jnp.float64:
+        return "does not take float64 inputs (kernels accumulate in float32; use backend='chunk')"
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"does not take dtype {dt}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# the differentiable core
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info):
+    """Chunked gated delta rule in Pallas kernels; returns (o, final_state f32).
+
+    Args (already laid out; see ``pallas_kernels`` for the layouts):
+      q, k [.., T, .., K], v [.., T, .., V] in ``cfg.in_dt`` (q NOT scaled: ``cfg.scale``
+      is applied in-kernel); beta, gc, eg, ekd [BH, T, 1] f32; gr [BH, n, 1, C] f32 (gamma
+      as a row); dec [BH, n, 1, 1] f32; h0 [G, nseq, K, V] f32; info int32 chunk flags
+      (``cu_seqlens`` only).
+
+    Custom VJP: the forward saves only its inputs (q, k, v, beta, gamma and its
+    exponentials, h0, flags): O(T (K + V)) per head. W, U, Vn and the per-chunk states
+    h_n (n K V per head: at B4 T4096 H16 D128 that is 134 MB in bf16, 268 MB in f32) are
+    recomputed in the backward, which costs one intra-chunk kernel and one state pass of
+    matmul work (cheap next to the gradient kernels) instead of that memory.
+    """
+    o, fin, _ = _core_fwd_impl(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info)
+    return o, fin
+
+
+def _has_chunks(cfg, info):
+    """[nseq] bool: sequence has at least one chunk (empty sequences pass h0 through)."""
+    first = (info & 1) != 0
+    return jnp.zeros((cfg.nseq,), jnp.int32).at[info >> 2].max(first.astype(jnp.int32)) > 0
+
+
+def _core_fwd_impl(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info):
+    w, u = _k.intra(cfg, k, v, beta, gc, gr, eg)
+    vn, h, fin = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
+    o = _k.output(cfg, q, k, gc, gr, eg, h, vn)
+    if cfg.packed:
+        fin = jnp.where(_has_chunks(cfg, info)[None, :, None, None], fin, h0)
+    return o, fin, None
+
+
+def _core_fwd(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info):
+    o, fin, _ = _core_fwd_impl(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info)
+    return (o, fin), (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info)
+
+
+def _core_bwd(cfg, res, cts):
+    q, k, v, beta, gc, gr, eg, ekd, dec, h0, info = res
+    do, dfin = cts
+    do = do.astype(cfg.in_dt)
+    dfin = dfin.astype(F32)
+    w, u, dvl = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do)
+    vn, h, _ = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
+    dh, dvn, dh0 = _k.state_bwd(cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info)
+    dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec = _k.grads(cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn)
+    if cfg.packed:
+        dh0 = jnp.where(_has_chunks(cfg, info)[None, :, None, None], dh0, dfin)
+    return dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec, dh0, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ---------------------------------------------------------------------------
+# public entry point
+# ---------------------------------------------------------------------------
+
+
+def _pow2(d):
+    return 1 << (int(d) - 1).bit_length()
+
+
+def _in_dtype(*xs):
+    dts = {jnp.dtype(x.dtype) for x in xs}
+    if len(dts) == 1:
+        (dt,) = dts
+        if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+            return dt
+    return jnp.dtype(F32)
+
+
+def _static_scale(scale, K):
+    """(static float folded into the kernels, or None when scale is traced)."""
+    if scale is None:
+        return float(K) ** -0.5
+    if isinstance(scale, jax.core.Tracer):
+        return None
+    return float(np.asarray(scale))
+
+
+def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,
+                            forms):
+    """The ``backend="pallas"`` implementation behind ``gated_delta_rule`` (which validates
+    arguments and calls :func:`supports` first).
+
+    Returns (o [B,T,H,V] in the inputs' dtype (float32 for mixed dtypes), final_state
+    [B,H,K,V] or [N,H,K,V] float32, valid: bool scalar, False for a malformed traced
+    ``cu_seqlens``).
+    """
+    reason = supports(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
+    if reason is not None:
+        raise NotImplementedError(f"backend='pallas' {reason}")
+    p = _plat.platform()
+    if p == "gpu":
+        _plat.silence_triton_deprecation_at_lowering()
+    B, T, H, K0 = q.shape
+    V0 = v.shape[-1]
+    C = int(chunk_size)
+    in_dt = _in_dtype(q, k, v)
+    tun = _TUNING
+    if tun.mid_dtype == "auto":
+        mid_dt = jnp.dtype(jnp.bfloat16) if in_dt == jnp.bfloat16 else jnp.dtype(F32)
+    else:
+        mid_dt = jnp.dtype({"f32": F32, "bf16": jnp.bfloat16}[tun.mid_dtype])
+
+    # --- q, k, v: normalise / scale in plain JAX only where needed; kernels read in_dt.
+    if use_qk_l2norm:
+        q = l2norm(q.astype(F32), L2NORM_EPS)
+        k = l2norm(k.astype(F32), L2NORM_EPS)
+    sc = _static_scale(scale, K0)
+    if sc is None:  # traced scale: apply outside, in f32
+        q = q.astype(F32) * jnp.asarray(scale, F32)
+        sc = 1.0
+    q, k, v = (x.astype(in_dt) for x in (q, k, v))
+    g = g.astype(F32)
+    beta = beta.astype(F32)
+
+    # --- head dims: zero-pad to a power of two (exact: zero channels never mix in)
+    K, V = max(16, _pow2(K0)), max(16, _pow2(V0))
+    if K != K0:
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, K - K0)]) for x in (q, k))
+    if V != V0:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, V - V0)])
+
+    # --- time layout: pad / re-lay packed sequences onto chunk boundaries
+    packed = cu_seqlens is not None
+    valid = jnp.asarray(True)
+    if packed:
+        from .chunk import _chunk_layout
+
+        N = cu_seqlens.shape[0] - 1
+        valid = seq_info(cu_seqlens, T)[3]
+        Tp, pos, cseq, cfirst, clast = _chunk_layout(cu_seqlens, T, C)
+        scat = lambda x: jnp.zeros((B, Tp) + x.shape[2:], x.dtype).at[:, pos].set(x)
+        q, k, v, g, beta = map(scat, (q, k, v, g, beta))
+        info = (cseq * 4 + cfirst.astype(jnp.int32) + 2 * clast.astype(jnp.int32)).astype(jnp.int32)
+        nseq = N
+    else:
+        Tp = -(-T // C) * C
+        if Tp != T:
+            padt = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+            q, k, v, g, beta = map(padt, (q, k, v, g, beta))
+        info = jnp.zeros((1,), jnp.int32)
+        nseq = 1
+    n = Tp // C
+    BH = B * H
+    layout = "hm" if _plat.is_tpu_layout(p) else "bthd"
+
+    # --- per-token scalars, head-major (tiny arrays; XLA)
+    hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
+    gam = jnp.cumsum(hm(g).reshape(BH, n, C), axis=-1)  # in-chunk cumulative log decay
+    glast = gam[..., -1:]
+    gc = gam.reshape(BH, Tp, 1)
+    gr = gam.reshape(BH, n, 1, C)
+    eg = jnp.exp(gc)
+    ekd = jnp.exp(glast - gam).reshape(BH, Tp, 1)
+    dec = jnp.exp(glast).reshape(BH, n, 1, 1)
+    bcol = hm(beta).reshape(BH, Tp, 1)
+
+    if layout == "hm":
+        tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp, x.shape[-1])
+        q, k, v = map(tok, (q, k, v))
+
+    # --- states: [G, nseq, K, V] with G the kernel's bh axis
+    if initial_state is None:
+        h0 = jnp.zeros((BH, 1, K, V) if not packed else (H, N, K, V), F32)
+    else:
+        h0 = initial_state.astype(F32)
+        if K != K0 or V != V0:
+            h0 = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)])
+        h0 = h0.reshape(BH, 1, K, V) if not packed else jnp.swapaxes(h0, 0, 1)
+
+    cfg = _k.Cfg(p=p, layout=layout, BH=BH, H=H, n=n, C=C, K=K, V=V, scale=float(sc), in_dt=in_dt.name,
+                 mid_dt=mid_dt.name, packed=packed, nseq=nseq, tuning=tun)
+    o, fin = _core(cfg, q, k, v, bcol, gc, gr, eg, ekd, dec, h0, info)
+
+    if layout == "hm":
+        o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
+    o = o[:, pos] if packed else o[:, :T]
+    if V != V0:
+        o = o[..., :V0]
+    fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)
+    if K != K0 or V != V0:
+        fin = fin[:, :, :K0, :V0]
+    return o, fin, valid

@@ -1,0 +1,578 @@
+"""Pallas kernels of the chunked gated delta rule (``backend="pallas"``).
+
+Math: the WY/UT chunked form of DeltaNet (Yang et al. 2024, §3) with the gate of
+Gated DeltaNet (Yang, Kautz & Hatamizadeh, ICLR 2025, §3.3); see ``chunk.py``
+for the pure-JAX version these kernels mirror. Per (batch*head, chunk of C
+tokens), with gamma the in-chunk cumulative log decay, q already multiplied by
+``scale``::
+
+    Gamma_ij = exp(gamma_i - gamma_j) (i >= j; exponent masked BEFORE exp), else 0
+    A   = strictly_lower((beta K) K^T * Gamma);   T = (I + A)^-1
+    W   = T ((beta K) * e^gamma);                 U = T (beta V)
+    with S the state entering the chunk:
+    Vn  = U - W S
+    O   = (Q * e^gamma) S + tril(Q K^T * Gamma) Vn
+    S'  = e^{gamma_C} S + (K * e^{gamma_C - gamma})^T Vn
+
+Kernels (all ``pl.pallas_call`` with a grid and BlockSpecs; fp32 accumulation):
+
+* :func:`intra` — grid (B*H, chunks): A, T, W, U (and in the backward also
+  ``dVl = tril(Q K^T * Gamma)^T dO``).
+* :func:`state_fwd` — grid (B*H, V/BV): ``fori_loop`` over chunks with
+  S[K, BV] held on chip; writes Vn, the entering states h_n and the final state.
+* :func:`output` — grid (B*H, chunks, V/BV): O = (Q e^gamma) h_n + tril(Q K^T Gamma) Vn.
+* :func:`state_bwd` — grid (B*H, V/BV): reverse ``fori_loop`` with dS[K, BV] on
+  chip: dVn = dVl + Kd dS'; dS = e^{gamma_C} dS' + (Q e^gamma)^T dO - W^T dVn;
+  writes dVn, dh_n (gradient w.r.t. the state leaving each chunk) and d h0.
+* :func:`grads` — grid (B*H, chunks): recomputes A, T, Aqk and produces dq, dk,
+  dv, dbeta and the gradients w.r.t. gamma (as row/column sums of the decay-matrix
+  terms) and w.r.t. e^gamma, e^{gamma_C-gamma}, e^{gamma_C}; the chain rule from
+  those to g runs outside in plain JAX.
+
+The triangular inverse uses the recursive block formula: with T_s the inverse of
+the block-diagonal part of I + A in blocks of s (T_1 = I),
+``T_2s = T_s - T_s L_s T_s`` where L_s keeps the entries of A in the sub-diagonal
+s-blocks of each 2s-block. 2 log2(C) - 2 matmuls of C x C, matmul only, and
+numerically as stable as forward substitution. (The "doubling product"
+(I+A)^-1 = prod_k (I + (-A)^(2^k)) uses as many matmuls but sums a Neumann series
+with huge cancelling terms: measured 6e2 relative error at C=64 in *float64-exact
+float32* arithmetic for weakly gated, correlated keys; the recursive form stays
+at 3e-7.)
+
+Layouts: token arrays (q, k, v, o, do, dq, dk, dv) are read in the caller's
+layout: ``"bthd"`` = [B, T, H, D] with the head axis squeezed out of the block
+(GPU / CPU interpret; no transposes in HBM) or ``"hm"`` = head-major [B*H, T, D]
+(TPU, where a block must have its last two dims divisible by (8, 128) or equal
+to the array's). Internal arrays are head-major: W [BH,T,K], U/Vn/dVl/dVn
+[BH,T,V], h/dh [BH,n,K,V]; per-token scalars as columns [BH,T,1] and gamma also
+as a row [BH,n,1,C]; per-chunk e^{gamma_C} as [BH,n,1,1].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import _pallas_platform as _plat
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Kernel settings that do not change results beyond rounding.
+
+    ``bv_state``/``bv_out``/``bv_grad``: value-channel block of the state passes, of the
+    output kernel and of the V loop inside the gradient kernel (None: automatic).
+    ``warps_*``: Triton ``num_warps`` per kernel; ``num_stages``: Triton pipelining depth.
+    ``gpu_f32_inv``/``gpu_f32_mm``: Triton precision of f32 x f32 dots (inverse / others):
+    "tf32", "tf32x3" or "ieee"; None: "tf32" when intermediates are bf16, else "tf32x3".
+    ``mid_dtype``: dtype of intermediates written to HBM (W, Vn, h, dVl, dVn, dh) and of
+    the operands of most in-kernel dots: "auto" (bf16 for bf16 inputs, else f32), "f32"
+    or "bf16". ``u_dtype``: dtype of U in HBM ("f32" or "mid"). ``state_dot`` /
+    ``out_dot``: operand dtype of the dots of the two state passes / of the output kernel
+    ("f32": TF32-class on GPU, no rounding of S, Vn, h to bf16 before the dot; "mid").
+    Defaults keep bf16 errors at about 60% of the all-bf16 variant (measured rel. rms of o
+    2.8e-3 vs 4.2e-3, final state 0.9e-3 vs 3.5e-3 at T=300, weak gates, D=128): U = W S +
+    Vn cancels (Vn is a small residual of two O(|v|) terms), so U and S are kept wider.
+    """
+
+    bv_state: Optional[int] = None
+    bv_out: Optional[int] = None
+    bv_grad: Optional[int] = None
+    warps_intra: int = 4
+    warps_state: int = 4
+    warps_out: int = 4
+    warps_grad: Optional[int] = None
+    num_stages: int = 2
+    gpu_f32_inv: Optional[str] = None
+    gpu_f32_mm: Optional[str] = None
+    mid_dtype: str = "auto"
+    u_dtype: str = "f32"
+    state_dot: str = "f32"
+    out_dot: str = "f32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    """Static description of one call (hashable: it keys the custom_vjp and the jit cache)."""
+
+    p: str  # platform (see _pallas_platform.PLATFORMS)
+    layout: str  # "bthd" or "hm"
+    BH: int
+    H: int
+    n: int  # chunks
+    C: int
+    K: int
+    V: int
+    scale: float
+    in_dt: str  # dtype of q, k, v, do as read (and of o, dq, dk, dv as written)
+    mid_dt: str  # dtype of intermediates in HBM
+    packed: bool  # cu_seqlens: per-chunk reset/readout flags
+    nseq: int  # states per (b)h program: 1, or N with cu_seqlens
+    tuning: Tuning
+
+    @property
+    def Tp(self):
+        return self.n * self.C
+
+    @property
+    def mm_dt(self):
+        return jnp.dtype(self.mid_dt)
+
+    @property
+    def u_dt(self):
+        return jnp.dtype(F32) if self.tuning.u_dtype == "f32" else self.mm_dt
+
+    @property
+    def state_dt(self):
+        return jnp.dtype(F32) if self.tuning.state_dot == "f32" else self.mm_dt
+
+    @property
+    def out_dt(self):
+        return jnp.dtype(F32) if self.tuning.out_dot == "f32" else self.mm_dt
+
+    def prec(self, dt, role):
+        t = self.tuning
+        auto = "tf32" if jnp.dtype(self.mid_dt) != F32 else "tf32x3"
+        t = dataclasses.replace(t, gpu_f32_inv=t.gpu_f32_inv or auto, gpu_f32_mm=t.gpu_f32_mm or auto)
+        return _plat.dot_precision(self.p, dt, role, t)
+
+    def _bv_default(self, kind):
+        V = self.V
+        if _plat.is_tpu_layout(self.p):
+            return V if V <= 128 or V % 128 else 128
+        if kind == "state":
+            bv = min(V, 64)
+            while bv > 32 and self.BH * (V // bv) < 264:
+                bv //= 2
+            return bv
+        if kind == "out":
+            return min(V, 128)
+        return min(V, 64)
+
+    def bv(self, kind):
+        v = getattr(self.tuning, "bv_" + kind) or self._bv_default(kind)
+        v = min(v, self.V)
+        if self.V % v:
+            raise ValueError(f"bv_{kind}={v} must divide V={self.V}")
+        return v
+
+    def kw(self, kind, n_grid, sequential_last=False):
+        t = self.tuning
+        warps = {
+            "intra": t.warps_intra,
+            "state": t.warps_state,
+            "out": t.warps_out,
+            "grad": t.warps_grad or (8 if max(self.K, self.V) >= 128 else 4),
+        }[kind]
+        return _plat.pallas_call_kwargs(self.p, num_warps=warps, num_stages=t.num_stages, n_grid=n_grid,
+                                        sequential_last=sequential_last)
+
+
+# ---------------------------------------------------------------------------
+# BlockSpec helpers. `f(*grid_idx) -> (bh, row_block, col_block)`.
+# ---------------------------------------------------------------------------
+
+
+def _tok_spec(cfg: Cfg, rows, cols, f):
+    """Token array in the caller's layout, block [rows, cols] seen by the kernel."""
+    if cfg.layout == "bthd":
+        H = cfg.H
+
+        def im(*g):
+            bh, r, c = f(*g)
+            return (bh // H, r, bh % H, c)
+
+        return pl.BlockSpec((None, rows, None, cols), im)
+    return pl.BlockSpec((None, rows, cols), lambda *g: f(*g))
+
+
+def _hm_spec(rows, cols, f):
+    """Head-major internal array [BH, T, D] (or scalar column [BH, T, 1])."""
+    return pl.BlockSpec((None, rows, cols), lambda *g: f(*g))
+
+
+def _tok_shape(cfg: Cfg, D):
+    if cfg.layout == "bthd":
+        return (cfg.BH // cfg.H, cfg.Tp, cfg.H, D)
+    return (cfg.BH, cfg.Tp, D)
+
+
+# ---------------------------------------------------------------------------
+# in-kernel helpers
+# ---------------------------------------------------------------------------
+
+
+def _mm(cfg: Cfg, a, b, ta=False, tb=False, dt=None, role="mm"):
+    """2-D dot with f32 accumulation; operands cast to `dt` (default: the intermediates' dtype)."""
+    dt = jnp.dtype(dt or cfg.mm_dt)
+    a = a.astype(dt)
+    b = b.astype(dt)
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=cfg.prec(dt, role), preferred_element_type=F32)
+
+
+def _iotas(C):
+    return lax.broadcasted_iota(jnp.int32, (C, C), 0), lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+
+def _decay(gc, gr, incl):
+    """Gamma_ij = exp(gc_i - gr_j) on i >= j (i > j if not incl), 0 elsewhere; masked before exp."""
+    C = gc.shape[0]
+    i, j = _iotas(C)
+    m = (i >= j) if incl else (i > j)
+    return jnp.where(m, jnp.exp(jnp.where(m, gc - gr, 0.0)), 0.0)
+
+
+def _inv_unit_lower(cfg: Cfg, A):
+    """(I + A)^-1 for strictly lower A [C, C] f32 by the recursive block formula (matmul only)."""
+    C = A.shape[0]
+    i, j = _iotas(C)
+    # s = 1: T_2 = I - L_1 (the inverse of a unit 2x2 lower block is exact without matmuls)
+    T = jnp.where(i == j, 1.0, 0.0).astype(F32) - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
+    s = 2
+    while s < C:
+        lg = s.bit_length() - 1  # s == 1 << lg
+        bi = i >> lg
+        L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
+        TL = _mm(cfg, T, L, dt=F32, role="inv")
+        T = T - _mm(cfg, TL, T, dt=F32, role="inv")
+        s *= 2
+    return T
+
+
+def _rowsum(x):
+    return jnp.sum(x, axis=1, keepdims=True)
+
+
+def _colsum(x):
+    return jnp.sum(x, axis=0, keepdims=True)
+
+
+def _f32(ref, *idx):
+    return (ref[idx] if idx else ref[...]).astype(F32)
+
+
+# ---------------------------------------------------------------------------
+# kernel bodies
+# ---------------------------------------------------------------------------
+
+
+def _intra_kernel(cfg: Cfg, with_dvl: bool, *refs):
+    if with_dvl:
+        q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, dvl_ref = refs
+    else:
+        k_ref, v_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref = refs
+    k = _f32(k_ref)
+    beta = b_ref[...]
+    gc, gr = gc_ref[...], gr_ref[...]
+    kb = k * beta
+    A = _mm(cfg, kb, k, tb=True) * _decay(gc, gr, incl=False)
+    T = _inv_unit_lower(cfg, A)
+    w_ref[...] = _mm(cfg, T, kb * eg_ref[...], dt=F32).astype(w_ref.dtype)
+    u_ref[...] = _mm(cfg, T, _f32(v_ref) * beta, dt=F32).astype(u_ref.dtype)
+    if with_dvl:
+        q = _f32(q_ref) * cfg.scale
+        Aqk = _mm(cfg, q, k, tb=True) * _decay(gc, gr, incl=True)
+        dvl_ref[...] = _mm(cfg, Aqk, do_ref[...], ta=True).astype(dvl_ref.dtype)
+
+
+def _flags(info_ref, i):
+    info = info_ref[i]
+    return info >> 2, (info & 1) != 0, (info & 2) != 0  # seq id, first chunk of it, last chunk of it
+
+
+def _state_fwd_kernel(cfg: Cfg, *refs):
+    if cfg.packed:
+        w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, info_ref, vn_ref, h_ref, fin_ref = refs
+    else:
+        w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, vn_ref, h_ref, fin_ref = refs
+    C = cfg.C
+
+    def body(i, S):
+        t0 = pl.multiple_of(i * C, C)
+        if cfg.packed:
+            sid, first, last = _flags(info_ref, i)
+            S = lax.cond(first, lambda: _f32(h0_ref, sid), lambda: S)
+        h_ref[i] = S.astype(h_ref.dtype)
+        rows = pl.ds(t0, C)
+        sdt = cfg.state_dt
+        vn = _f32(u_ref, rows, slice(None)) - _mm(cfg, w_ref[rows, :], S, dt=sdt)
+        vn_ref[rows, :] = vn.astype(vn_ref.dtype)
+        kd = _f32(k_ref, rows, slice(None)) * ekd_ref[rows, :]
+        S = dec_ref[i] * S + _mm(cfg, kd, vn, ta=True, dt=sdt)
+        if cfg.packed:
+
+            @pl.when(last)
+            def _():
+                fin_ref[sid] = S.astype(fin_ref.dtype)
+
+        return S
+
+    S0 = jnp.zeros(h0_ref.shape[1:], F32) if cfg.packed else _f32(h0_ref, 0)
+    S = lax.fori_loop(0, cfg.n, body, S0)
+    if not cfg.packed:
+        fin_ref[0] = S.astype(fin_ref.dtype)
+
+
+def _output_kernel(cfg: Cfg, q_ref, k_ref, gc_ref, gr_ref, eg_ref, h_ref, vn_ref, o_ref):
+    q = _f32(q_ref) * cfg.scale
+    Aqk = _mm(cfg, q, k_ref[...], tb=True) * _decay(gc_ref[...], gr_ref[...], incl=True)
+    o = _mm(cfg, q * eg_ref[...], h_ref[...], dt=cfg.out_dt) + _mm(cfg, Aqk, vn_ref[...], dt=cfg.out_dt)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _state_bwd_kernel(cfg: Cfg, *refs):
+    if cfg.packed:
+        (q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, info_ref,
+         dh_ref, dvn_ref, dh0_ref) = refs
+    else:
+        q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, dh_ref, dvn_ref, dh0_ref = refs
+    C, n = cfg.C, cfg.n
+
+    def body(jj, dS):
+        i = n - 1 - jj
+        t0 = pl.multiple_of(i * C, C)
+        if cfg.packed:
+            sid, first, last = _flags(info_ref, i)
+            dS = lax.cond(last, lambda: _f32(dfin_ref, sid), lambda: dS)
+        dh_ref[i] = dS.astype(dh_ref.dtype)
+        rows = pl.ds(t0, C)
+        kd = _f32(k_ref, rows, slice(None)) * ekd_ref[rows, :]
+        sdt = cfg.state_dt
+        dvn = _f32(dvl_ref, rows, slice(None)) + _mm(cfg, kd, dS, dt=sdt)
+        dvn_ref[rows, :] = dvn.astype(dvn_ref.dtype)
+        qg = _f32(q_ref, rows, slice(None)) * (eg_ref[rows, :] * cfg.scale)
+        dS = (dec_ref[i] * dS + _mm(cfg, qg, do_ref[rows, :], ta=True, dt=sdt)
+              - _mm(cfg, w_ref[rows, :], dvn, ta=True, dt=sdt))
+        if cfg.packed:
+
+            @pl.when(first)
+            def _():
+                dh0_ref[sid] = dS.astype(dh0_ref.dtype)
+
+        return dS
+
+    dS0 = jnp.zeros(dfin_ref.shape[1:], F32) if cfg.packed else _f32(dfin_ref, 0)
+    dS = lax.fori_loop(0, n, body, dS0)
+    if not cfg.packed:
+        dh0_ref[0] = dS.astype(dh0_ref.dtype)
+
+
+def _grad_kernel(cfg: Cfg, q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref,
+                 h_ref, dh_ref, vn_ref, dvn_ref,
+                 dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref):
+    q = _f32(q_ref) * cfg.scale
+    k = _f32(k_ref)
+    beta, gc, gr, eg, ekd = b_ref[...], gc_ref[...], gr_ref[...], eg_ref[...], ekd_ref[...]
+    Gs = _decay(gc, gr, incl=False)
+    Gi = _decay(gc, gr, incl=True)
+    kb = k * beta
+    A = _mm(cfg, kb, k, tb=True) * Gs
+    T = _inv_unit_lower(cfg, A)
+    X = kb * eg
+    Aqk = _mm(cfg, q, k, tb=True) * Gi
+
+    bv = cfg.bv("grad")
+    dQg = dW = dKd = dAqk = dT = ddec = dbeta = None
+    acc = lambda a, b: b if a is None else a + b
+    for jb in range(cfg.V // bv):  # static loop over value-channel blocks
+        sl = slice(jb * bv, (jb + 1) * bv)
+        S, dS = h_ref[:, sl], dh_ref[:, sl]
+        vn, dvn, do = vn_ref[:, sl], dvn_ref[:, sl], do_ref[:, sl]
+        v = _f32(v_ref, slice(None), sl)
+        dQg = acc(dQg, _mm(cfg, do, S, tb=True))  # o = Qg S + ...
+        dW = acc(dW, -_mm(cfg, dvn, S, tb=True))  # vn = U - W S
+        dKd = acc(dKd, _mm(cfg, vn, dS, tb=True))  # S' = dec S + Kd^T vn
+        ddec = acc(ddec, _colsum(_rowsum(S.astype(F32) * dS.astype(F32))))
+        dAqk = acc(dAqk, _mm(cfg, do, vn, tb=True))
+        vb = v * beta
+        dT = acc(dT, _mm(cfg, dvn, vb, tb=True, dt=F32))  # U = T (beta V)
+        dvb = _mm(cfg, T, dvn, ta=True, dt=F32)
+        dv_ref[:, sl] = (dvb * beta).astype(dv_ref.dtype)
+        dbeta = acc(dbeta, _rowsum(dvb * v))
+    dT = dT + _mm(cfg, dW, X, tb=True, dt=F32)  # W = T X, X = beta K e^gamma
+    dX = _mm(cfg, T, dW, ta=True, dt=F32)
+    dA = -_mm(cfg, _mm(cfg, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv")
+    dA = dA * _strict_mask(cfg.C)  # A is strictly lower
+    M1 = dA * A  # A = strict((beta K) K^T * Gamma): gamma enters through Gamma
+    dKK = dA * Gs
+    dkb = _mm(cfg, dKK, k) + dX * eg
+    dk = _mm(cfg, dKK, kb, ta=True)
+    M2 = dAqk * Aqk  # Aqk = tril(Q K^T * Gamma) (zero above the diagonal)
+    dQK = dAqk * Gi
+    dqs = _mm(cfg, dQK, k) + dQg * eg
+    dk = dk + _mm(cfg, dQK, q, ta=True) + dKd * ekd + dkb * beta
+    dbeta = dbeta + _rowsum(dkb * k)
+    dq_ref[...] = (dqs * cfg.scale).astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    db_ref[...] = dbeta
+    dgc_ref[...] = _rowsum(M1) + _rowsum(M2)
+    dgr_ref[...] = -(_colsum(M1) + _colsum(M2))
+    deg_ref[...] = _rowsum(dX * kb) + _rowsum(dQg * q)
+    dekd_ref[...] = _rowsum(dKd * k)
+    ddec_ref[...] = ddec
+
+
+def _strict_mask(C):
+    i, j = _iotas(C)
+    return jnp.where(i > j, 1.0, 0.0).astype(F32)
+
+
+# ---------------------------------------------------------------------------
+# pallas_call builders
+# ---------------------------------------------------------------------------
+
+
+def _sds(shape, dt):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt))
+
+
+def _scalar_specs(cfg: Cfg, f):
+    """gamma column, gamma row, and any further columns, per chunk; f(*g) -> (bh, chunk)."""
+    C = cfg.C
+    col = _hm_spec(C, 1, lambda *g: (*f(*g), 0))
+    row = pl.BlockSpec((None, None, 1, C), lambda *g: (f(*g)[0], f(*g)[1], 0, 0))
+    return col, row
+
+
+def intra(cfg: Cfg, k, v, beta, gc, gr, eg, q=None, do=None):
+    """W [BH,T,K], U [BH,T,V] (and dVl [BH,T,V] when q, do are given) in the intermediates' dtype."""
+    C, K, V, BH, n = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n
+    with_dvl = q is not None
+    f = lambda b, c: (b, c)
+    col, row = _scalar_specs(cfg, f)
+    tk = _tok_spec(cfg, C, K, lambda b, c: (b, c, 0))
+    tv = _tok_spec(cfg, C, V, lambda b, c: (b, c, 0))
+    in_specs = [tk, tv, col, col, row, col]
+    args = [k, v, beta, gc, gr, eg]
+    if with_dvl:
+        in_specs = [tk] + in_specs[:2] + [tv] + in_specs[2:]
+        args = [q] + args[:2] + [do] + args[2:]
+    out_specs = [_hm_spec(C, K, lambda b, c: (b, c, 0)), _hm_spec(C, V, lambda b, c: (b, c, 0))]
+    out_shape = [_sds((BH, cfg.Tp, K), cfg.mid_dt), _sds((BH, cfg.Tp, V), cfg.u_dt)]
+    if with_dvl:
+        out_specs.append(_hm_spec(C, V, lambda b, c: (b, c, 0)))
+        out_shape.append(_sds((BH, cfg.Tp, V), cfg.mid_dt))
+    fn = pl.pallas_call(
+        functools.partial(_intra_kernel, cfg, with_dvl),
+        out_shape=out_shape,
+        grid=(BH, n),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        name="gdn_intra_bwd" if with_dvl else "gdn_intra",
+        **cfg.kw("intra", 2),
+    )
+    return _plat.call(cfg.p, fn, *args)
+
+
+def _state_common_specs(cfg: Cfg, bv):
+    """Whole-sequence specs for the state passes; grid (bh, j)."""
+    Tp, K, n = cfg.Tp, cfg.K, cfg.n
+    full_k = lambda: _tok_spec(cfg, Tp, K, lambda b, j: (b, 0, 0))
+    hm_k = _hm_spec(Tp, K, lambda b, j: (b, 0, 0))
+    hm_v = _hm_spec(Tp, bv, lambda b, j: (b, 0, j))
+    col = _hm_spec(Tp, 1, lambda b, j: (b, 0, 0))
+    dec = pl.BlockSpec((None, n, 1, 1), lambda b, j: (b, 0, 0, 0))
+    st = pl.BlockSpec((None, cfg.nseq, K, bv), lambda b, j: (b, 0, 0, j))
+    hs = pl.BlockSpec((None, n, K, bv), lambda b, j: (b, 0, 0, j))
+    return full_k, hm_k, hm_v, col, dec, st, hs
+
+
+def state_fwd(cfg: Cfg, w, u, k, ekd, dec, h0, info):
+    """Forward state pass. Returns (Vn [BH,T,V], h [BH,n,K,V] entering states, final [G,nseq,K,V] f32)."""
+    bv = cfg.bv("state")
+    BH, K, V, n, Tp = cfg.BH, cfg.K, cfg.V, cfg.n, cfg.Tp
+    full_k, hm_k, hm_v, col, decs, st, hs = _state_common_specs(cfg, bv)
+    in_specs = [hm_k, hm_v, full_k(), col, decs, st]
+    args = [w, u, k, ekd, dec, h0]
+    if cfg.packed:
+        in_specs.append(_plat.smem_spec(cfg.p, info.shape))
+        args.append(info)
+    fn = pl.pallas_call(
+        functools.partial(_state_fwd_kernel, cfg),
+        out_shape=[_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt), _sds(h0.shape, F32)],
+        grid=(BH, V // bv),
+        in_specs=in_specs,
+        out_specs=[hm_v, hs, st],
+        name="gdn_state_fwd",
+        **cfg.kw("state", 2),
+    )
+    return _plat.call(cfg.p, fn, *args)
+
+
+def output(cfg: Cfg, q, k, gc, gr, eg, h, vn):
+    """o in the caller's token layout, dtype cfg.in_dt."""
+    bv = cfg.bv("out")
+    C, K, V, BH, n = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n
+    f = lambda b, c, j: (b, c)
+    col, row = _scalar_specs(cfg, f)
+    tk = _tok_spec(cfg, C, K, lambda b, c, j: (b, c, 0))
+    fn = pl.pallas_call(
+        functools.partial(_output_kernel, cfg),
+        out_shape=_sds(_tok_shape(cfg, V), cfg.in_dt),
+        grid=(BH, n, V // bv),
+        in_specs=[tk, tk, col, row, col,
+                  pl.BlockSpec((None, None, K, bv), lambda b, c, j: (b, c, 0, j)),
+                  _hm_spec(C, bv, lambda b, c, j: (b, c, j))],
+        out_specs=_tok_spec(cfg, C, bv, lambda b, c, j: (b, c, j)),
+        name="gdn_output",
+        **cfg.kw("out", 3),
+    )
+    return _plat.call(cfg.p, fn, q, k, gc, gr, eg, h, vn)
+
+
+def state_bwd(cfg: Cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info):
+    """Reverse state pass. Returns (dh [BH,n,K,V], dVn [BH,T,V], d h0 [G,nseq,K,V] f32)."""
+    bv = cfg.bv("state")
+    BH, K, V, n, Tp = cfg.BH, cfg.K, cfg.V, cfg.n, cfg.Tp
+    full_k, hm_k, hm_v, col, decs, st, hs = _state_common_specs(cfg, bv)
+    do_spec = _tok_spec(cfg, Tp, bv, lambda b, j: (b, 0, j))
+    in_specs = [full_k(), full_k(), hm_k, hm_v, do_spec, col, col, decs, st]
+    args = [q, k, w, dvl, do, eg, ekd, dec, dfin]
+    if cfg.packed:
+        in_specs.append(_plat.smem_spec(cfg.p, info.shape))
+        args.append(info)
+    fn = pl.pallas_call(
+        functools.partial(_state_bwd_kernel, cfg),
+        out_shape=[_sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)],
+        grid=(BH, V // bv),
+        in_specs=in_specs,
+        out_specs=[hs, hm_v, st],
+        name="gdn_state_bwd",
+        **cfg.kw("state", 2),
+    )
+    return _plat.call(cfg.p, fn, *args)
+
+
+def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn):
+    """Per-chunk local gradients: (dq, dk, dv) in the token layout and cfg.in_dt;
+    dbeta, dgamma_col, d e^gamma, d e^{gamma_C-gamma} as [BH,T,1]; dgamma_row [BH,n,1,C];
+    d e^{gamma_C} [BH,n,1,1]; all scalars f32."""
+    C, K, V, BH, n, Tp = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n, cfg.Tp
+    f = lambda b, c: (b, c)
+    col, row = _scalar_specs(cfg, f)
+    tk = _tok_spec(cfg, C, K, lambda b, c: (b, c, 0))
+    tv = _tok_spec(cfg, C, V, lambda b, c: (b, c, 0))
+    hv = _hm_spec(C, V, lambda b, c: (b, c, 0))
+    hk = pl.BlockSpec((None, None, K, V), lambda b, c: (b, c, 0, 0))
+    fn = pl.pallas_call(
+        functools.partial(_grad_kernel, cfg),
+        out_shape=[
+            _sds(_tok_shape(cfg, K), cfg.in_dt), _sds(_tok_shape(cfg, K), cfg.in_dt), _sds(_tok_shape(cfg, V), cfg.in_dt),
+            _sds((BH, Tp, 1), F32), _sds((BH, Tp, 1), F32), _sds((BH, n, 1, C), F32),
+            _sds((BH, Tp, 1), F32), _sds((BH, Tp, 1), F32), _sds((BH, n, 1, 1), F32),
+        ],
+        grid=(BH, n),
+        in_specs=[tk, tk, tv, tv, col, col, row, col, col, hk, hk, hv, hv],
+        out_specs=[tk, tk, tv, col, col, row, col, col, pl.BlockSpec((None, None, 1, 1), lambda b, c: (b, c, 0, 0))],
+        name="gdn_grads",
+        **cfg.kw("grad", 2),
+    )
+    return _plat.call(cfg.p, fn, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn)
