@@ -85,6 +85,47 @@ def _decay_gram_channel(a, b, gc, sub: int = 16):
     return full + off.reshape(lead + (C, C))
 
 
+def _diag_blocks(M, s: int):
+    """Diagonal s x s blocks of M [..., C, C] -> [..., C/s, s, s]."""
+    C = M.shape[-1]
+    nb = C // s
+    Mb = M.reshape(M.shape[:-2] + (nb, s, nb, s))
+    return jnp.einsum("...piqj,pq->...pij", Mb, jnp.eye(nb, dtype=M.dtype), precision=_HI)
+
+
+def unit_lower_inverse(A):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], with matmuls only.
+
+    Diagonal 16 x 16 blocks are inverted by forward substitution (16 unrolled row steps);
+    blocks are then merged pairwise, [[X11, 0], [X21, X22]] with X21 = -X22 M21 X11, doubling
+    the block size up to C. No LAPACK call: XLA:CPU's batched triangular solve runs its batch on
+    the intra-op pool and was seen to deadlock on 2-core machines (jaxlib 0.10.2), and the same
+    scheme maps onto Pallas kernels.
+    """
+    C = A.shape[-1]
+    s = 16
+    if C % s or (C // s) & (C // s - 1):
+        s = C  # not 16 * 2^m: plain forward substitution over the whole chunk
+    nb = C // s
+    N = _diag_blocks(A, s) if nb > 1 else A[..., None, :, :]
+    X = jnp.zeros_like(N)
+    eye = jnp.eye(s, dtype=A.dtype)
+    for i in range(s):  # row i of (I + N)^-1 = e_i - N[i, :i] X[:i]
+        row = eye[i] - jnp.einsum("...j,...jk->...k", N[..., i, :], X, precision=_HI)
+        X = X.at[..., i, :].set(row)
+    M = A
+    while s < C:
+        D2 = _diag_blocks(M, 2 * s)  # [..., nb/2, 2s, 2s]
+        M21 = D2[..., s:, :s]
+        X11, X22 = X[..., 0::2, :, :], X[..., 1::2, :, :]
+        X21 = -_mm(_mm(X22, M21), X11)
+        top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
+        bot = jnp.concatenate([X21, X22], axis=-1)
+        X = jnp.concatenate([top, bot], axis=-2)
+        s *= 2
+    return X[..., 0, :, :]
+
+
 def _chunk_layout(cu_seqlens, T: int, C: int):
     """Static padded length and index maps that put every packed sequence on chunk boundaries."""
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -161,11 +202,9 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
         glast = gam[..., -1:]
         kd = kc * jnp.exp(glast - gam)[..., None]
         dec = jnp.exp(glast)[..., None]  # [B,H,n,1,1]
-    A = jnp.where(strict, A, 0.0)
-    IA = A + jnp.eye(C, dtype=dt)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(IA, rhs, left_side=True, lower=True, unit_diagonal=True)
-    W = solve(kb * eg)  # [B,H,n,C,K]
-    U = solve(vc * bc[..., None])  # [B,H,n,C,V]
+    Tinv = unit_lower_inverse(jnp.where(strict, A, 0.0))  # (I + A)^-1
+    W = _mm(Tinv, kb * eg)  # [B,H,n,C,K]
+    U = _mm(Tinv, vc * bc[..., None])  # [B,H,n,C,V]
     qg = qc * eg
 
     tm = lambda x: jnp.moveaxis(x, 2, 0)  # chunk axis first for the scan
