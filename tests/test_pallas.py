@@ -153,10 +153,11 @@ def _id(c):
 
 
 @pytest.mark.parametrize("case", FWD_CASES, ids=_id)
-def test_forward(case):
+def test_forward_and_grads(case):
+    """o, final state and the gradients w.r.t. q, k, v, g, beta (and initial_state)."""
     dt, gates, B, T, H, K, V, C, init = case
     x = make(_seed(case), B, T, H, K, V, gates=gates, dtype=dt, init=init)
-    check(run(x, chunk_size=C, grads=False), ref(x, grads=False))
+    check(run(x, chunk_size=C), ref(x))
 
 
 def test_single_token():
@@ -242,3 +243,167 @@ def test_tpu_lowering_export(packed, K, V, C):
 def test_gpu_triton_lowering_export(packed, K, V, C):
     """Pallas -> Triton IR lowering of fwd and grad (the Triton compiler itself runs only on a GPU)."""
     _export("cuda", packed, K, V, C)
+
+
+# ---------------------------------------------------------------------------
+# gradients
+# ---------------------------------------------------------------------------
+
+
+def test_packed_sequences():
+    """REFERENCE §7.4: with cu_seqlens the state restarts at every boundary; packing equals
+    separate runs (forward, final states and all gradients, initial states included;
+    one empty sequence passes its initial state through)."""
+    cu = [0, 20, 20, 53, 61]
+    x = make(6, 1, 61, 2, 32, 16, init=True, N=4)
+    got = run(x, chunk_size=16, cu_seqlens=cu)
+    check(got, ref(x, cu_seqlens=cu))
+    o, S, gr = got
+    for n in range(4):
+        s, e = cu[n], cu[n + 1]
+        if s == e:
+            np.testing.assert_allclose(S[n], np.float32(x["S0"][n]), rtol=0, atol=0)
+            continue
+        xs = {key: (val[:, s:e] if key in ("q", "k", "v", "g", "beta", "do") else val) for key, val in x.items()}
+        xs["S0"], xs["dS"] = x["S0"][n:n + 1], x["dS"][n:n + 1]
+        on, Sn, gn = run(xs, chunk_size=16)
+        assert rel_rms(o[:, s:e], on) < 1e-5 and rel_rms(S[n:n + 1], Sn) < 1e-5
+        for name in ("q", "k", "v", "g", "beta"):
+            assert rel_rms(gr[name][:, s:e], gn[name]) < 1e-4, name
+        assert rel_rms(gr["initial_state"][n:n + 1], gn["initial_state"]) < 1e-4
+
+
+@pytest.mark.parametrize("dt", [F16, BF16])
+def test_extreme_gates_odd_T_no_nan(dt):
+    """REFERENCE §7.1: T not a multiple of the chunk, very strong gates (logsigmoid(x)/0.01),
+    fp16/bf16 inputs: no NaN/inf anywhere, forward and gradients match the reference."""
+    x = make(_seed("extreme", jnp.dtype(dt).name), 2, 75, 4, 64, 64, gates="extreme", dtype=dt, init=True)
+    check(run(x, chunk_size=64), ref(x))
+
+
+def test_initial_state_gradient():
+    """REFERENCE §7.5: d initial_state exists, is not detached, and matches the reference
+    and a central finite difference along a random direction."""
+    x = make(7, 1, 37, 2, 16, 16, gates="weak", init=True)
+    _, _, gr = run(x, chunk_size=16)
+    dh0 = np.asarray(gr["initial_state"], np.float64)
+    assert np.abs(dh0).max() > 1e-3
+    assert rel_rms(dh0, reference_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["S0"], do=x["do"],
+                                        dS=x["dS"])["initial_state"]) < TOL_GRAD
+    (q, k, v, g, b), _ = _jx(x)
+    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+    f = jax.jit(lambda s: (lambda o, S: jnp.sum(o * do) + jnp.sum(S * dS))(
+        *gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas", chunk_size=16)))
+    d = np.random.default_rng(0).standard_normal(x["S0"].shape)
+    eps = 1e-2
+    fd = (float(f(jnp.asarray(x["S0"] + eps * d, F32))) - float(f(jnp.asarray(x["S0"] - eps * d, F32)))) / (2 * eps)
+    assert abs(fd - np.sum(dh0 * d)) < 2e-3 * abs(fd) + 1e-3
+
+
+@pytest.mark.parametrize("variant", [
+    dict(bv_state=16, bv_out=16, bv_grad=16),
+    dict(u_dtype="mid", state_dot="mid", out_dot="mid"),
+], ids=["small-blocks", "all-bf16"])
+def test_tuning_variants(variant):
+    """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
+    x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)
+    with P.tuning(**variant):
+        got = run(x, chunk_size=32)
+    check(got, ref(x))
+
+
+def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
+    """Pure-JAX mirror of pallas._core (head-major layout, one sequence per row, f32,
+    triangular_solve instead of the kernels' block inverse). Returns (o, fin) and the
+    intermediates (W, U, Vn, h)."""
+    BH, n, C, K, V = cfg.BH, cfg.n, cfg.C, cfg.K, cfg.V
+    hi = jax.lax.Precision.HIGHEST
+    mm = lambda a, b: jnp.matmul(a, b, precision=hi)
+    ch = lambda x: x.reshape(BH, n, C, x.shape[-1])
+    qc, kc, vc, bc = ch(q) * cfg.scale, ch(k), ch(v), ch(beta)
+    gcol, grow = ch(gc), gr  # [BH,n,C,1], [BH,n,1,C]
+    i, j = np.arange(C)[:, None], np.arange(C)[None, :]
+    gam = lambda m: jnp.where(m, jnp.exp(jnp.where(m, gcol - grow, 0.0)), 0.0)
+    kb = kc * bc
+    A = mm(kb, jnp.swapaxes(kc, -1, -2)) * gam(i > j)
+    IA = A + jnp.eye(C)
+    solve = lambda r: jax.lax.linalg.triangular_solve(IA, r, left_side=True, lower=True, unit_diagonal=True)
+    W, U = solve(kb * ch(eg)), solve(vc * bc)
+    Aqk = mm(qc, jnp.swapaxes(kc, -1, -2)) * gam(i >= j)
+    qg, kd = qc * ch(eg), kc * ch(ekd)
+
+    def step(S, xs):
+        W, U, qg, Aqk, kd, dec = xs
+        vn = U - mm(W, S)
+        o = mm(qg, S) + mm(Aqk, vn)
+        return dec * S + mm(jnp.swapaxes(kd, -1, -2), vn), (o, vn, S)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (W, U, qg, Aqk, kd, dec))
+    fin, (o, vn, h) = jax.lax.scan(step, h0[:, 0], xs)
+    back = lambda a: jnp.moveaxis(a, 0, 1).reshape(BH, n * C, a.shape[-1])
+    return (back(o), fin[:, None]), (W.reshape(BH, n * C, K), U.reshape(BH, n * C, V), back(vn), jnp.moveaxis(h, 0, 1))
+
+
+def test_kernel_pieces_vs_vjp():
+    """Each kernel against the pure-JAX chunk math, and every cotangent of the custom_vjp
+    (q, k, v, beta, gamma as column and as row, e^gamma, e^{gamma_C-gamma}, e^{gamma_C},
+    h0) against jax.vjp of that math -- before the plain-JAX chain rule mixes them."""
+    from gdn_jax.ops import pallas_kernels as K_
+
+    BH, n, C, K, V = 2, 3, 16, 16, 32
+    cfg = K_.Cfg(p="interpret", layout="hm", BH=BH, H=2, n=n, C=C, K=K, V=V, scale=0.3, in_dt="float32",
+                 mid_dt="float32", packed=False, nseq=1, tuning=K_.Tuning(bv_state=16, bv_grad=16))
+    rng = np.random.default_rng(9)
+    Tp = n * C
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
+    q, v = f(BH, Tp, K), f(BH, Tp, V)
+    k = f(BH, Tp, K)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (BH, Tp, 1)), F32)
+    gam = jnp.cumsum(jnp.asarray(-rng.uniform(0.05, 1.0, (BH, n, C)), F32), -1)
+    gc, gr = gam.reshape(BH, Tp, 1), gam.reshape(BH, n, 1, C)
+    eg, ekd = jnp.exp(gc), jnp.exp(gam[..., -1:] - gam).reshape(BH, Tp, 1)
+    dec = jnp.exp(gam[..., -1]).reshape(BH, n, 1, 1)
+    h0 = f(BH, 1, K, V)
+    args = (q, k, v, beta, gc, gr, eg, ekd, dec, h0)
+
+    (o_r, fin_r), (W_r, U_r, vn_r, h_r) = _core_math(cfg, *args)
+    W, U = K_.intra(cfg, k, v, beta, gc, gr, eg)
+    vn, h, fin = K_.state_fwd(cfg, W, U, k, ekd, dec, h0, None)
+    o = K_.output(cfg, q, k, gc, gr, eg, h, vn)
+    for name, a, b in (("W", W, W_r), ("U", U, U_r), ("Vn", vn, vn_r), ("h", h, h_r), ("fin", fin, fin_r), ("o", o, o_r)):
+        assert rel_rms(a, b) < 1e-5, name
+
+    do, dfin = f(BH, Tp, V), f(BH, 1, K, V)
+    info = jnp.zeros((1,), jnp.int32)
+    _, vjp_k = jax.vjp(lambda *a: P._core(cfg, *a, info), *args)
+    _, vjp_r = jax.vjp(lambda *a: _core_math(cfg, *a)[0], *args)
+    names = ("q", "k", "v", "beta", "gamma_col", "gamma_row", "exp_gamma", "exp_gammaC_minus_gamma", "exp_gammaC", "h0")
+    got = dict(zip(names, vjp_k((do, dfin))))
+    want = dict(zip(names, vjp_r((do, dfin))))
+    # gamma enters as a column and as a row (two views of one array): only their sum is
+    # defined (the kernel drops the gamma-independent diagonal of Gamma from both).
+    for d in (got, want):
+        d["gamma"] = d.pop("gamma_col") + d.pop("gamma_row").reshape(BH, Tp, 1)
+    for name in got:
+        assert rel_rms(got[name], want[name]) < 1e-5, (name, rel_rms(got[name], want[name]))
+
+
+def test_supports_and_unsupported_options_raise():
+    ok = GateForms(False, False)
+    assert P.supports(ok, chunk_size=64, K=128, V=128, dtype=BF16) is None
+    assert P.supports(ok, chunk_size=16, K=48, V=256, dtype=F32) is None
+    assert "per-value-channel beta" in P.supports(GateForms(False, True), chunk_size=64, K=64, V=64, dtype=F32)
+    assert "per-key-channel g" in P.supports(GateForms(True, False), chunk_size=64, K=64, V=64, dtype=F32)
+    assert "chunk_size=48" in P.supports(ok, chunk_size=48, K=64, V=64, dtype=F32)
+    assert "K=8" in P.supports(ok, chunk_size=64, K=8, V=64, dtype=F32)
+    assert "V=512" in P.supports(ok, chunk_size=64, K=64, V=512, dtype=F32)
+    assert "float64" in P.supports(ok, chunk_size=64, K=64, V=64, dtype=jnp.float64)
+    x = make(10, 1, 8, 1, 16, 16)
+    (q, k, v, g, b), _ = _jx(x)
+    with pytest.raises(NotImplementedError, match="per-value-channel beta"):
+        gated_delta_rule(q, k, v, g, jnp.ones(v.shape), backend="pallas")
+    with pytest.raises(NotImplementedError, match="per-key-channel g"):
+        gated_delta_rule(q, k, v, jnp.zeros(q.shape), b, backend="pallas")
+    with pytest.raises(NotImplementedError, match="chunk_size=24"):
+        gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=24)

@@ -244,12 +244,17 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
 
     # --- per-token scalars, head-major (tiny arrays; XLA)
     hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
-    gam = jnp.cumsum(hm(g).reshape(BH, n, C), axis=-1)  # in-chunk cumulative log decay
+    gam = jnp.cumsum(hm(g).reshape(BH, n, C), axis=-1)  # in-chunk cumulative log decay gamma
     glast = gam[..., -1:]
     gc = gam.reshape(BH, Tp, 1)
     gr = gam.reshape(BH, n, 1, C)
     eg = jnp.exp(gc)
-    ekd = jnp.exp(glast - gam).reshape(BH, Tp, 1)
+    # gamma_C - gamma_i = sum_{j>i} g_j, summed directly (a reverse cumsum of g shifted by one)
+    # rather than as a difference of two large cumulative sums (|gamma| reaches thousands under
+    # strong decay, and f32 differences of such numbers lose ~1e-4 absolute).
+    gh = hm(g).reshape(BH, n, C)
+    gnext = jnp.concatenate([gh[..., 1:], jnp.zeros_like(gh[..., :1])], axis=-1)
+    ekd = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(gnext, -1), axis=-1), -1)).reshape(BH, Tp, 1)
     dec = jnp.exp(glast).reshape(BH, n, 1, 1)
     bcol = hm(beta).reshape(BH, Tp, 1)
 

@@ -400,12 +400,16 @@ def _grad_kernel(cfg: Cfg, q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, e
     dT = dT + _mm(cfg, dW, X, tb=True, dt=F32)  # W = T X, X = beta K e^gamma
     dX = _mm(cfg, T, dW, ta=True, dt=F32)
     dA = -_mm(cfg, _mm(cfg, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv")
-    dA = dA * _strict_mask(cfg.C)  # A is strictly lower
-    M1 = dA * A  # A = strict((beta K) K^T * Gamma): gamma enters through Gamma
+    strict = _strict_mask(cfg.C)
+    dA = dA * strict  # A is strictly lower
+    # gamma enters A and Aqk through Gamma_ij = exp(gamma_i - gamma_j): +M_ij to gamma_i, -M_ij to
+    # gamma_j. The diagonal (Gamma_ii = 1) does not depend on gamma: leaving it out of M avoids a
+    # large +x/-x pair whose f32 rounding would dominate tiny gate gradients under strong decay.
+    M1 = dA * A
     dKK = dA * Gs
     dkb = _mm(cfg, dKK, k) + dX * eg
     dk = _mm(cfg, dKK, kb, ta=True)
-    M2 = dAqk * Aqk  # Aqk = tril(Q K^T * Gamma) (zero above the diagonal)
+    M2 = dAqk * Aqk * strict
     dQK = dAqk * Gi
     dqs = _mm(cfg, dQK, k) + dQg * eg
     dk = dk + _mm(cfg, dQK, q, ta=True) + dKd * ekd + dkb * beta
