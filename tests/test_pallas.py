@@ -314,7 +314,7 @@ def test_tuning_variants(variant):
 
 def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
     """Pure-JAX mirror of pallas._core (head-major layout, one sequence per row, f32,
-    triangular_solve instead of the kernels' block inverse). Returns (o, fin) and the
+    forward substitution instead of the kernels' recursive block inverse). Returns (o, fin) and the
     intermediates (W, U, Vn, h)."""
     BH, n, C, K, V = cfg.BH, cfg.n, cfg.C, cfg.K, cfg.V
     hi = jax.lax.Precision.HIGHEST
@@ -326,9 +326,12 @@ def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
     gam = lambda m: jnp.where(m, jnp.exp(jnp.where(m, gcol - grow, 0.0)), 0.0)
     kb = kc * bc
     A = mm(kb, jnp.swapaxes(kc, -1, -2)) * gam(i > j)
-    IA = A + jnp.eye(C)
-    solve = lambda r: jax.lax.linalg.triangular_solve(IA, r, left_side=True, lower=True, unit_diagonal=True)
-    W, U = solve(kb * ch(eg)), solve(vc * bc)
+    # (I + A)^-1 by row-by-row forward substitution (no LAPACK: XLA:CPU's batched
+    # triangular solve was seen to deadlock on 2-core machines)
+    Tinv = jnp.zeros_like(A)
+    for r in range(C):
+        Tinv = Tinv.at[..., r, :].set(jnp.eye(C)[r] - jnp.einsum("...j,...jk->...k", A[..., r, :], Tinv, precision=hi))
+    W, U = mm(Tinv, kb * ch(eg)), mm(Tinv, vc * bc)
     Aqk = mm(qc, jnp.swapaxes(kc, -1, -2)) * gam(i >= j)
     qg, kd = qc * ch(eg), kc * ch(ekd)
 
