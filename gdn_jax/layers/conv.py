@@ -43,7 +43,7 @@ class ShortConv(nnx.Module):
     def __call__(self, x, *, cu_seqlens=None, cache: Optional[jax.Array] = None):
         W = self.kernel_size
         B, T, D = x.shape
-        w = self.weight.value.astype(x.dtype)
+        w = self.weight[...].astype(x.dtype)
         if cache is not None:
             if cache.shape != (B, W - 1, D):
                 raise ValueError(f"conv cache must have shape [B, W-1, D] = {(B, W - 1, D)}, got {cache.shape}")

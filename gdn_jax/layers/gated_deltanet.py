@@ -108,8 +108,8 @@ class GatedDeltaNet(nnx.Module):
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim
         a = self.a_proj(x).astype(jnp.float32)
         if self.decay == "mamba2":
-            a = a + self.dt_bias.value.astype(jnp.float32)
-            A = jnp.exp(self.A_log.value.astype(jnp.float32))
+            a = a + self.dt_bias[...].astype(jnp.float32)
+            A = jnp.exp(self.A_log[...].astype(jnp.float32))
             if self.decay_per_channel:
                 g = -A[:, None] * jax.nn.softplus(a.reshape(B, T, H, K))
             else:

@@ -1,0 +1,162 @@
+"""GatedDeltaNet layer, ShortConv, Attention and the LM: shapes, dtypes, init, packing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax.layers import Attention, GatedDeltaNet, ShortConv, inverse_softplus
+from gdn_jax.models import LM, LMConfig, MIXERS, register_mixer
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"use_short_conv": False, "decay": "sigmoid"},
+        {"decay_per_channel": True, "allow_neg_eigval": True},
+        {"beta_per_channel": True, "value_head_dim": 24},
+    ],
+)
+def test_gdn_layer_shape_dtype(kw):
+    layer = GatedDeltaNet(32, 2, 16, rngs=nnx.Rngs(0), **kw)
+    x = _x((2, 19, 32))
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(y)))
+    g, beta = layer.gates(x)
+    assert bool(jnp.all(g <= 0))
+    hi = 2.0 if kw.get("allow_neg_eigval") else 1.0
+    assert bool(jnp.all((beta > 0) & (beta < hi)))
+    assert g.shape == ((2, 19, 2, 16) if kw.get("decay_per_channel") else (2, 19, 2))
+    assert beta.shape == ((2, 19, 2, 24) if kw.get("beta_per_channel") else (2, 19, 2))
+
+
+def test_gdn_layer_bf16():
+    layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    y = layer(_x((1, 40, 32), dtype=jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and y.shape == (1, 40, 32)
+    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+
+
+def test_gdn_init():
+    layer = GatedDeltaNet(64, 8, rngs=nnx.Rngs(3))
+    A = np.exp(np.asarray(layer.A_log[...]))
+    assert np.all(np.isfinite(np.asarray(layer.A_log[...])))
+    assert np.all((A >= 1e-4) & (A <= 16.0))
+    dt = np.asarray(jax.nn.softplus(layer.dt_bias[...]))
+    assert np.all((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001))
+    # inverse_softplus is the inverse of softplus
+    z = jnp.array([1e-3, 0.05, 0.1, 2.0])
+    np.testing.assert_allclose(jax.nn.softplus(inverse_softplus(z)), z, rtol=1e-5)
+    # short conv starts near identity: last tap (current token) is 1
+    np.testing.assert_array_equal(np.asarray(layer.q_conv.weight[...][-1]), 1.0)
+
+
+def test_gdn_layer_backends_agree():
+    x = _x((2, 45, 32), seed=1)
+    outs = {}
+    for be in ("scan", "chunk"):
+        layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), backend=be, chunk_size=16)
+        outs[be] = np.asarray(layer(x))
+    err = np.sqrt(np.mean((outs["scan"] - outs["chunk"]) ** 2)) / np.sqrt(np.mean(outs["scan"] ** 2))
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["scan", "chunk"])
+def test_gdn_layer_packed_equals_separate(backend):
+    """REFERENCE §7 item 4 at the layer level: the recurrence AND the short conv restart."""
+    layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), backend=backend, chunk_size=16)
+    x = _x((1, 50, 32), seed=2)
+    cu = jnp.array([0, 7, 30, 50])
+    y = layer(x, cu_seqlens=cu)
+    for a, b in zip([0, 7, 30], [7, 30, 50]):
+        ys = layer(x[:, a:b])
+        np.testing.assert_allclose(np.asarray(y[:, a:b]), np.asarray(ys), rtol=1e-4, atol=1e-5)
+    # without the reset, the second segment would differ
+    assert not np.allclose(np.asarray(layer(x)[:, 7:30]), np.asarray(y[:, 7:30]), atol=1e-4)
+
+
+def test_short_conv_causal_and_cache():
+    conv = ShortConv(8, 4, rngs=nnx.Rngs(0))
+    x = _x((2, 12, 8), seed=3)
+    y = conv(x)
+    # causal: changing a future token does not change the past
+    x2 = x.at[:, 6].add(10.0)
+    np.testing.assert_allclose(np.asarray(conv(x2)[:, :6]), np.asarray(y[:, :6]), rtol=1e-6)
+    # streaming with the cache gives the same outputs
+    cache = jnp.zeros((2, 3, 8))
+    y1, cache = conv(x[:, :5], cache=cache)
+    y2, cache = conv(x[:, 5:], cache=cache)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate([y1, y2], 1)), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_causal_and_packed():
+    att = Attention(32, 4, rngs=nnx.Rngs(0))
+    x = _x((1, 30, 32), seed=4)
+    y = att(x)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(att(x.at[:, 20].add(5.0))[:, :20]), np.asarray(y[:, :20]), rtol=1e-5, atol=1e-6)
+    cu = jnp.array([0, 12, 30])
+    yp = att(x, cu_seqlens=cu)
+    np.testing.assert_allclose(np.asarray(yp[:, 12:]), np.asarray(att(x[:, 12:])), rtol=1e-4, atol=1e-5)
+    gated = Attention(32, 4, qk_norm=True, output_gate=True, rope_fraction=0.25, rngs=nnx.Rngs(0))
+    assert gated(x).shape == x.shape and gated.rot_dim == 2
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LMConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2),
+        LMConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mixer="attention", mlp_ratio=2.0),
+        LMConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=2, hybrid_every=4, hybrid_mixer="gated_attention"),
+    ],
+)
+def test_lm_shapes(cfg):
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+    logits = model(tokens)
+    assert logits.shape == (2, 17, 64) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_lm_hybrid_pattern_and_tied_head():
+    cfg = LMConfig(vocab_size=64, d_model=32, num_layers=8, num_heads=2, hybrid_every=4)
+    assert cfg.layer_mixers() == ("gdn", "gdn", "gdn", "attention") * 2
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    names = ["/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert not any("head" in n or "lm_head" in n for n in names)  # the head is the embedding
+
+
+def test_lm_bf16_and_errors():
+    cfg = LMConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, dtype="bfloat16")
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    out = model(jnp.zeros((1, 9), jnp.int32))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((1, 9), jnp.float32))
+    with pytest.raises(ValueError, match="unknown mixer"):
+        LM(LMConfig(mixer="nope"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="x must have shape"):
+        GatedDeltaNet(32, 2, rngs=nnx.Rngs(0))(jnp.zeros((1, 4, 16)))
+
+
+def test_register_mixer_pluggable():
+    @register_mixer("identity_test")
+    def _f(cfg, i, rngs):
+        class Zero(nnx.Module):
+            def __call__(self, x, *, cu_seqlens=None):
+                return jnp.zeros_like(x)
+
+        return Zero()
+
+    try:
+        m = LM(LMConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=1, mixer="identity_test"), rngs=nnx.Rngs(0))
+        assert m(jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, 16)
+    finally:
+        MIXERS.pop("identity_test")
