@@ -43,7 +43,7 @@ from . import pallas_kernels as _k
 from ._common import L2NORM_EPS, GateForms, l2norm, seq_info
 from .pallas_kernels import Tuning
 
-__all__ = ["supports", "pallas_gated_delta_rule", "Tuning", "tuning", "SUPPORTED_CHUNK_SIZES", "MAX_DIM"]
+__all__ = ["supports", "pallas_gated_delta_rule", "prepare", "Tuning", "tuning", "SUPPORTED_CHUNK_SIZES", "MAX_DIM"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 MAX_DIM = 256
@@ -186,6 +186,30 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
     reason = supports(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     if reason is not None:
         raise NotImplementedError(f"backend='pallas' {reason}")
+    prep = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                   use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    o, fin = _core(prep.cfg, *prep.args)
+    o, fin = prep.finish(o, fin)
+    return o, fin, prep.valid
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Kernel-ready inputs of one call: ``cfg`` (static), ``args`` for :func:`_core`
+    (q, k, v, beta, gamma column, gamma row, e^gamma, e^{gamma_C-gamma}, e^{gamma_C}, h0,
+    chunk flags), ``valid`` and ``finish(o, fin)`` mapping the core's outputs back to
+    [B,T,H,V] / [B|N,H,K,V]. (Also used by benchmarks/bench_pallas.py to time kernels.)"""
+
+    cfg: _k.Cfg
+    args: tuple
+    valid: jax.Array
+    finish: object
+
+
+def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
+            chunk_size=64) -> Prepared:
+    """Plain-JAX preprocessing (differentiable): normalisation, padding / packing re-layout,
+    head-major per-token scalars, gamma and its exponentials."""
     p = _plat.platform()
     if p == "gpu":
         _plat.silence_triton_deprecation_at_lowering()
@@ -273,14 +297,16 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
 
     cfg = _k.Cfg(p=p, layout=layout, BH=BH, H=H, n=n, C=C, K=K, V=V, scale=float(sc), in_dt=in_dt.name,
                  mid_dt=mid_dt.name, packed=packed, nseq=nseq, tuning=tun)
-    o, fin = _core(cfg, q, k, v, bcol, gc, gr, eg, ekd, dec, h0, info)
 
-    if layout == "hm":
-        o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
-    o = o[:, pos] if packed else o[:, :T]
-    if V != V0:
-        o = o[..., :V0]
-    fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)
-    if K != K0 or V != V0:
-        fin = fin[:, :, :K0, :V0]
-    return o, fin, valid
+    def finish(o, fin):
+        if layout == "hm":
+            o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
+        o = o[:, pos] if packed else o[:, :T]
+        if V != V0:
+            o = o[..., :V0]
+        fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)
+        if K != K0 or V != V0:
+            fin = fin[:, :, :K0, :V0]
+        return o, fin
+
+    return Prepared(cfg, (q, k, v, bcol, gc, gr, eg, ekd, dec, h0, info), valid, finish)

@@ -368,60 +368,69 @@ def _state_bwd_kernel(cfg: Cfg, *refs):
 def _grad_kernel(cfg: Cfg, q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref,
                  h_ref, dh_ref, vn_ref, dvn_ref,
                  dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref):
-    q = _f32(q_ref) * cfg.scale
+    """Local gradients of one chunk. Ordered to keep few [C, K] / [C, C] f32 values live at
+    once (register pressure on GPU): the V loop, then the T/A path, then the Q K^T path."""
     k = _f32(k_ref)
-    beta, gc, gr, eg, ekd = b_ref[...], gc_ref[...], gr_ref[...], eg_ref[...], ekd_ref[...]
-    Gs = _decay(gc, gr, incl=False)
-    Gi = _decay(gc, gr, incl=True)
+    beta, gc, gr, eg = b_ref[...], gc_ref[...], gr_ref[...], eg_ref[...]
+    strict = _strict_mask(cfg.C)
     kb = k * beta
+    Gs = _decay(gc, gr, incl=False)
     A = _mm(cfg, kb, k, tb=True) * Gs
     T = _inv_unit_lower(cfg, A)
-    X = kb * eg
-    Aqk = _mm(cfg, q, k, tb=True) * Gi
 
+    # --- value-channel blocks: everything that contracts or runs over V
     bv = cfg.bv("grad")
     dQg = dW = dKd = dAqk = dT = ddec = dbeta = None
     acc = lambda a, b: b if a is None else a + b
-    for jb in range(cfg.V // bv):  # static loop over value-channel blocks
+    for jb in range(cfg.V // bv):  # static loop
         sl = slice(jb * bv, (jb + 1) * bv)
         S, dS = h_ref[:, sl], dh_ref[:, sl]
         vn, dvn, do = vn_ref[:, sl], dvn_ref[:, sl], do_ref[:, sl]
         v = _f32(v_ref, slice(None), sl)
-        dQg = acc(dQg, _mm(cfg, do, S, tb=True))  # o = Qg S + ...
+        dQg = acc(dQg, _mm(cfg, do, S, tb=True))  # o = Qg S + Aqk vn
+        dAqk = acc(dAqk, _mm(cfg, do, vn, tb=True))
         dW = acc(dW, -_mm(cfg, dvn, S, tb=True))  # vn = U - W S
         dKd = acc(dKd, _mm(cfg, vn, dS, tb=True))  # S' = dec S + Kd^T vn
         ddec = acc(ddec, _colsum(_rowsum(S.astype(F32) * dS.astype(F32))))
-        dAqk = acc(dAqk, _mm(cfg, do, vn, tb=True))
-        vb = v * beta
-        dT = acc(dT, _mm(cfg, dvn, vb, tb=True, dt=F32))  # U = T (beta V)
+        dT = acc(dT, _mm(cfg, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
         dvb = _mm(cfg, T, dvn, ta=True, dt=F32)
         dv_ref[:, sl] = (dvb * beta).astype(dv_ref.dtype)
         dbeta = acc(dbeta, _rowsum(dvb * v))
-    dT = dT + _mm(cfg, dW, X, tb=True, dt=F32)  # W = T X, X = beta K e^gamma
+    ddec_ref[...] = ddec
+    dekd_ref[...] = _rowsum(dKd * k)  # Kd = K e^{gamma_C - gamma}
+    dk = dKd * ekd_ref[...]
+
+    # --- W = T X with X = beta K e^gamma; T = (I + A)^-1; A = strict((beta K) K^T * Gamma)
+    X = kb * eg
+    dT = dT + _mm(cfg, dW, X, tb=True, dt=F32)
     dX = _mm(cfg, T, dW, ta=True, dt=F32)
-    dA = -_mm(cfg, _mm(cfg, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv")
-    strict = _strict_mask(cfg.C)
-    dA = dA * strict  # A is strictly lower
+    dA = -_mm(cfg, _mm(cfg, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv") * strict
     # gamma enters A and Aqk through Gamma_ij = exp(gamma_i - gamma_j): +M_ij to gamma_i, -M_ij to
     # gamma_j. The diagonal (Gamma_ii = 1) does not depend on gamma: leaving it out of M avoids a
     # large +x/-x pair whose f32 rounding would dominate tiny gate gradients under strong decay.
-    M1 = dA * A
+    M = dA * A
     dKK = dA * Gs
     dkb = _mm(cfg, dKK, k) + dX * eg
-    dk = _mm(cfg, dKK, kb, ta=True)
-    M2 = dAqk * Aqk * strict
+    dk = dk + _mm(cfg, dKK, kb, ta=True) + dkb * beta
+    dbeta = dbeta + _rowsum(dkb * k)
+    deg = _rowsum(dX * kb)
+
+    # --- o = (Q e^gamma) S + tril(Q K^T * Gamma) vn   (Q scaled)
+    q = _f32(q_ref) * cfg.scale
+    Gi = _decay(gc, gr, incl=True)
+    Aqk = _mm(cfg, q, k, tb=True) * Gi
+    M = M + dAqk * Aqk * strict
     dQK = dAqk * Gi
     dqs = _mm(cfg, dQK, k) + dQg * eg
-    dk = dk + _mm(cfg, dQK, q, ta=True) + dKd * ekd + dkb * beta
-    dbeta = dbeta + _rowsum(dkb * k)
+    dk = dk + _mm(cfg, dQK, q, ta=True)
+    deg = deg + _rowsum(dQg * q)
+
     dq_ref[...] = (dqs * cfg.scale).astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     db_ref[...] = dbeta
-    dgc_ref[...] = _rowsum(M1) + _rowsum(M2)
-    dgr_ref[...] = -(_colsum(M1) + _colsum(M2))
-    deg_ref[...] = _rowsum(dX * kb) + _rowsum(dQg * q)
-    dekd_ref[...] = _rowsum(dKd * k)
-    ddec_ref[...] = ddec
+    dgc_ref[...] = _rowsum(M)
+    dgr_ref[...] = -_colsum(M)
+    deg_ref[...] = deg
 
 
 def _strict_mask(C):
