@@ -200,13 +200,21 @@ def kernel_breakdown(x, chunk, reps):
     if pad:
         do_l = jnp.pad(do_l, [(0, 0), (0, pad)] + [(0, 0)] * (do_l.ndim - 2))
     dfin = jnp.zeros(h0.shape, jnp.float32)
-    steps = [
-        ("fwd intra (A, T, W, U)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg)),
-    ]
     w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
-    steps.append(("fwd state pass", lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info)))
     vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
-    steps.append(("fwd output", lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)))
+    if cfg.tuning.fuse_output:
+        _, _, aqk = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q))()
+        steps = [
+            ("fwd intra (W, U, Aqk)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q)),
+            ("fwd state pass + output", lambda: PK.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)),
+        ]
+    else:
+        steps = [
+            ("fwd intra (A, T, W, U)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg)),
+            ("fwd state pass", lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info)),
+            ("fwd output", lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)),
+        ]
+    nfwd = len(steps)
     steps.append(("bwd intra (+dVl)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)))
     w2, u2, dvl = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
     steps.append(("bwd state pass (recompute h)", lambda: PK.state_fwd(cfg, w2, u2, k, ekd, dec, h0, info)))
@@ -221,7 +229,7 @@ def kernel_breakdown(x, chunk, reps):
         # bytes: inputs as closed over + outputs (state passes re-read K-wide inputs per V block: not counted)
         mb = (_nbytes(out) + _in_bytes(name, cfg, x)) / 1e6
         rows.append((name, ms, mb, mb / ms if ms > 0 else float("nan")))
-    return cfg, rows
+    return cfg, rows, nfwd
 
 
 def _in_bytes(name, cfg, x):
@@ -233,7 +241,11 @@ def _in_bytes(name, cfg, x):
     tok = lambda d, s: BH * Tp * d * s
     sc = BH * Tp * 4
     hb = BH * n * K * V * m
+    o = jnp.dtype(cfg.out_dt).itemsize
+    aq = BH * n * cfg.C * cfg.C * o
     return {
+        "fwd intra (W, U, Aqk)": 2 * tok(K, i) + tok(V, i) + 4 * sc,
+        "fwd state pass + output": tok(K, m) + tok(V, u) + 2 * tok(K, i) + 3 * sc + aq,
         "fwd intra (A, T, W, U)": tok(K, i) + tok(V, i) + 4 * sc,
         "fwd state pass": tok(K, m) + tok(V, u) + tok(K, i) + 2 * sc,
         "fwd output": 2 * tok(K, i) + 3 * sc + hb + tok(V, m),
@@ -271,7 +283,7 @@ def parse_variant(s):
         try:
             val = int(val)
         except ValueError:
-            val = None if val == "None" else val
+            val = {"none": None, "true": True, "false": False}.get(val.lower(), val)
         kw[key] = val
     fields = {f.name for f in dataclasses.fields(PK.Tuning)} | {"chunk"}
     bad = set(kw) - fields
@@ -384,14 +396,14 @@ def main(argv=None):
                 log(f"  jax-linear-attention FAILED: {type(e).__name__}: {str(e)[:300]}")
         if not args.no_breakdown and not args.quick:
             try:
-                cfg, brows = kernel_breakdown(x, args.chunk, reps)
+                cfg, brows, nfwd = kernel_breakdown(x, args.chunk, reps)
                 breakdowns[shape] = brows
                 log(f"  per-kernel (cfg: layout {cfg.layout}, C {cfg.C}, bv state/out/grad "
                     f"{cfg.bv('state')}/{cfg.bv('out')}/{cfg.bv('grad')}, mid {cfg.mid_dt}, U {cfg.u_dt.name}):")
                 for name, ms, mb, gbs in brows:
                     log(f"    {name:<30} {ms:8.3f} ms  {mb:9.1f} MB  {gbs:7.0f} GB/s")
-                log(f"    {'sum fwd / bwd kernels':<30} {sum(r[1] for r in brows[:3]):8.3f} / "
-                    f"{sum(r[1] for r in brows[3:]):.3f} ms")
+                log(f"    {'sum fwd / bwd kernels':<30} {sum(r[1] for r in brows[:nfwd]):8.3f} / "
+                    f"{sum(r[1] for r in brows[nfwd:]):.3f} ms")
             except Exception as e:
                 log(f"  breakdown FAILED: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=5)

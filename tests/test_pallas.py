@@ -207,7 +207,7 @@ def test_tpu_variant_interpret_packed():
     check(got, ref(x, cu_seqlens=cu))
 
 
-def _export(target, packed, K, V, C, dtype=BF16):
+def _export(target, packed, K, V, C, dtype=BF16, **tune):
     """Lower forward and gradient for `target` ("tpu" / "cuda") with the kernels built for it."""
     B, T, H = 1, 200, 2
     cu = jnp.asarray([0, 50, 120, 200], jnp.int32) if packed else None
@@ -227,22 +227,23 @@ def _export(target, packed, K, V, C, dtype=BF16):
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if target == "cuda" else []
     want = "tpu_custom_call" if target == "tpu" else "__gpu$xla.gpu.triton"
-    with plat.force_platform("tpu" if target == "tpu" else "gpu"):
+    with plat.force_platform("tpu" if target == "tpu" else "gpu"), P.tuning(**tune):
         for f in (fwd, grad):
             exp = jax.export.export(jax.jit(f), platforms=[target], disabled_checks=dis)(*sds)
             assert want in exp.mlir_module()
 
 
-@pytest.mark.parametrize("packed,K,V,C", [(False, 64, 128, 64), (True, 16, 256, 16), (False, 256, 32, 128)])
-def test_tpu_lowering_export(packed, K, V, C):
+@pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 64, 128, 64, True), (True, 16, 256, 16, False),
+                                                (False, 256, 32, 128, True)])
+def test_tpu_lowering_export(packed, K, V, C, fuse):
     """Mosaic TPU lowering (block-shape (8,128) rule, SMEM scalars, transposed dots) of fwd and grad."""
-    _export("tpu", packed, K, V, C)
+    _export("tpu", packed, K, V, C, fuse_output=fuse)
 
 
-@pytest.mark.parametrize("packed,K,V,C", [(False, 128, 128, 64), (True, 16, 256, 32)])
-def test_gpu_triton_lowering_export(packed, K, V, C):
+@pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 128, 128, 64, True), (True, 16, 256, 32, False)])
+def test_gpu_triton_lowering_export(packed, K, V, C, fuse):
     """Pallas -> Triton IR lowering of fwd and grad (the Triton compiler itself runs only on a GPU)."""
-    _export("cuda", packed, K, V, C)
+    _export("cuda", packed, K, V, C, fuse_output=fuse)
 
 
 # ---------------------------------------------------------------------------
@@ -301,9 +302,9 @@ def test_initial_state_gradient():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(bv_state=16, bv_out=16, bv_grad=16),
+    dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False),
     dict(u_dtype="mid", state_dot="mid", out_dot="mid"),
-], ids=["small-blocks", "all-bf16"])
+], ids=["small-blocks-unfused", "all-bf16"])
 def test_tuning_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
     x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)

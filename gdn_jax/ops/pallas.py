@@ -13,10 +13,11 @@ gamma and the factors e^gamma, e^{gamma_C - gamma}, e^{gamma_C} (TPU Pallas has
 no in-kernel cumsum; the reverse cumsum of the gradient also happens here).
 
 Pallas (one ``jax.custom_vjp``, :func:`_core`): forward = intra-chunk kernel
-(A, T = (I+A)^-1, W, U) -> state pass (fori_loop over chunks, S on chip) ->
-output kernel. Backward = intra kernel again (W, U, and dVl = Aqk^T dO) ->
-forward state pass again (h_n, Vn) -> reverse state pass (dS on chip; dVn, dh_n,
-d h0) -> per-chunk gradient kernel (dq, dk, dv, dbeta, d gamma terms).
+(A, T = (I+A)^-1, W, U, Aqk) -> state pass that also writes o (fori_loop over
+chunks, S on chip; no h_n in HBM). Backward = intra kernel again (W, U, and
+dVl = Aqk^T dO) -> forward state pass again (h_n, Vn) -> reverse state pass (dS on
+chip; dVn, dh_n, d h0) -> per-chunk gradient kernel (dq, dk, dv, dbeta, d gamma
+terms). Six ``pallas_call``s for forward + backward.
 
 Coverage (:func:`supports`): per-head g and beta, initial/final state,
 ``cu_seqlens``, any T, K and V multiples of 16 up to 256 (non powers of two are
@@ -117,9 +118,13 @@ def _has_chunks(cfg, info):
 
 
 def _core_fwd_impl(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0, info):
-    w, u = _k.intra(cfg, k, v, beta, gc, gr, eg)
-    vn, h, fin = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
-    o = _k.output(cfg, q, k, gc, gr, eg, h, vn)
+    if cfg.tuning.fuse_output:
+        w, u, aqk = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q)
+        o, fin = _k.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)
+    else:
+        w, u = _k.intra(cfg, k, v, beta, gc, gr, eg)
+        vn, h, fin = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
+        o = _k.output(cfg, q, k, gc, gr, eg, h, vn)
     if cfg.packed:
         fin = jnp.where(_has_chunks(cfg, info)[None, :, None, None], fin, h0)
     return o, fin, None

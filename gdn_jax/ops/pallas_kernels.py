@@ -16,11 +16,15 @@ tokens), with gamma the in-chunk cumulative log decay, q already multiplied by
 
 Kernels (all ``pl.pallas_call`` with a grid and BlockSpecs; fp32 accumulation):
 
-* :func:`intra` — grid (B*H, chunks): A, T, W, U (and in the backward also
-  ``dVl = tril(Q K^T * Gamma)^T dO``).
-* :func:`state_fwd` — grid (B*H, V/BV): ``fori_loop`` over chunks with
-  S[K, BV] held on chip; writes Vn, the entering states h_n and the final state.
-* :func:`output` — grid (B*H, chunks, V/BV): O = (Q e^gamma) h_n + tril(Q K^T Gamma) Vn.
+* :func:`intra` — grid (B*H, chunks): A, T, W, U; in the forward also
+  Aqk = tril(Q K^T * Gamma), in the backward instead ``dVl = Aqk^T dO``.
+* :func:`state_out` (forward, default) — grid (B*H, V/BV): ``fori_loop`` over
+  chunks with S[K, BV] held on chip; per chunk Vn = U - W S, o = (Q e^gamma) S +
+  Aqk Vn, S <- e^{gamma_C} S + Kd^T Vn; writes o and the final state only.
+* :func:`state_fwd` (backward recompute; forward with ``fuse_output=False``) —
+  same loop, writes Vn and the entering states h_n instead of o.
+* :func:`output` (``fuse_output=False`` only) — grid (B*H, chunks, V/BV):
+  O = (Q e^gamma) h_n + tril(Q K^T Gamma) Vn.
 * :func:`state_bwd` — grid (B*H, V/BV): reverse ``fori_loop`` with dS[K, BV] on
   chip: dVn = dVl + Kd dS'; dS = e^{gamma_C} dS' + (Q e^gamma)^T dO - W^T dVn;
   writes dVn, dh_n (gradient w.r.t. the state leaving each chunk) and d h0.
@@ -96,6 +100,7 @@ class Tuning:
     u_dtype: str = "f32"
     state_dot: str = "f32"
     out_dot: str = "f32"
+    fuse_output: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +269,12 @@ def _f32(ref, *idx):
 # ---------------------------------------------------------------------------
 
 
-def _intra_kernel(cfg: Cfg, with_dvl: bool, *refs):
-    if with_dvl:
-        q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, dvl_ref = refs
+def _intra_kernel(cfg: Cfg, mode: str, *refs):
+    """mode "wu": W, U.  "fwd": W, U, Aqk (for the fused state pass).  "bwd": W, U, dVl = Aqk^T dO."""
+    if mode == "bwd":
+        q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
+    elif mode == "fwd":
+        q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
     else:
         k_ref, v_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref = refs
     k = _f32(k_ref)
@@ -277,10 +285,13 @@ def _intra_kernel(cfg: Cfg, with_dvl: bool, *refs):
     T = _inv_unit_lower(cfg, A)
     w_ref[...] = _mm(cfg, T, kb * eg_ref[...], dt=F32).astype(w_ref.dtype)
     u_ref[...] = _mm(cfg, T, _f32(v_ref) * beta, dt=F32).astype(u_ref.dtype)
-    if with_dvl:
+    if mode != "wu":
         q = _f32(q_ref) * cfg.scale
         Aqk = _mm(cfg, q, k, tb=True) * _decay(gc, gr, incl=True)
-        dvl_ref[...] = _mm(cfg, Aqk, do_ref[...], ta=True).astype(dvl_ref.dtype)
+        if mode == "fwd":
+            x_ref[...] = Aqk.astype(x_ref.dtype)
+        else:
+            x_ref[...] = _mm(cfg, Aqk, do_ref[...], ta=True).astype(x_ref.dtype)
 
 
 def _flags(info_ref, i):
@@ -305,6 +316,43 @@ def _state_fwd_kernel(cfg: Cfg, *refs):
         sdt = cfg.state_dt
         vn = _f32(u_ref, rows, slice(None)) - _mm(cfg, w_ref[rows, :], S, dt=sdt)
         vn_ref[rows, :] = vn.astype(vn_ref.dtype)
+        kd = _f32(k_ref, rows, slice(None)) * ekd_ref[rows, :]
+        S = dec_ref[i] * S + _mm(cfg, kd, vn, ta=True, dt=sdt)
+        if cfg.packed:
+
+            @pl.when(last)
+            def _():
+                fin_ref[sid] = S.astype(fin_ref.dtype)
+
+        return S
+
+    S0 = jnp.zeros(h0_ref.shape[1:], F32) if cfg.packed else _f32(h0_ref, 0)
+    S = lax.fori_loop(0, cfg.n, body, S0)
+    if not cfg.packed:
+        fin_ref[0] = S.astype(fin_ref.dtype)
+
+
+def _state_out_kernel(cfg: Cfg, *refs):
+    """Fused forward: the state pass that also writes o (no h_n / Vn round trip through HBM).
+    Per chunk: Vn = U - W S; o = (Q e^gamma) S + Aqk Vn; S <- e^{gamma_C} S + Kd^T Vn.
+    Only the first and last dots sit on the S -> S' dependency chain."""
+    if cfg.packed:
+        w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, q_ref, eg_ref, aqk_ref, info_ref, o_ref, fin_ref = refs
+    else:
+        w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, q_ref, eg_ref, aqk_ref, o_ref, fin_ref = refs
+    C = cfg.C
+
+    def body(i, S):
+        t0 = pl.multiple_of(i * C, C)
+        if cfg.packed:
+            sid, first, last = _flags(info_ref, i)
+            S = lax.cond(first, lambda: _f32(h0_ref, sid), lambda: S)
+        rows = pl.ds(t0, C)
+        sdt = cfg.state_dt
+        vn = _f32(u_ref, rows, slice(None)) - _mm(cfg, w_ref[rows, :], S, dt=sdt)
+        qg = _f32(q_ref, rows, slice(None)) * (eg_ref[rows, :] * cfg.scale)
+        o = _mm(cfg, qg, S, dt=cfg.out_dt) + _mm(cfg, aqk_ref[i], vn, dt=cfg.out_dt)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
         kd = _f32(k_ref, rows, slice(None)) * ekd_ref[rows, :]
         S = dec_ref[i] * S + _mm(cfg, kd, vn, ta=True, dt=sdt)
         if cfg.packed:
@@ -456,30 +504,35 @@ def _scalar_specs(cfg: Cfg, f):
 
 
 def intra(cfg: Cfg, k, v, beta, gc, gr, eg, q=None, do=None):
-    """W [BH,T,K], U [BH,T,V] (and dVl [BH,T,V] when q, do are given) in the intermediates' dtype."""
+    """W [BH,T,K] (intermediates' dtype) and U [BH,T,V] (cfg.u_dt); plus, when q is given,
+    Aqk = tril(Q K^T * Gamma) [BH,n,C,C] (cfg.out_dt; for the fused forward), or with q and
+    do given dVl = Aqk^T dO [BH,T,V] (backward)."""
     C, K, V, BH, n = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n
-    with_dvl = q is not None
+    mode = "wu" if q is None else ("fwd" if do is None else "bwd")
     f = lambda b, c: (b, c)
     col, row = _scalar_specs(cfg, f)
     tk = _tok_spec(cfg, C, K, lambda b, c: (b, c, 0))
     tv = _tok_spec(cfg, C, V, lambda b, c: (b, c, 0))
-    in_specs = [tk, tv, col, col, row, col]
-    args = [k, v, beta, gc, gr, eg]
-    if with_dvl:
-        in_specs = [tk] + in_specs[:2] + [tv] + in_specs[2:]
-        args = [q] + args[:2] + [do] + args[2:]
+    in_specs = [tk, tv] + ([tv] if mode == "bwd" else []) + [col, col, row, col]
+    args = [k, v] + ([do] if mode == "bwd" else []) + [beta, gc, gr, eg]
+    if mode != "wu":
+        in_specs = [tk] + in_specs
+        args = [q] + args
     out_specs = [_hm_spec(C, K, lambda b, c: (b, c, 0)), _hm_spec(C, V, lambda b, c: (b, c, 0))]
     out_shape = [_sds((BH, cfg.Tp, K), cfg.mid_dt), _sds((BH, cfg.Tp, V), cfg.u_dt)]
-    if with_dvl:
+    if mode == "bwd":
         out_specs.append(_hm_spec(C, V, lambda b, c: (b, c, 0)))
         out_shape.append(_sds((BH, cfg.Tp, V), cfg.mid_dt))
+    elif mode == "fwd":
+        out_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0)))
+        out_shape.append(_sds((BH, n, C, C), cfg.out_dt))
     fn = pl.pallas_call(
-        functools.partial(_intra_kernel, cfg, with_dvl),
+        functools.partial(_intra_kernel, cfg, mode),
         out_shape=out_shape,
         grid=(BH, n),
         in_specs=in_specs,
         out_specs=out_specs,
-        name="gdn_intra_bwd" if with_dvl else "gdn_intra",
+        name=f"gdn_intra_{mode}",
         **cfg.kw("intra", 2),
     )
     return _plat.call(cfg.p, fn, *args)
@@ -515,6 +568,30 @@ def state_fwd(cfg: Cfg, w, u, k, ekd, dec, h0, info):
         in_specs=in_specs,
         out_specs=[hm_v, hs, st],
         name="gdn_state_fwd",
+        **cfg.kw("state", 2),
+    )
+    return _plat.call(cfg.p, fn, *args)
+
+
+def state_out(cfg: Cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk):
+    """Fused forward state pass + output. Returns (o in the token layout and cfg.in_dt,
+    final [G,nseq,K,V] f32)."""
+    bv = cfg.bv("state")
+    BH, K, V, n, Tp, C = cfg.BH, cfg.K, cfg.V, cfg.n, cfg.Tp, cfg.C
+    full_k, hm_k, hm_v, col, decs, st, hs = _state_common_specs(cfg, bv)
+    in_specs = [hm_k, hm_v, full_k(), col, decs, st, full_k(), col,
+                pl.BlockSpec((None, n, C, C), lambda b, j: (b, 0, 0, 0))]
+    args = [w, u, k, ekd, dec, h0, q, eg, aqk]
+    if cfg.packed:
+        in_specs.append(_plat.smem_spec(cfg.p, info.shape))
+        args.append(info)
+    fn = pl.pallas_call(
+        functools.partial(_state_out_kernel, cfg),
+        out_shape=[_sds(_tok_shape(cfg, V), cfg.in_dt), _sds(h0.shape, F32)],
+        grid=(BH, V // bv),
+        in_specs=in_specs,
+        out_specs=[_tok_spec(cfg, Tp, bv, lambda b, j: (b, 0, j)), st],
+        name="gdn_state_out",
         **cfg.kw("state", 2),
     )
     return _plat.call(cfg.p, fn, *args)
