@@ -1,0 +1,166 @@
+"""Command-line overrides generated from a dataclass (argparse only; no tyro on the device machine).
+
+Every field ``name: T = default`` of the dataclass becomes ``--name VALUE``:
+
+* ``bool`` fields: ``--name`` / ``--no-name`` (``argparse.BooleanOptionalAction``);
+* ``int`` / ``float`` / ``str``: parsed with that type;
+* ``Optional[T]``: ``T``, or ``none`` / ``None`` for None;
+* ``Literal[...]``: restricted to those choices;
+* ``Tuple[T, ...]`` / ``List[T]``: several values (``--name a b c``).
+
+Unknown flags and abbreviations of flags are rejected (argparse exits with status 2).
+
+Example::
+
+    @dataclasses.dataclass
+    class Config:
+        lr: float = 3e-3
+        mixer: str = "gdn"
+        resume: bool = False
+
+    cfg = parse_dataclass(Config, ["--lr", "1e-3", "--resume"])
+"""
+from __future__ import annotations
+
+import argparse
+import builtins
+import dataclasses
+import sys
+import typing
+from typing import Any, Optional, Sequence, Type, TypeVar
+
+__all__ = ["add_dataclass_arguments", "dataclass_from_args", "make_parser", "parse_dataclass"]
+
+T = TypeVar("T")
+_NONE = ("none", "None", "null")
+
+
+def _type_hints(cls) -> dict:
+    """Field types of ``cls``, resolving string annotations (``from __future__ import annotations``)
+    even when the defining module is not in ``sys.modules`` (e.g. a script run with ``runpy``)."""
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        ns = dict(vars(builtins))
+        ns.update({k: getattr(typing, k) for k in typing.__all__})
+        mod = sys.modules.get(getattr(cls, "__module__", ""), None)
+        if mod is not None:
+            ns.update(vars(mod))
+        return {f.name: eval(f.type, ns) if isinstance(f.type, str) else f.type for f in dataclasses.fields(cls)}
+
+
+def _unwrap_optional(tp):
+    """``(inner_type, is_optional)`` for ``Optional[X]`` / ``X | None``."""
+    args = typing.get_args(tp)
+    if args and type(None) in args and (typing.get_origin(tp) is typing.Union or type(tp).__name__ == "UnionType"):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+        return typing.Union[tuple(rest)], True
+    return tp, False
+
+
+def _scalar_parser(tp, optional: bool):
+    if tp is bool:
+        def parse_bool(s: str):
+            if optional and s in _NONE:
+                return None
+            if s.lower() in ("1", "true", "yes", "y", "on"):
+                return True
+            if s.lower() in ("0", "false", "no", "n", "off"):
+                return False
+            raise argparse.ArgumentTypeError(f"not a boolean: {s!r}")
+        return parse_bool
+    base = tp if tp in (int, float, str) else str
+
+    def parse(s: str):
+        if optional and s in _NONE:
+            return None
+        try:
+            return base(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid {base.__name__} value: {s!r}") from e
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults: Any = None) -> None:
+    """Add one ``--field`` option per field of dataclass ``cls`` to ``parser``.
+
+    Options default to ``argparse.SUPPRESS``: only the flags actually given appear in the parsed
+    namespace, and :func:`dataclass_from_args` fills the rest from ``defaults`` (an instance of
+    ``cls``) or the dataclass defaults. Field docs for ``--help`` come from
+    ``field.metadata["help"]`` if present.
+    """
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, optional = _unwrap_optional(hints[f.name])
+        default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
+        help_ = f.metadata.get("help", "")
+        help_ = f"{help_} (default: {default!r})".strip()
+        flag = "--" + f.name
+        kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
+        origin = typing.get_origin(tp)
+        if tp is bool and not optional:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif origin is typing.Literal:
+            choices = list(typing.get_args(tp))
+            conv = type(choices[0]) if choices else str
+            parser.add_argument(flag, type=_scalar_parser(conv, optional),
+                                choices=choices + ([None] if optional else []), metavar="{" + ",".join(map(str, choices)) + "}", **kw)
+        elif origin in (tuple, list, typing.Sequence, Sequence):
+            args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+            elem = args[0] if args else str
+            parser.add_argument(flag, type=_scalar_parser(elem, False), nargs="+", metavar=elem.__name__.upper()
+                                if hasattr(elem, "__name__") else "VALUE", **kw)
+        else:
+            parser.add_argument(flag, type=_scalar_parser(tp, optional), metavar=getattr(tp, "__name__", "VALUE").upper(), **kw)
+
+
+def _field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def make_parser(cls: Type, *, defaults: Any = None, description: Optional[str] = None,
+                prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` (no abbreviations) with one option per field of dataclass ``cls``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip().split("\n")[0],
+                                     allow_abbrev=False)
+    add_dataclass_arguments(parser, cls, defaults)
+    return parser
+
+
+def dataclass_from_args(cls: Type[T], namespace: argparse.Namespace, defaults: Optional[T] = None) -> T:
+    """Build ``cls`` from ``defaults`` (or the dataclass defaults) overridden by the given flags.
+
+    Sequence fields are converted to the field's container type (tuple for ``Tuple[...]``).
+    """
+    hints = _type_hints(cls)
+    overrides = {}
+    for name, value in vars(namespace).items():
+        tp, _ = _unwrap_optional(hints.get(name, object))
+        if isinstance(value, list) and typing.get_origin(tp) is tuple:
+            value = tuple(value)
+        overrides[name] = value
+    if defaults is not None:
+        return dataclasses.replace(defaults, **overrides)
+    return cls(**overrides)
+
+
+def parse_dataclass(cls: Type[T], argv: Optional[Sequence[str]] = None, *, defaults: Optional[T] = None,
+                    description: Optional[str] = None, prog: Optional[str] = None) -> T:
+    """Parse ``argv`` (default ``sys.argv[1:]``) into an instance of dataclass ``cls``.
+
+    Raises:
+      SystemExit: unknown flag, bad value or ``--help`` (argparse's behaviour).
+    """
+    parser = make_parser(cls, defaults=defaults, description=description, prog=prog)
+    ns = parser.parse_args(None if argv is None else list(argv))
+    return dataclass_from_args(cls, ns, defaults)

@@ -1,0 +1,480 @@
+"""Training utilities: optimizer, masked losses, data-parallel mesh, jit-compiled steps, checkpoints.
+
+Everything here is task-agnostic library code (the MQAR script in ``experiments/mqar.py`` and
+later sweeps sit on top of it). The functional NNX style is used throughout::
+
+    model = LM(cfg, rngs=nnx.Rngs(seed))
+    tx = make_optimizer(3e-3, warmup_steps=200, total_steps=6000)
+    mesh = make_mesh()
+    graphdef, state = create_train_state(model, tx, seed=seed, mesh=mesh)
+    train_step = make_train_step(graphdef, tx, mesh)          # compiled once
+    eval_step = make_eval_step(graphdef, mesh)
+    for step in range(int(state.step), total_steps):
+        state, metrics = train_step(state, shard_batch(loader.batch(step), mesh))
+    evaluate(eval_step, state, test_set, batch_size=256, mesh=mesh)
+
+Batches are ``(inputs, targets)`` pairs (e.g. :class:`gdn_jax.data.mqar.MQARBatch`) with
+``targets[t]`` the label of ``logits[:, t]`` (no shift) and :data:`IGNORE_INDEX` (-100) where
+there is no label.
+
+Determinism / resume: the whole training state (params, optimizer state, step, PRNG key) is one
+pytree (:class:`TrainState`) saved by :class:`Checkpointer`; data must come from a pure function
+of the step (``MQARLoader.batch(step)``) and any randomness inside a step uses
+``jax.random.fold_in(key, step)``. A run resumed from a checkpoint then produces bit-identical
+parameters on CPU to an uninterrupted run (same devices, same XLA flags).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+IGNORE_INDEX: int = -100  # same value as gdn_jax.data.mqar.IGNORE_INDEX
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TrainState",
+    "Checkpointer",
+    "abstract_train_state",
+    "create_train_state",
+    "decay_mask",
+    "evaluate",
+    "lm_loss",
+    "make_eval_step",
+    "make_mesh",
+    "make_optimizer",
+    "make_train_step",
+    "masked_accuracy",
+    "masked_cross_entropy",
+    "merge_model",
+    "prefetch_batches",
+    "replicated",
+    "shard_batch",
+]
+
+
+# --------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------
+
+
+def decay_mask(params) -> Any:
+    """Weight-decay mask: True for parameters with ``ndim >= 2`` (matrices, embeddings, conv kernels).
+
+    Everything 1-D or scalar is excluded: RMSNorm scales, biases, ``A_log``, ``dt_bias``
+    (per-head / per-channel vectors of the GDN gates). Works on any params pytree, including an
+    ``nnx.State`` (the mask has the same structure, with bool leaves).
+    """
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(
+    lr: float,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    weight_decay: float = 0.1,
+    min_lr_ratio: float = 0.1,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    eps: float = 1e-8,
+    grad_clip: Optional[float] = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with linear warmup + cosine decay and global-norm gradient clipping.
+
+    The learning rate rises linearly from 0 to ``lr`` over ``warmup_steps``, then follows a
+    cosine down to ``lr * min_lr_ratio`` at ``total_steps`` (the cosine horizon, counted from
+    step 0 and including the warmup; constant afterwards), via
+    ``optax.warmup_cosine_decay_schedule``. Gradients are clipped to global norm ``grad_clip``
+    first (``None`` or ``<= 0`` disables clipping).
+
+    Decoupled weight decay ``weight_decay`` is applied only where :func:`decay_mask` is True,
+    i.e. to parameters with ``ndim >= 2``; norms, biases, ``A_log`` and ``dt_bias`` (all 1-D)
+    are not decayed.
+    """
+    if total_steps < 1 or warmup_steps < 0:
+        raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=lr,
+        warmup_steps=warmup_steps,
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=lr * min_lr_ratio,
+    )
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if grad_clip is not None and grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
+    return adamw
+
+
+# --------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------
+
+
+def _ce_terms(logits, targets, ignore_index):
+    mask = targets != ignore_index
+    safe = jnp.where(mask, targets, 0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), safe)
+    correct = (jnp.argmax(logits, axis=-1) == safe) & mask
+    return jnp.where(mask, ce, 0.0), correct, mask
+
+
+def masked_cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
+    """Mean cross-entropy over positions whose target is not ``ignore_index``.
+
+    ``logits [..., V]`` (computed in float32), ``targets [...]`` int. Returns 0 if nothing is
+    labelled.
+    """
+    ce, _, mask = _ce_terms(logits, targets, ignore_index)
+    return ce.sum() / jnp.maximum(mask.sum(), 1)
+
+
+def masked_accuracy(logits, targets, ignore_index: int = IGNORE_INDEX):
+    """Fraction of labelled positions where ``argmax(logits) == targets`` (0 if none labelled)."""
+    _, correct, mask = _ce_terms(logits, targets, ignore_index)
+    return correct.sum() / jnp.maximum(mask.sum(), 1)
+
+
+def lm_loss(model, batch, key) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """Default loss: ``model(inputs)`` scored against ``targets`` (no shift), masked CE + accuracy.
+
+    ``batch`` is an ``(inputs, targets)`` pair; ``key`` (unused here) is the per-step PRNG key
+    for stochastic models. Returns ``(loss, {"accuracy": ...})``.
+    """
+    inputs, targets = batch
+    logits = model(inputs)
+    return masked_cross_entropy(logits, targets), {"accuracy": masked_accuracy(logits, targets)}
+
+
+# --------------------------------------------------------------------------
+# Mesh / sharding
+# --------------------------------------------------------------------------
+
+
+def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A 1-D data-parallel mesh with axis ``"data"`` over ``devices`` (default ``jax.local_devices()``)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    return Mesh(np.array(devices), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding on ``mesh`` (used for params and optimizer state)."""
+    return NamedSharding(mesh, P())
+
+
+def _batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P("data"))
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Put every array of ``batch`` (any pytree) on ``NamedSharding(mesh, P("data"))``.
+
+    The leading (batch) dimension is split over the ``"data"`` axis.
+
+    The transfer is waited for before returning: on jaxlib 0.10 CPU, feeding a still-in-flight
+    ``device_put`` result into a jitted step intermittently hung the process forever (all XLA
+    worker threads idle; about 1 run in 5 of a 40-step loop here). Blocking here costs nothing
+    measurable and, with :func:`prefetch_batches`, happens in the background thread anyway.
+
+    Raises:
+      ValueError: a leading dimension is not divisible by the number of devices of the mesh.
+    """
+    n = mesh.shape["data"]
+    for x in jax.tree.leaves(batch):
+        if np.ndim(x) == 0 or np.shape(x)[0] % n:
+            raise ValueError(
+                f"batch leading dimension {np.shape(x)[:1]} is not divisible by the {n} devices of the "
+                f"'data' mesh axis; choose a batch size that is a multiple of {n}"
+            )
+    return jax.block_until_ready(jax.device_put(batch, _batch_sharding(mesh)))
+
+
+def prefetch_batches(batch_fn: Callable[[int], Any], steps: Sequence[int], mesh: Mesh, *,
+                     depth: int = 2) -> Iterator[Tuple[int, Any]]:
+    """Yield ``(step, shard_batch(batch_fn(step), mesh))`` for ``steps``, producing up to ``depth``
+    batches ahead in one background thread (``batch_fn`` is only ever called from that thread).
+
+    Since ``batch_fn`` is a pure function of the step, prefetching does not change the data.
+    """
+    steps = list(steps)
+    if depth <= 0:
+        for s in steps:
+            yield s, shard_batch(batch_fn(s), mesh)
+        return
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+    futs: Dict[int, concurrent.futures.Future] = {}
+    try:
+        for i, s in enumerate(steps):
+            for j in range(i, min(i + depth + 1, len(steps))):
+                if j not in futs:
+                    futs[j] = ex.submit(lambda t=steps[j]: shard_batch(batch_fn(t), mesh))
+            yield s, futs.pop(i).result()
+    finally:  # also runs when the consumer stops early (generator closed)
+        for f in futs.values():
+            f.cancel()
+        ex.shutdown(wait=True)
+
+
+# --------------------------------------------------------------------------
+# Train state, steps, evaluation
+# --------------------------------------------------------------------------
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a run needs to continue exactly: a pytree.
+
+    Attributes:
+      step: ``int32 []`` number of optimizer steps taken (= next loader step).
+      params: ``nnx.State`` of the model's ``nnx.Param`` variables.
+      opt_state: optax state of ``tx``.
+      rest: ``nnx.State`` of all other model variables (empty for the LM; carried unchanged).
+      rng: ``uint32 [2]`` raw PRNG key data (``jax.random.key_data``); a step's key is
+        ``fold_in(wrap_key_data(rng), step)``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rest: Any
+    rng: jax.Array
+
+
+def create_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0,
+                       mesh: Optional[Mesh] = None) -> Tuple[nnx.GraphDef, TrainState]:
+    """Split ``model`` into ``(graphdef, TrainState)`` with a fresh optimizer state at step 0.
+
+    ``rng`` is ``key_data(jax.random.key(seed))``. With ``mesh``, the state is replicated on it.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                       rest=rest, rng=jax.random.key_data(jax.random.key(seed)))
+    if mesh is not None:
+        state = jax.device_put(state, replicated(mesh))
+    return graphdef, jax.block_until_ready(state)
+
+
+def abstract_train_state(model_fn: Callable[[], nnx.Module], tx: optax.GradientTransformation, *,
+                         mesh: Optional[Mesh] = None) -> Tuple[nnx.GraphDef, TrainState]:
+    """``(graphdef, abstract TrainState)`` without allocating anything (``nnx.eval_shape``).
+
+    Leaves are ``jax.ShapeDtypeStruct`` (replicated on ``mesh`` if given): the target for
+    :meth:`Checkpointer.restore_latest`.
+    """
+    abstract_model = nnx.eval_shape(model_fn)
+    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    state = jax.eval_shape(
+        lambda p, r: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rest=r,
+                                rng=jax.random.key_data(jax.random.key(0))),
+        params, rest,
+    )
+    if mesh is not None:
+        sh = replicated(mesh)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state)
+    return graphdef, state
+
+
+def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
+    """Rebuild the ``nnx.Module`` from ``graphdef`` and a :class:`TrainState`."""
+    return nnx.merge(graphdef, state.params, state.rest)
+
+
+def _global_norm(tree):
+    norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5; global_norm is deprecated
+    return norm(tree) if norm is not None else optax.global_norm(tree)
+
+
+LossFn = Callable[[nnx.Module, Any, jax.Array], Tuple[jax.Array, Dict[str, jax.Array]]]
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Optional[Mesh] = None,
+                    *, loss_fn: LossFn = lm_loss, donate: bool = False):
+    """Return ``train_step(state, batch) -> (state, metrics)``, one ``jax.jit``-compiled function.
+
+    ``loss_fn(model, batch, key) -> (loss, aux_metrics)`` (default :func:`lm_loss`), with
+    ``key = fold_in(wrap_key_data(state.rng), state.step)``. ``metrics`` has ``loss``,
+    ``grad_norm`` (before clipping) and the aux metrics (``accuracy`` for :func:`lm_loss`), as
+    device scalars (no host sync).
+
+    With ``mesh`` the state is replicated and the batch split along ``"data"`` (use
+    :func:`shard_batch`); gradients are reduced across devices by XLA. ``donate`` donates the
+    input state's buffers (saves memory on accelerators; then don't reuse the old state).
+    """
+
+    def step(state: TrainState, batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def loss(params):
+            model = nnx.merge(graphdef, params, state.rest)
+            return loss_fn(model, batch, key)
+
+        (l, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": l, "grad_norm": _global_norm(grads), **aux}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    kw = {}
+    if mesh is not None:
+        rep = replicated(mesh)
+        kw = dict(in_shardings=(rep, _batch_sharding(mesh)), out_shardings=(rep, rep))
+    return jax.jit(step, donate_argnums=(0,) if donate else (), **kw)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Optional[Mesh] = None, *,
+                   ignore_index: int = IGNORE_INDEX):
+    """Return ``eval_step(state, batch) -> {"loss_sum", "correct", "count"}`` (jit-compiled).
+
+    Sums (not means) over the labelled positions of an ``(inputs, targets)`` batch, so batches
+    can be accumulated exactly; used by :func:`evaluate`.
+    """
+
+    def step(state: TrainState, batch):
+        inputs, targets = batch
+        logits = merge_model(graphdef, state)(inputs)
+        ce, correct, mask = _ce_terms(logits, targets, ignore_index)
+        return {"loss_sum": ce.sum(), "correct": correct.sum(), "count": mask.sum()}
+
+    kw = {}
+    if mesh is not None:
+        rep = replicated(mesh)
+        kw = dict(in_shardings=(rep, _batch_sharding(mesh)), out_shardings=rep)
+    return jax.jit(step, **kw)
+
+
+def evaluate(eval_step, state: TrainState, dataset, *, batch_size: int, mesh: Optional[Mesh] = None,
+             ignore_index: int = IGNORE_INDEX) -> Dict[str, float]:
+    """Loss and accuracy of ``state`` on a held-out ``(inputs, targets)`` set of NumPy arrays.
+
+    The set is cut into fixed batches of ``batch_size`` (the last one padded with ignored
+    targets, so one compiled shape serves every batch); metrics are averaged over all labelled
+    positions. Returns ``{"loss", "accuracy", "count"}`` as Python numbers.
+    """
+    inputs, targets = (np.asarray(a) for a in dataset)
+    n = inputs.shape[0]
+    totals = None
+    for start in range(0, n, batch_size):
+        x, y = inputs[start:start + batch_size], targets[start:start + batch_size]
+        if x.shape[0] < batch_size:
+            pad = batch_size - x.shape[0]
+            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+            y = np.concatenate([y, np.full((pad,) + y.shape[1:], ignore_index, y.dtype)])
+        batch = (x, y)
+        batch = shard_batch(batch, mesh) if mesh is not None else jax.block_until_ready(jax.device_put(batch))
+        out = eval_step(state, batch)
+        totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+    totals = jax.device_get(totals)
+    count = int(totals["count"])
+    return {"loss": float(totals["loss_sum"]) / max(count, 1),
+            "accuracy": float(totals["correct"]) / max(count, 1), "count": count}
+
+
+# --------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` for a :class:`TrainState` plus a JSON metadata dict.
+
+    Each checkpoint (directory ``<dir>/<step>``) holds item ``state`` (the whole TrainState:
+    params, optimizer state, step, PRNG key) and item ``meta`` (JSON: e.g. loader position,
+    metric history). Only the last ``max_to_keep`` checkpoints are kept. Saves are asynchronous
+    (the arrays are copied to host before :meth:`save` returns); :meth:`close` waits for them.
+
+    Args:
+      directory: checkpoint root (created if missing; made absolute).
+      max_to_keep: number of most recent checkpoints kept.
+      async_save: use Orbax's asynchronous checkpointing.
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def latest_step(self) -> Optional[int]:
+        """Step of the most recent checkpoint, or None."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> Sequence[int]:
+        """Steps of all kept checkpoints."""
+        return list(self.manager.all_steps())
+
+    def save(self, state: TrainState, meta: Optional[Mapping[str, Any]] = None, *, step: Optional[int] = None,
+             force: bool = True) -> bool:
+        """Save ``state`` (+ JSON-serialisable ``meta``) under ``step`` (default ``int(state.step)``).
+
+        Returns whether a checkpoint was written (False if one exists at that step already).
+        """
+        ocp = self._ocp
+        step = int(jax.device_get(state.step)) if step is None else int(step)
+        if step in self.manager.all_steps():
+            return False
+        meta = dict(meta or {})
+        meta.setdefault("step", step)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        return bool(self.manager.save(step, args=args, force=force))
+
+    def restore(self, step: int, target: TrainState) -> Tuple[TrainState, Dict[str, Any]]:
+        """Restore checkpoint ``step`` into the structure/dtypes/shardings of ``target``.
+
+        ``target`` is an abstract state (:func:`abstract_train_state`) or a concrete one (only its
+        shapes, dtypes and shardings are used). Returns ``(state, meta)``.
+        """
+        ocp = self._ocp
+        abstract = jax.tree.map(_abstract_leaf, target)
+        restored = self.manager.restore(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        return jax.block_until_ready(restored["state"]), dict(restored["meta"] or {})
+
+    def restore_latest(self, target: TrainState) -> Optional[Tuple[TrainState, Dict[str, Any]]]:
+        """:meth:`restore` the latest checkpoint, or return None if there is none.
+
+        Rebuild the model afterwards with ``merge_model(graphdef, state)`` (or
+        ``nnx.update(model, state.params)``).
+        """
+        self.manager.wait_until_finished()
+        step = self.latest_step()
+        if step is None:
+            return None
+        return self.restore(step, target)
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are written."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _abstract_leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if x.sharding is None:  # default: replicated on the first local device
+            return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+        return x
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)

@@ -1,0 +1,266 @@
+"""Tests of gdn_jax.training, gdn_jax.cli and experiments/mqar.py (tiny models; < 60 s on 2 cores)."""
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax import training as T
+from gdn_jax.cli import parse_dataclass
+from gdn_jax.data.mqar import IGNORE_INDEX, MQARConfig, MQARLoader
+from gdn_jax.models import LM, LMConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "experiments", "mqar.py")
+
+TASK = MQARConfig(vocab_size=32, seq_len=32, num_kv_pairs=4, test_examples=64)
+LM_CFG = LMConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=2, chunk_size=32)
+TINY_ARGS = ["--vocab_size", "32", "--seq_len", "32", "--num_kv_pairs", "4", "--d_model", "32",
+             "--num_layers", "1", "--num_heads", "2", "--chunk_size", "32", "--batch_size", "16",
+             "--test_examples", "64", "--eval_batch_size", "32", "--lr", "1e-2", "--warmup", "2",
+             "--log_every", "3", "--no-progress"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("mqar_experiment", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["mqar_experiment"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tree_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """One model / optimizer / compiled step shared by the library tests."""
+    model_fn = lambda: LM(LM_CFG, rngs=nnx.Rngs(0))
+    tx = T.make_optimizer(1e-2, warmup_steps=2, total_steps=40)
+    mesh = T.make_mesh()
+    graphdef, state = T.create_train_state(model_fn(), tx, seed=0, mesh=mesh)
+    step = T.make_train_step(graphdef, tx, mesh)
+    loader = MQARLoader(TASK, 16, mode="stream")
+    return dict(model_fn=model_fn, tx=tx, mesh=mesh, graphdef=graphdef, state0=state, step=step, loader=loader)
+
+
+# ----------------------------------------------------------------------------- losses, optimizer
+
+
+def test_masked_losses_match_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
+    targets = rng.integers(0, 7, size=(3, 5)).astype(np.int32)
+    targets[rng.random((3, 5)) < 0.5] = IGNORE_INDEX
+    m = targets != IGNORE_INDEX
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, np.where(m, targets, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(T.masked_cross_entropy(logits, targets), ce[m].mean(), rtol=1e-5)
+    np.testing.assert_allclose(T.masked_accuracy(logits, targets), (logits.argmax(-1) == targets)[m].mean())
+    none = np.full((2, 3), IGNORE_INDEX, np.int32)
+    assert float(T.masked_cross_entropy(logits[:2, :3], none)) == 0.0
+
+
+def test_weight_decay_mask_skips_vectors():
+    _, params, _ = nnx.split(LM(LM_CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    mask = T.decay_mask(params)
+    flat = {jax.tree_util.keystr(k): bool(v) for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+    assert any("A_log" in k for k in flat) and any("dt_bias" in k for k in flat)
+    for k, v in flat.items():
+        if any(s in k for s in ("A_log", "dt_bias", "scale")):
+            assert not v, k
+        if any(s in k for s in ("kernel", "embedding")):
+            assert v, k
+    # Decay really is skipped: with zero gradients only the ndim >= 2 leaves move.
+    params = {"w": jnp.ones((2, 3)), "conv": jnp.ones((4, 2)), "b": jnp.ones((3,)), "A_log": jnp.ones((2,))}
+    tx = T.make_optimizer(1e-1, warmup_steps=0, total_steps=10, grad_clip=None)
+    upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    assert {k: bool(jnp.any(v != 0)) for k, v in upd.items()} == {"w": True, "conv": True, "b": False, "A_log": False}
+    np.testing.assert_allclose(upd["w"], -1e-1 * 0.1 * np.ones((2, 3)), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- training, resume
+
+
+def test_loss_falls(setup):
+    state, step, loader, mesh = setup["state0"], setup["step"], setup["loader"], setup["mesh"]
+    losses = []
+    for s in range(30):
+        state, m = step(state, T.shard_batch(loader.batch(s), mesh))
+        losses.append(float(m["loss"]))
+    assert int(state.step) == 30 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < losses[0] - 0.3, losses
+
+
+def test_checkpoint_resume_bit_identical(setup, tmp_path):
+    state0, step, loader, mesh, tx = (setup[k] for k in ("state0", "step", "loader", "mesh", "tx"))
+    # uninterrupted: 12 steps, checkpoint at 6 (and at the end)
+    ck = T.Checkpointer(tmp_path / "a", max_to_keep=2)
+    state = state0
+    for _, batch in T.prefetch_batches(loader.batch, range(12), mesh):
+        state, _ = step(state, batch)
+        if int(state.step) in (6, 12):
+            ck.save(state, {"loader_step": int(state.step)})
+    ck.close()
+    # interrupted: restore the step-6 checkpoint into an abstract state, continue to 12
+    ck = T.Checkpointer(tmp_path / "a")
+    assert ck.all_steps() == [6, 12]
+    graphdef, abstract = T.abstract_train_state(setup["model_fn"], tx, mesh=mesh)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    resumed, meta = ck.restore(6, abstract)
+    assert meta["loader_step"] == 6 and int(resumed.step) == 6
+    for s in range(int(resumed.step), 12):
+        resumed, _ = step(resumed, T.shard_batch(loader.batch(s), mesh))
+    assert _tree_equal(resumed, state)
+    latest, _ = ck.restore_latest(abstract)
+    assert _tree_equal(latest, state)
+    ck.close()
+    # the merged model is usable
+    model = T.merge_model(graphdef, resumed)
+    assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, LM_CFG.vocab_size)
+
+
+def test_evaluate_pads_last_batch(setup):
+    """20 examples in batches of 8 (last one padded) == the same plus 4 unlabelled rows (no padding)."""
+    mesh, graphdef, state = setup["mesh"], setup["graphdef"], setup["state0"]
+    ev = T.make_eval_step(graphdef, mesh)
+    x, y = TASK.generate(24, seed=3)
+    y = y.copy()
+    y[20:] = IGNORE_INDEX
+    a = T.evaluate(ev, state, (x[:20], y[:20]), batch_size=8, mesh=mesh)
+    b = T.evaluate(ev, state, (x, y), batch_size=8, mesh=mesh)
+    assert a["count"] == b["count"] == 20 * TASK.num_kv_pairs
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
+    assert a["accuracy"] == b["accuracy"] and 0.0 <= a["accuracy"] <= 1.0
+    assert a["loss"] > 0
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs >= 2 devices (see test_script_sharded_subprocess)")
+def test_sharded_step_two_devices(setup):
+    mesh = T.make_mesh(jax.devices()[:2])
+    tx, graphdef = setup["tx"], setup["graphdef"]
+    _, state = T.create_train_state(setup["model_fn"](), tx, mesh=mesh)
+    batch = T.shard_batch(setup["loader"].batch(0), mesh)
+    assert batch.inputs.sharding.spec == jax.sharding.PartitionSpec("data")
+    assert {s.data.shape[0] for s in batch.inputs.addressable_shards} == {8}
+    state, m = T.make_train_step(graphdef, tx, mesh)(state, batch)
+    assert np.isfinite(float(m["loss"]))
+    with pytest.raises(ValueError, match="divisible"):
+        T.shard_batch(TASK.generate(3, seed=0), mesh)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@dataclasses.dataclass
+class _Cfg:
+    lr: float = 3e-3
+    steps: int = 10
+    mixer: str = "gdn"
+    resume: bool = False
+    progress: bool = True
+    max_steps: Optional[int] = None
+    sizes: Tuple[int, ...] = (1, 2)
+
+
+def test_cli_overrides():
+    c = parse_dataclass(_Cfg, [])
+    assert c == _Cfg()
+    c = parse_dataclass(_Cfg, ["--lr", "1e-3", "--mixer", "attention", "--resume", "--no-progress",
+                               "--max_steps", "5", "--sizes", "3", "4", "5"])
+    assert c == _Cfg(lr=1e-3, mixer="attention", resume=True, progress=False, max_steps=5, sizes=(3, 4, 5))
+    assert isinstance(c.lr, float) and isinstance(c.max_steps, int)
+    assert parse_dataclass(_Cfg, ["--max_steps", "none"]).max_steps is None
+    assert parse_dataclass(_Cfg, ["--steps", "7"], defaults=_Cfg(lr=1.0)) == _Cfg(lr=1.0, steps=7)
+
+
+@pytest.mark.parametrize("argv", [["--bogus", "1"], ["--step", "5"], ["--lr", "abc"], ["--steps", "1.5"], ["extra"]])
+def test_cli_rejects_bad_flags(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_dataclass(_Cfg, argv)
+    assert e.value.code == 2
+
+
+def test_script_config_flags_cover_fields():
+    mod = _load_script()
+    cfg = parse_dataclass(mod.Config, ["--lr", "1e-3", "--mixer", "attention", "--backend", "scan", "--resume"])
+    assert (cfg.lr, cfg.mixer, cfg.backend, cfg.resume) == (1e-3, "attention", "scan", True)
+    assert cfg.steps == mod.Config().steps
+
+
+# ----------------------------------------------------------------------------- the script
+
+
+def test_script_end_to_end_and_resume(tmp_path):
+    mod = _load_script()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = TINY_ARGS + ["--steps", "12", "--eval_every", "6"]
+    res = mod.main(common + ["--out", a])
+    assert os.path.isfile(os.path.join(a, "results.json")) and os.path.getsize(os.path.join(a, "curves.png")) > 0
+    with open(os.path.join(a, "results.json")) as f:
+        saved = json.load(f)
+    assert saved["steps"] == res["steps"] == 12
+    assert [e["step"] for e in saved["evals"]] == [6, 12]
+    assert 0.0 <= saved["final_test_accuracy"] <= 1.0 and saved["num_devices"] == len(jax.local_devices())
+    assert saved["backend_resolved"] == ["chunk"] and saved["config"]["lr"] == 1e-2
+    for k in ("jax_version", "device_kind", "wall_s", "train_curve"):
+        assert k in saved
+
+    # interrupted at 6 (a copy of the step-6 checkpoint), resumed to 12: bit-identical to the
+    # uninterrupted run
+    import shutil
+
+    shutil.copytree(os.path.join(a, "ckpt", "6"), os.path.join(b, "ckpt", "6"))
+    cfg = parse_dataclass(mod.Config, common + ["--out", b, "--resume"])
+    res_b, state_b = mod.run(cfg)
+    assert res_b["resumed_from"] == 6 and [e["step"] for e in res_b["evals"]] == [6, 12]
+    model_fn, tx = mod.build(cfg)[3:]
+    _, abstract = T.abstract_train_state(model_fn, tx, mesh=T.make_mesh())
+    ck = T.Checkpointer(os.path.join(a, "ckpt"))
+    state_a, meta_a = ck.restore_latest(abstract)
+    ck.close()
+    assert meta_a["step"] == 12
+    assert _tree_equal(state_a, state_b)
+    assert res_b["final_test_accuracy"] == res["final_test_accuracy"]
+    assert res_b["evals"][-1]["test_loss"] == res["evals"][-1]["test_loss"]
+
+
+def test_script_sharded_subprocess(tmp_path):
+    """The script on 2 forced host devices: batches split over "data", results report 2 devices."""
+    code = textwrap.dedent(f"""
+        import runpy, json, numpy as np, jax
+        assert len(jax.devices()) == 2, jax.devices()
+        from gdn_jax import training as T
+        mesh = T.make_mesh()
+        x = T.shard_batch((np.zeros((4, 8), np.int32),), mesh)[0]
+        assert sorted(s.data.shape for s in x.addressable_shards) == [(2, 8), (2, 8)]
+        try:
+            T.shard_batch((np.zeros((3, 8), np.int32),), mesh)
+            raise SystemExit("no error for an indivisible batch")
+        except ValueError:
+            pass
+        mod = runpy.run_path({SCRIPT!r})
+        res = mod["main"]({TINY_ARGS!r} + ["--steps", "4", "--eval_every", "2", "--out", {str(tmp_path)!r}])
+        assert res["num_devices"] == 2 and np.isfinite(res["evals"][-1]["test_loss"])
+        print("OK", res["steps"])
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
+    p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "OK 4" in p.stdout
+    assert json.load(open(tmp_path / "results.json"))["num_devices"] == 2
