@@ -216,11 +216,11 @@ def kernel_breakdown(x, chunk, reps):
         ]
     nfwd = len(steps)
     steps.append(("bwd intra (+dVl)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)))
-    w2, u2, dvl = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
+    w2, u2, dvl, *t = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
     steps.append(("bwd state pass (recompute h)", lambda: PK.state_fwd(cfg, w2, u2, k, ekd, dec, h0, info)))
     steps.append(("bwd reverse state pass", lambda: PK.state_bwd(cfg, q, k, w2, dvl, do_l, eg, ekd, dec, dfin, info)))
     dh, dvn, _ = jax.jit(lambda: PK.state_bwd(cfg, q, k, w2, dvl, do_l, eg, ekd, dec, dfin, info))()
-    steps.append(("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn)))
+    steps.append(("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *t)))
     rows = []
     for name, fn in steps:
         jf = jax.jit(fn)
@@ -252,7 +252,8 @@ def _in_bytes(name, cfg, x):
         "bwd intra (+dVl)": 2 * tok(K, i) + 2 * tok(V, i) + 4 * sc,
         "bwd state pass (recompute h)": tok(K, m) + tok(V, u) + tok(K, i) + 2 * sc,
         "bwd reverse state pass": 2 * tok(K, i) + tok(K, m) + tok(V, m) + tok(V, i) + 3 * sc,
-        "bwd local grads": 2 * tok(K, i) + 2 * tok(V, i) + 6 * sc + 2 * hb + 2 * tok(V, m),
+        "bwd local grads": 2 * tok(K, i) + 2 * tok(V, i) + 6 * sc + 2 * hb + 2 * tok(V, m)
+        + (BH * n * cfg.C * cfg.C * 4 if cfg.tuning.save_t else 0),
     }[name]
 
 

@@ -302,7 +302,7 @@ def test_initial_state_gradient():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False),
+    dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
     dict(u_dtype="mid", state_dot="mid", out_dot="mid"),
 ], ids=["small-blocks-unfused", "all-bf16"])
 def test_tuning_variants(variant):

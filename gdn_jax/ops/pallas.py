@@ -140,10 +140,11 @@ def _core_bwd(cfg, res, cts):
     do, dfin = cts
     do = do.astype(cfg.in_dt)
     dfin = dfin.astype(F32)
-    w, u, dvl = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do)
+    w, u, dvl, *t = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do)
     vn, h, _ = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
     dh, dvn, dh0 = _k.state_bwd(cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info)
-    dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec = _k.grads(cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn)
+    dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec = _k.grads(cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn,
+                                                            dvn, *t)
     if cfg.packed:
         dh0 = jnp.where(_has_chunks(cfg, info)[None, :, None, None], dh0, dfin)
     return dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec, dh0, None

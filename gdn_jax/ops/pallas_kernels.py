@@ -84,6 +84,11 @@ class Tuning:
     Defaults keep bf16 errors at about 60% of the all-bf16 variant (measured rel. rms of o
     2.8e-3 vs 4.2e-3, final state 0.9e-3 vs 3.5e-3 at T=300, weak gates, D=128): U = W S +
     Vn cancels (Vn is a small residual of two O(|v|) terms), so U and S are kept wider.
+    ``fuse_output``: forward as intra (W, U, Aqk) + a state pass that also writes o (saves
+    the h_n and Vn round trips: ~0.4 GB at B4 T4096 H16 D128) instead of intra + state pass
+    + output kernel. ``save_t``: the backward intra kernel writes T = (I+A)^-1 (f32, C^2 per
+    chunk: 67 MB at B4 T4096 H16 C64) for the gradient kernel instead of a second inverse
+    (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs).
     """
 
     bv_state: Optional[int] = None
@@ -101,6 +106,7 @@ class Tuning:
     state_dot: str = "f32"
     out_dot: str = "f32"
     fuse_output: bool = True
+    save_t: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +277,12 @@ def _f32(ref, *idx):
 
 def _intra_kernel(cfg: Cfg, mode: str, *refs):
     """mode "wu": W, U.  "fwd": W, U, Aqk (for the fused state pass).  "bwd": W, U, dVl = Aqk^T dO."""
+    t_ref = None
     if mode == "bwd":
-        q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
+        if cfg.tuning.save_t:
+            q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref, t_ref = refs
+        else:
+            q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
     elif mode == "fwd":
         q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
     else:
@@ -283,6 +293,8 @@ def _intra_kernel(cfg: Cfg, mode: str, *refs):
     kb = k * beta
     A = _mm(cfg, kb, k, tb=True) * _decay(gc, gr, incl=False)
     T = _inv_unit_lower(cfg, A)
+    if t_ref is not None:
+        t_ref[...] = T
     w_ref[...] = _mm(cfg, T, kb * eg_ref[...], dt=F32).astype(w_ref.dtype)
     u_ref[...] = _mm(cfg, T, _f32(v_ref) * beta, dt=F32).astype(u_ref.dtype)
     if mode != "wu":
@@ -413,18 +425,23 @@ def _state_bwd_kernel(cfg: Cfg, *refs):
         dh0_ref[0] = dS.astype(dh0_ref.dtype)
 
 
-def _grad_kernel(cfg: Cfg, q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref,
-                 h_ref, dh_ref, vn_ref, dvn_ref,
-                 dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref):
+def _grad_kernel(cfg: Cfg, *refs):
     """Local gradients of one chunk. Ordered to keep few [C, K] / [C, C] f32 values live at
-    once (register pressure on GPU): the V loop, then the T/A path, then the Q K^T path."""
+    once (register pressure on GPU): the V loop, then the T/A path, then the Q K^T path.
+    T comes from the backward intra kernel (``tuning.save_t``) or is recomputed."""
+    if cfg.tuning.save_t:
+        (q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref, dvn_ref,
+         t_ref, dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref, dvn_ref,
+         dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
     k = _f32(k_ref)
     beta, gc, gr, eg = b_ref[...], gc_ref[...], gr_ref[...], eg_ref[...]
     strict = _strict_mask(cfg.C)
     kb = k * beta
     Gs = _decay(gc, gr, incl=False)
     A = _mm(cfg, kb, k, tb=True) * Gs
-    T = _inv_unit_lower(cfg, A)
+    T = t_ref[...] if cfg.tuning.save_t else _inv_unit_lower(cfg, A)
 
     # --- value-channel blocks: everything that contracts or runs over V
     bv = cfg.bv("grad")
@@ -506,7 +523,7 @@ def _scalar_specs(cfg: Cfg, f):
 def intra(cfg: Cfg, k, v, beta, gc, gr, eg, q=None, do=None):
     """W [BH,T,K] (intermediates' dtype) and U [BH,T,V] (cfg.u_dt); plus, when q is given,
     Aqk = tril(Q K^T * Gamma) [BH,n,C,C] (cfg.out_dt; for the fused forward), or with q and
-    do given dVl = Aqk^T dO [BH,T,V] (backward)."""
+    do given dVl = Aqk^T dO [BH,T,V] and, with ``tuning.save_t``, T [BH,n,C,C] f32 (backward)."""
     C, K, V, BH, n = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n
     mode = "wu" if q is None else ("fwd" if do is None else "bwd")
     f = lambda b, c: (b, c)
@@ -526,6 +543,9 @@ def intra(cfg: Cfg, k, v, beta, gc, gr, eg, q=None, do=None):
     elif mode == "fwd":
         out_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0)))
         out_shape.append(_sds((BH, n, C, C), cfg.out_dt))
+    if mode == "bwd" and cfg.tuning.save_t:
+        out_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0)))
+        out_shape.append(_sds((BH, n, C, C), F32))
     fn = pl.pallas_call(
         functools.partial(_intra_kernel, cfg, mode),
         out_shape=out_shape,
@@ -641,7 +661,7 @@ def state_bwd(cfg: Cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info):
     return _plat.call(cfg.p, fn, *args)
 
 
-def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn):
+def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t=None):
     """Per-chunk local gradients: (dq, dk, dv) in the token layout and cfg.in_dt;
     dbeta, dgamma_col, d e^gamma, d e^{gamma_C-gamma} as [BH,T,1]; dgamma_row [BH,n,1,C];
     d e^{gamma_C} [BH,n,1,1]; all scalars f32."""
@@ -660,9 +680,11 @@ def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn):
             _sds((BH, Tp, 1), F32), _sds((BH, Tp, 1), F32), _sds((BH, n, 1, 1), F32),
         ],
         grid=(BH, n),
-        in_specs=[tk, tk, tv, tv, col, col, row, col, col, hk, hk, hv, hv],
+        in_specs=[tk, tk, tv, tv, col, col, row, col, col, hk, hk, hv, hv]
+        + ([pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))] if cfg.tuning.save_t else []),
         out_specs=[tk, tk, tv, col, col, row, col, col, pl.BlockSpec((None, None, 1, 1), lambda b, c: (b, c, 0, 0))],
         name="gdn_grads",
         **cfg.kw("grad", 2),
     )
-    return _plat.call(cfg.p, fn, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn)
+    extra = (t,) if cfg.tuning.save_t else ()
+    return _plat.call(cfg.p, fn, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *extra)
