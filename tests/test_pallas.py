@@ -243,7 +243,7 @@ def test_tpu_lowering_export(packed, K, V, C, fuse):
 @pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 128, 128, 64, True), (True, 16, 256, 32, False)])
 def test_gpu_triton_lowering_export(packed, K, V, C, fuse):
     """Pallas -> Triton IR lowering of fwd and grad (the Triton compiler itself runs only on a GPU)."""
-    _export("cuda", packed, K, V, C, fuse_output=fuse)
+    _export("cuda", packed, K, V, C, fuse_output=fuse, merge_state=not fuse, save_t=fuse)
 
 
 # ---------------------------------------------------------------------------
@@ -272,6 +272,15 @@ def test_packed_sequences():
         for name in ("q", "k", "v", "g", "beta"):
             assert rel_rms(gr[name][:, s:e], gn[name]) < 1e-4, name
         assert rel_rms(gr["initial_state"][n:n + 1], gn["initial_state"]) < 1e-4
+
+
+def test_packed_merged_state_passes():
+    """cu_seqlens with both backward state passes in one launch (tuning merge_state)."""
+    cu = [0, 30, 30, 41]
+    x = make(11, 1, 41, 2, 16, 32, init=True, N=3)
+    with P.tuning(merge_state=True, bv_state=16):
+        got = run(x, chunk_size=16, cu_seqlens=cu)
+    check(got, ref(x, cu_seqlens=cu))
 
 
 @pytest.mark.parametrize("dt", [F16, BF16])
@@ -303,8 +312,8 @@ def test_initial_state_gradient():
 
 @pytest.mark.parametrize("variant", [
     dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
-    dict(u_dtype="mid", state_dot="mid", out_dot="mid"),
-], ids=["small-blocks-unfused", "all-bf16"])
+    dict(u_dtype="mid", state_dot="mid", out_dot="mid", merge_state=True),
+], ids=["small-blocks-unfused", "all-bf16-merged"])
 def test_tuning_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
     x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)

@@ -141,8 +141,11 @@ def _core_bwd(cfg, res, cts):
     do = do.astype(cfg.in_dt)
     dfin = dfin.astype(F32)
     w, u, dvl, *t = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do)
-    vn, h, _ = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
-    dh, dvn, dh0 = _k.state_bwd(cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info)
+    if cfg.tuning.merge_state and not _plat.is_tpu_layout(cfg.p):
+        vn, h, dh, dvn, dh0 = _k.state_both(cfg, w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin, info)
+    else:
+        vn, h, _ = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)
+        dh, dvn, dh0 = _k.state_bwd(cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info)
     dq, dk, dv, dbeta, dgc, dgr, deg, dekd, ddec = _k.grads(cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn,
                                                             dvn, *t)
     if cfg.packed:

@@ -88,7 +88,9 @@ class Tuning:
     the h_n and Vn round trips: ~0.4 GB at B4 T4096 H16 D128) instead of intra + state pass
     + output kernel. ``save_t``: the backward intra kernel writes T = (I+A)^-1 (f32, C^2 per
     chunk: 67 MB at B4 T4096 H16 C64) for the gradient kernel instead of a second inverse
-    (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs).
+    (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs). ``merge_state``
+    (GPU / CPU interpret; ignored on TPU): run the two backward state passes (forward
+    recompute and reverse), which are independent, in one launch with twice the programs.
     """
 
     bv_state: Optional[int] = None
@@ -107,6 +109,7 @@ class Tuning:
     out_dot: str = "f32"
     fuse_output: bool = True
     save_t: bool = True
+    merge_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +161,9 @@ class Cfg:
         V = self.V
         if _plat.is_tpu_layout(self.p):
             return V if V <= 128 or V % 128 else 128
-        if kind == "state":
+        if kind == "state":  # sequential chains: want >= ~2 programs per SM (H200: 132 SMs)
             bv = min(V, 64)
-            while bv > 32 and self.BH * (V // bv) < 264:
+            while bv > 16 and self.BH * (V // bv) < 256:
                 bv //= 2
             return bv
         if kind == "out":
@@ -315,7 +318,12 @@ def _state_fwd_kernel(cfg: Cfg, *refs):
     if cfg.packed:
         w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, info_ref, vn_ref, h_ref, fin_ref = refs
     else:
-        w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, vn_ref, h_ref, fin_ref = refs
+        (w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, vn_ref, h_ref, fin_ref), info_ref = refs, None
+    _state_fwd_loop(cfg, w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, info_ref, vn_ref, h_ref, fin_ref)
+
+
+def _state_fwd_loop(cfg, w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, info_ref, vn_ref, h_ref, fin_ref):
+    """Forward state pass: writes Vn, h_n (entering states) and, unless fin_ref is None, the final state."""
     C = cfg.C
 
     def body(i, S):
@@ -330,7 +338,7 @@ def _state_fwd_kernel(cfg: Cfg, *refs):
         vn_ref[rows, :] = vn.astype(vn_ref.dtype)
         kd = _f32(k_ref, rows, slice(None)) * ekd_ref[rows, :]
         S = dec_ref[i] * S + _mm(cfg, kd, vn, ta=True, dt=sdt)
-        if cfg.packed:
+        if cfg.packed and fin_ref is not None:
 
             @pl.when(last)
             def _():
@@ -340,7 +348,7 @@ def _state_fwd_kernel(cfg: Cfg, *refs):
 
     S0 = jnp.zeros(h0_ref.shape[1:], F32) if cfg.packed else _f32(h0_ref, 0)
     S = lax.fori_loop(0, cfg.n, body, S0)
-    if not cfg.packed:
+    if not cfg.packed and fin_ref is not None:
         fin_ref[0] = S.astype(fin_ref.dtype)
 
 
@@ -393,7 +401,15 @@ def _state_bwd_kernel(cfg: Cfg, *refs):
         (q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, info_ref,
          dh_ref, dvn_ref, dh0_ref) = refs
     else:
-        q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, dh_ref, dvn_ref, dh0_ref = refs
+        (q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, dh_ref, dvn_ref, dh0_ref) = refs
+        info_ref = None
+    _state_bwd_loop(cfg, q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, info_ref,
+                    dh_ref, dvn_ref, dh0_ref)
+
+
+def _state_bwd_loop(cfg, q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, info_ref,
+                    dh_ref, dvn_ref, dh0_ref):
+    """Reverse state pass: writes dh_n (gradient w.r.t. the state leaving chunk n), dVn, d h0."""
     C, n = cfg.C, cfg.n
 
     def body(jj, dS):
@@ -423,6 +439,30 @@ def _state_bwd_kernel(cfg: Cfg, *refs):
     dS = lax.fori_loop(0, n, body, dS0)
     if not cfg.packed:
         dh0_ref[0] = dS.astype(dh0_ref.dtype)
+
+
+def _state_both_kernel(cfg: Cfg, *refs):
+    """Both backward state passes in one launch, grid (BH, V/BV, 2): direction 0 recomputes
+    the forward pass (Vn, h_n), direction 1 runs the reverse pass (dh_n, dVn, d h0). They are
+    independent, so this doubles the number of concurrent sequential chains (GPU only: each
+    program writes only its own outputs, which the TPU pipeline would not allow)."""
+    if cfg.packed:
+        (w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, q_ref, dvl_ref, do_ref, eg_ref, dfin_ref, info_ref,
+         vn_ref, h_ref, dh_ref, dvn_ref, dh0_ref) = refs
+    else:
+        (w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, q_ref, dvl_ref, do_ref, eg_ref, dfin_ref,
+         vn_ref, h_ref, dh_ref, dvn_ref, dh0_ref) = refs
+        info_ref = None
+    d = pl.program_id(2)
+
+    @pl.when(d == 0)
+    def _():
+        _state_fwd_loop(cfg, w_ref, u_ref, k_ref, ekd_ref, dec_ref, h0_ref, info_ref, vn_ref, h_ref, None)
+
+    @pl.when(d == 1)
+    def _():
+        _state_bwd_loop(cfg, q_ref, k_ref, w_ref, dvl_ref, do_ref, eg_ref, ekd_ref, dec_ref, dfin_ref, info_ref,
+                        dh_ref, dvn_ref, dh0_ref)
 
 
 def _grad_kernel(cfg: Cfg, *refs):
@@ -657,6 +697,33 @@ def state_bwd(cfg: Cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info):
         out_specs=[hs, hm_v, st],
         name="gdn_state_bwd",
         **cfg.kw("state", 2),
+    )
+    return _plat.call(cfg.p, fn, *args)
+
+
+def state_both(cfg: Cfg, w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin, info):
+    """:func:`state_fwd` (without the final state) and :func:`state_bwd` in one launch
+    (``tuning.merge_state``; not on TPU). Returns (Vn, h, dh, dVn, d h0)."""
+    bv = cfg.bv("state")
+    BH, K, V, n, Tp = cfg.BH, cfg.K, cfg.V, cfg.n, cfg.Tp
+    full_k, hm_k, hm_v, col, decs, st, hs = _state_common_specs(cfg, bv)
+    f3 = lambda spec: pl.BlockSpec(spec.block_shape, lambda b, j, d, im=spec.index_map: im(b, j))
+    do_spec = _tok_spec(cfg, Tp, bv, lambda b, j: (b, 0, j))
+    in_specs = [hm_k, hm_v, full_k(), col, decs, st, full_k(), hm_v, do_spec, col, st]
+    args = [w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin]
+    in_specs = [f3(sp) for sp in in_specs]
+    if cfg.packed:
+        in_specs.append(_plat.smem_spec(cfg.p, info.shape))
+        args.append(info)
+    fn = pl.pallas_call(
+        functools.partial(_state_both_kernel, cfg),
+        out_shape=[_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt),
+                   _sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)],
+        grid=(BH, V // bv, 2),
+        in_specs=in_specs,
+        out_specs=[f3(hm_v), f3(hs), f3(hs), f3(hm_v), f3(st)],
+        name="gdn_state_both",
+        **cfg.kw("state", 3),
     )
     return _plat.call(cfg.p, fn, *args)
 
