@@ -75,7 +75,7 @@ def is_tpu_layout(p: str) -> bool:
 
 
 def pallas_call_kwargs(p: str, *, num_warps: int = 4, num_stages: int = 2, n_grid: int = 2,
-                       sequential_last: bool = False) -> dict:
+                       sequential_last: bool = False, vmem_bytes: Optional[int] = None) -> dict:
     """``interpret`` / ``compiler_params`` arguments of a ``pallas_call`` for platform ``p``."""
     if p == "gpu":
         from jax.experimental.pallas import triton as plt
@@ -87,12 +87,35 @@ def pallas_call_kwargs(p: str, *, num_warps: int = 4, num_stages: int = 2, n_gri
         sem = ["parallel"] * n_grid
         if sequential_last:
             sem[-1] = "arbitrary"
-        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(sem)))
+        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(sem), vmem_limit_bytes=vmem_bytes))
     if p == "tpu_interpret":
         from jax.experimental.pallas import tpu as pltpu
 
         return dict(interpret=pltpu.InterpretParams())
     return dict(interpret=True)
+
+
+def tpu_vmem_bytes(blocks) -> Optional[int]:
+    """Scoped-VMEM limit for a TPU kernel whose blocks [(BlockSpec, dtype)] are double-buffered:
+    None (compiler default) when they fit in 12 MiB, else their padded size * 1.25, capped at
+    100 MiB. (The state passes keep whole sequences in VMEM; VMEM is 128 MiB on v5e/v5p/v6e.)"""
+    total = 0
+    for spec, dt in blocks:
+        shape = [d for d in (getattr(spec, "block_shape", None) or ()) if d is not None]
+        if not shape:
+            continue
+        item = jnp.dtype(dt).itemsize
+        shape = [1] * max(0, 2 - len(shape)) + list(shape)
+        shape[-1] = -(-shape[-1] // 128) * 128
+        sub = 8 * max(1, 4 // item)
+        shape[-2] = -(-shape[-2] // sub) * sub
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += 2 * n * item
+    if total <= 12 * 2**20:
+        return None
+    return int(min(total * 1.25, 100 * 2**20))
 
 
 def smem_spec(p: str, shape):

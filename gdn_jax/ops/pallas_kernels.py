@@ -177,7 +177,8 @@ class Cfg:
             raise ValueError(f"bv_{kind}={v} must divide V={self.V}")
         return v
 
-    def kw(self, kind, n_grid, sequential_last=False):
+    def kw(self, kind, n_grid, sequential_last=False, blocks=None):
+        """pallas_call kwargs; ``blocks`` = [(BlockSpec, dtype)] sizes the TPU VMEM limit."""
         t = self.tuning
         warps = {
             "intra": t.warps_intra,
@@ -185,8 +186,9 @@ class Cfg:
             "out": t.warps_out,
             "grad": t.warps_grad or (8 if max(self.K, self.V) >= 128 else 4),
         }[kind]
+        vmem = _plat.tpu_vmem_bytes(blocks) if (blocks and self.p == "tpu") else None
         return _plat.pallas_call_kwargs(self.p, num_warps=warps, num_stages=t.num_stages, n_grid=n_grid,
-                                        sequential_last=sequential_last)
+                                        sequential_last=sequential_last, vmem_bytes=vmem)
 
 
 # ---------------------------------------------------------------------------
@@ -548,6 +550,10 @@ def _strict_mask(C):
 # ---------------------------------------------------------------------------
 
 
+def _blocks(in_specs, args, out_specs, out_shapes):
+    return [(sp, a.dtype) for sp, a in zip(in_specs, args)] + [(sp, o.dtype) for sp, o in zip(out_specs, out_shapes)]
+
+
 def _sds(shape, dt):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt))
 
@@ -621,14 +627,16 @@ def state_fwd(cfg: Cfg, w, u, k, ekd, dec, h0, info):
     if cfg.packed:
         in_specs.append(_plat.smem_spec(cfg.p, info.shape))
         args.append(info)
+    out_shapes = [_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt), _sds(h0.shape, F32)]
+    out_specs_l = [hm_v, hs, st]
     fn = pl.pallas_call(
         functools.partial(_state_fwd_kernel, cfg),
-        out_shape=[_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt), _sds(h0.shape, F32)],
+        out_shape=out_shapes,
         grid=(BH, V // bv),
         in_specs=in_specs,
-        out_specs=[hm_v, hs, st],
+        out_specs=out_specs_l,
         name="gdn_state_fwd",
-        **cfg.kw("state", 2),
+        **cfg.kw("state", 2, blocks=_blocks(in_specs, args, out_specs_l, out_shapes)),
     )
     return _plat.call(cfg.p, fn, *args)
 
@@ -645,14 +653,16 @@ def state_out(cfg: Cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk):
     if cfg.packed:
         in_specs.append(_plat.smem_spec(cfg.p, info.shape))
         args.append(info)
+    out_shapes = [_sds(_tok_shape(cfg, V), cfg.in_dt), _sds(h0.shape, F32)]
+    out_specs_l = [_tok_spec(cfg, Tp, bv, lambda b, j: (b, 0, j)), st]
     fn = pl.pallas_call(
         functools.partial(_state_out_kernel, cfg),
-        out_shape=[_sds(_tok_shape(cfg, V), cfg.in_dt), _sds(h0.shape, F32)],
+        out_shape=out_shapes,
         grid=(BH, V // bv),
         in_specs=in_specs,
-        out_specs=[_tok_spec(cfg, Tp, bv, lambda b, j: (b, 0, j)), st],
+        out_specs=out_specs_l,
         name="gdn_state_out",
-        **cfg.kw("state", 2),
+        **cfg.kw("state", 2, blocks=_blocks(in_specs, args, out_specs_l, out_shapes)),
     )
     return _plat.call(cfg.p, fn, *args)
 
@@ -689,14 +699,16 @@ def state_bwd(cfg: Cfg, q, k, w, dvl, do, eg, ekd, dec, dfin, info):
     if cfg.packed:
         in_specs.append(_plat.smem_spec(cfg.p, info.shape))
         args.append(info)
+    out_shapes = [_sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)]
+    out_specs_l = [hs, hm_v, st]
     fn = pl.pallas_call(
         functools.partial(_state_bwd_kernel, cfg),
-        out_shape=[_sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)],
+        out_shape=out_shapes,
         grid=(BH, V // bv),
         in_specs=in_specs,
-        out_specs=[hs, hm_v, st],
+        out_specs=out_specs_l,
         name="gdn_state_bwd",
-        **cfg.kw("state", 2),
+        **cfg.kw("state", 2, blocks=_blocks(in_specs, args, out_specs_l, out_shapes)),
     )
     return _plat.call(cfg.p, fn, *args)
 
@@ -715,15 +727,17 @@ def state_both(cfg: Cfg, w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin, info):
     if cfg.packed:
         in_specs.append(_plat.smem_spec(cfg.p, info.shape))
         args.append(info)
+    out_shapes = [_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt),
+                   _sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)]
+    out_specs_l = [f3(hm_v), f3(hs), f3(hs), f3(hm_v), f3(st)]
     fn = pl.pallas_call(
         functools.partial(_state_both_kernel, cfg),
-        out_shape=[_sds((BH, Tp, V), cfg.mid_dt), _sds((BH, n, K, V), cfg.mid_dt),
-                   _sds((BH, n, K, V), cfg.mid_dt), _sds((BH, Tp, V), cfg.mid_dt), _sds(dfin.shape, F32)],
+        out_shape=out_shapes,
         grid=(BH, V // bv, 2),
         in_specs=in_specs,
-        out_specs=[f3(hm_v), f3(hs), f3(hs), f3(hm_v), f3(st)],
+        out_specs=out_specs_l,
         name="gdn_state_both",
-        **cfg.kw("state", 3),
+        **cfg.kw("state", 3, blocks=_blocks(in_specs, args, out_specs_l, out_shapes)),
     )
     return _plat.call(cfg.p, fn, *args)
 
