@@ -35,6 +35,8 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# leave GPU memory for torch (FLA) next to JAX's preallocation
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -326,8 +328,9 @@ def main(argv=None):
     results = {}  # shape -> list of (label, fwd, fb, note)
     numerics = {}
     breakdowns = {}
+    t_start = time.time()
     for shape in shapes:
-        log(f"\n=== B,T,H,D = {shape}")
+        log(f"\n=== B,T,H,D = {shape}   (elapsed {time.time() - t_start:.0f} s)")
         x = make_inputs(shape)
         rows = results.setdefault(shape, [])
 
@@ -441,6 +444,7 @@ def main(argv=None):
         if shape == TARGET[0] and "pallas" in d:
             ok = d["pallas"][2] <= TARGET[1]
             log(f"{'':<16} TARGET fwd+bwd <= {TARGET[1]} ms: {'MET' if ok else 'NOT MET'} ({d['pallas'][2]:.3f} ms)")
+    log(f"(total {time.time() - t_start:.0f} s)")
     log("=" * 100)
 
 
