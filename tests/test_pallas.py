@@ -162,7 +162,7 @@ def test_forward_and_grads(case):
 
 def test_single_token():
     x = make(1, 2, 1, 2, 32, 32, init=True)
-    check(run(x, chunk_size=64, grads=False), ref(x, grads=False))
+    check(run(x, chunk_size=64), ref(x))
 
 
 def test_l2norm_and_scale():

@@ -25,8 +25,19 @@ zero-padded to the next power of two), chunk_size 16/32/64/128, float32 / bfloat
 / float16 inputs with float32 accumulation. Declined with a reason:
 per-key-channel g, per-value-channel beta, float64.
 
+Precision: kernels read q, k, v, dO in the input dtype and accumulate in float32.
+With bf16 inputs the intermediates written to HBM (W, Vn, h_n, dVl, dVn, dh_n) are
+bf16, U stays float32 and the state/output dots take float32 operands (TF32 on
+GPU), because Vn = U - W S is a small difference of O(|v|) terms (see
+``pallas_kernels.Tuning``). The in-chunk triangular inverse is the recursive block
+formula (stable; the doubling product is not). e^{gamma_C - gamma} is built from a
+reverse cumsum of g, not as a difference of large cumulative sums, which keeps gate
+gradients accurate under very strong decay.
+
 Platforms: see ``_pallas_platform.py`` (GPU: Triton lowering; TPU: Mosaic;
-CPU: interpret mode).
+CPU: interpret mode). The TPU variant is checked by interpretation and by lowering
+(``jax.export``) only; its state passes hold whole sequences in VMEM (the limit is
+raised up to 100 MiB), so very long sequences need a chunk-streaming variant there.
 """
 from __future__ import annotations
 
@@ -57,7 +68,9 @@ _TUNING = Tuning()
 def tuning(**kw):
     """Temporarily change kernel settings (:class:`pallas_kernels.Tuning` fields), e.g.
     ``with tuning(bv_state=64, warps_grad=4): jax.jit(f)(...)``. Settings are read when a
-    function is traced, so trace (jit) inside the ``with``."""
+    function is traced, so trace (jit) inside the ``with`` -- and use a fresh function object:
+    ``jax.jit`` caches traces per function and does not see these settings (nor
+    ``_pallas_platform.force_platform``) as part of its key."""
     global _TUNING
     old = _TUNING
     _TUNING = dataclasses.replace(old, **kw)
