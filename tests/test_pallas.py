@@ -420,3 +420,14 @@ def test_supports_and_unsupported_options_raise():
         gated_delta_rule(q, k, v, jnp.zeros(q.shape), b, backend="pallas")
     with pytest.raises(NotImplementedError, match="chunk_size=24"):
         gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=24)
+
+
+def test_gpu_kernel_chunk_policy():
+    """The GPU kernels cap the chunk (measured on an H200; the result is chunk-independent)."""
+    from gdn_jax.ops import _pallas_platform as plat
+
+    assert plat.kernel_chunk("gpu", 64, 128) == 32
+    assert plat.kernel_chunk("gpu", 64, 256) == 16
+    assert plat.kernel_chunk("gpu", 16, 64) == 16
+    assert plat.kernel_chunk("interpret", 64, 256) == 64
+    assert plat.kernel_chunk("tpu", 128, 128) == 128

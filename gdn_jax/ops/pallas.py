@@ -237,7 +237,7 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
         _plat.silence_triton_deprecation_at_lowering()
     B, T, H, K0 = q.shape
     V0 = v.shape[-1]
-    C = int(chunk_size)
+    C = _plat.kernel_chunk(p, chunk_size, max(K0, V0))  # GPU: at most 32 (see _pallas_platform.MAX_KERNEL_CHUNK)
     in_dt = _in_dtype(q, k, v)
     tun = _TUNING
     if tun.mid_dtype == "auto":
