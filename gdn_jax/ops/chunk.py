@@ -186,6 +186,9 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
 
     qc, kc, vc, gcc, bc = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
     gam = jnp.cumsum(gcc, axis=3)  # [B,H,n,C] or [B,H,n,C,K]
+    # gamma_C - gamma_i = sum_{j > i} g_j as a reverse cumsum, not a difference of two large
+    # cumulative sums (more accurate dg under very strong gates).
+    to_end = jnp.flip(jnp.cumsum(jnp.flip(gcc, 3), axis=3), 3) - gcc
     kb = kc * bc[..., None]
     strict = _tril_mask(C, strict=True)
     if g_pc:
@@ -193,14 +196,14 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
         Aqk = _decay_gram_channel(qc, kc, gam)
         eg = jnp.exp(gam)
         glast = gam[..., -1:, :]
-        kd = kc * jnp.exp(glast - gam)
+        kd = kc * jnp.exp(to_end)
         dec = jnp.exp(glast[..., 0, :])[..., :, None]  # [B,H,n,K,1]
     else:
         A = _decay_gram_head(kb, kc, gam)
         Aqk = _decay_gram_head(qc, kc, gam)
         eg = jnp.exp(gam)[..., None]
         glast = gam[..., -1:]
-        kd = kc * jnp.exp(glast - gam)[..., None]
+        kd = kc * jnp.exp(to_end)[..., None]
         dec = jnp.exp(glast)[..., None]  # [B,H,n,1,1]
     Tinv = unit_lower_inverse(jnp.where(strict, A, 0.0))  # (I + A)^-1
     W = _mm(Tinv, kb * eg)  # [B,H,n,C,K]
