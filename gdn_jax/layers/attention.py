@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..inference.cache import KVCache
 from ..ops._common import seq_info
 
 
@@ -103,3 +104,46 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
         return self.output(o, x)
+
+    # ------------------------------------------------------------------ inference (decode) path
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache: k, v ``[batch, max_len, N, D]`` in ``self.dtype``, ``pos = 0``."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        shape = (batch, max_len, self.num_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
+
+    def prefill(self, x, *, max_len: int):
+        """Attend over the prompt ``x [B, T, hidden_size]`` (causal, as ``self(x)``) and write its
+        keys/values into a new cache of static length ``max_len``. Returns ``(y, cache)``.
+
+        Raises ValueError if T > max_len (the prompt does not fit the cache)."""
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        if max_len is None or T > max_len:
+            raise ValueError(f"prompt of {T} tokens does not fit an attention KV cache of max_len = {max_len}")
+        q, k, v = self.qkv(x, jnp.arange(T))
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        c = self.init_cache(B, max_len)
+        cache = KVCache(jax.lax.dynamic_update_slice_in_dim(c.k, k.astype(c.k.dtype), 0, axis=1),
+                        jax.lax.dynamic_update_slice_in_dim(c.v, v.astype(c.v.dtype), 0, axis=1),
+                        jnp.asarray(T, jnp.int32))
+        return self.output(o, x), cache
+
+    def decode(self, x_t, cache: KVCache):
+        """One token ``x_t [B, 1, hidden_size]`` at position ``cache.pos``: write its key/value at
+        that slot (``dynamic_update_slice``), attend over slots ``<= pos`` and advance ``pos``.
+        Jit-able. A step past ``max_len`` cannot raise under jit: it returns NaN instead."""
+        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
+        pos = cache.pos
+        q, k, v = self.qkv(x_t, pos[None])
+        kc = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), pos, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), pos, axis=1)
+        S = kc.shape[1]
+        mask = (jnp.arange(S) <= pos)[None, None, None, :]
+        o = jax.nn.dot_product_attention(q, kc, vc, mask=mask)
+        y = self.output(o, x_t)
+        y = jnp.where(pos < S, y, jnp.asarray(jnp.nan, y.dtype))
+        return y, KVCache(kc, vc, pos + 1)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..ops import gated_delta_rule
+from ..inference.cache import GDNCache
+from ..ops import gated_delta_rule, gated_delta_rule_step
 from .conv import ShortConv
 
 DECAY_KINDS = ("mamba2", "sigmoid")
@@ -77,6 +78,7 @@ class GatedDeltaNet(nnx.Module):
         self.decay, self.decay_per_channel = decay, decay_per_channel
         self.beta_per_channel, self.allow_neg_eigval = beta_per_channel, allow_neg_eigval
         self.use_short_conv, self.backend, self.chunk_size = use_short_conv, backend, chunk_size
+        self.conv_size = conv_size
         self.dtype = dtype
 
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -146,6 +148,60 @@ class GatedDeltaNet(nnx.Module):
             cu_seqlens=cu_seqlens, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend,
         )
         return self._output(o, x)
+
+    # ------------------------------------------------------------------ inference (decode) path
+    def init_cache(self, batch: int, max_len=None) -> GDNCache:
+        """An empty cache (``max_len`` ignored: the size does not depend on the context): zero state ``[batch, H, K, V]`` float32 and zero conv states
+        ``[batch, conv_size-1, H*K]`` (q, k) / ``[batch, conv_size-1, H*V]`` (v) in ``self.dtype``."""
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        state = jnp.zeros((batch, H, K, V), jnp.float32)
+        if not self.use_short_conv:
+            return GDNCache(state)
+        W1 = self.conv_size - 1
+        z = lambda d: jnp.zeros((batch, W1, d), self.dtype)
+        return GDNCache(state, z(H * K), z(H * K), z(H * V))
+
+    def _qkv_cached(self, x, cache: GDNCache):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if not self.use_short_conv:
+            return q, k, v, (None, None, None)
+        q, cq = self.q_conv(q, cache=cache.conv_q)
+        k, ck = self.k_conv(k, cache=cache.conv_k)
+        v, cv = self.v_conv(v, cache=cache.conv_v)
+        return q, k, v, (cq.astype(self.dtype), ck.astype(self.dtype), cv.astype(self.dtype))
+
+    def prefill(self, x, *, max_len=None):
+        """Run the prompt ``x [B, T, hidden_size]`` with the layer's backend (chunk / pallas / scan)
+        and return ``(y [B, T, hidden_size], cache)``; ``y`` equals ``self(x)``. ``max_len`` is
+        accepted for a uniform mixer interface and ignored (the cache has a fixed size)."""
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        q, k, v, convs = self._qkv_cached(x, self.init_cache(B))
+        g, beta = self.gates(x)
+        o, state = gated_delta_rule(
+            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), g, beta,
+            output_final_state=True, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend,
+        )
+        cache = GDNCache(state.astype(jnp.float32), *convs) if self.use_short_conv else GDNCache(state.astype(jnp.float32))
+        return self._output(o, x), cache
+
+    def decode(self, x_t, cache: GDNCache):
+        """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``
+        through :func:`gdn_jax.ops.gated_delta_rule_step` (float32 state). Jit-able."""
+        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
+        B = x_t.shape[0]
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        q, k, v, convs = self._qkv_cached(x_t, cache)
+        g, beta = self.gates(x_t)
+        o, state = gated_delta_rule_step(
+            q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, H, V), g[:, 0], beta[:, 0], cache.state,
+            use_qk_l2norm=True,
+        )
+        new = GDNCache(state, *convs) if self.use_short_conv else GDNCache(state)
+        return self._output(o[:, None], x_t), new
 
     def _output(self, o, x):
         B, T = x.shape[:2]

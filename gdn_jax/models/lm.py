@@ -144,6 +144,29 @@ class Block(nnx.Module):
         return x
 
 
+    def _need(self, name):
+        if not hasattr(self.mixer, name):
+            raise NotImplementedError(f"mixer {self.mixer_name!r} ({type(self.mixer).__name__}) has no {name}(); "
+                                      "decoding needs init_cache/prefill/decode on every mixer")
+        return getattr(self.mixer, name)
+
+    def init_cache(self, batch: int, max_len: int):
+        return self._need("init_cache")(batch, max_len)
+
+    def _mlp(self, x):
+        if self.mlp is not None:
+            x = x + self.mlp(self.norm2(x))
+        return x
+
+    def prefill(self, x, *, max_len: int):
+        y, cache = self._need("prefill")(self.norm1(x), max_len=max_len)
+        return self._mlp(x + y), cache
+
+    def decode(self, x_t, cache):
+        y, cache = self._need("decode")(self.norm1(x_t), cache)
+        return self._mlp(x_t + y), cache
+
+
 class LM(nnx.Module):
     """Token embedding, N pre-norm blocks, final RMSNorm and a tied LM head.
 
@@ -167,3 +190,45 @@ class LM(nnx.Module):
             x = blk(x, cu_seqlens=cu_seqlens)
         x = self.norm(x)
         return self.embed.attend(x).astype(jnp.float32)
+
+    # ------------------------------------------------------------------ inference (decode) path
+    def init_cache(self, batch: int, max_len: int) -> tuple:
+        """Per-layer empty caches (a tuple): :class:`~gdn_jax.inference.cache.GDNCache` for GDN layers
+        (fixed size), :class:`~gdn_jax.inference.cache.KVCache` of ``max_len`` slots for attention."""
+        return tuple(blk.init_cache(batch, max_len) for blk in self.blocks)
+
+    def _check_tokens(self, tokens):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.shape[1] == 0:
+            raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
+
+    def prefill(self, tokens, max_len: int):
+        """Run the prompt ``tokens [B, T]`` (GDN layers through the chunked / Pallas op) and return
+        ``(logits [B, T, vocab] float32, cache)``; attention caches have ``max_len`` slots
+        (``ValueError`` if T > max_len). The logits equal ``self(tokens)``."""
+        self._check_tokens(tokens)
+        if max_len is None or tokens.shape[1] > max_len:
+            raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than max_len = {max_len}")
+        x = self.embed(tokens)
+        caches = []
+        for blk in self.blocks:
+            x, c = blk.prefill(x, max_len=max_len)
+            caches.append(c)
+        return self.embed.attend(self.norm(x)).astype(jnp.float32), tuple(caches)
+
+    def decode_step(self, token, cache):
+        """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
+        Jit-able; GDN layers use the single-token recurrence on their float32 state."""
+        if token.ndim == 1:
+            token = token[:, None]
+        if token.ndim != 2 or token.shape[1] != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
+            raise ValueError(f"token must be an integer array [B] or [B, 1], got {token.dtype} {tuple(token.shape)}")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"cache has {len(cache)} layer entries for {len(self.blocks)} layers")
+        x = self.embed(token)
+        new = []
+        for blk, c in zip(self.blocks, cache):
+            x, c = blk.decode(x, c)
+            new.append(c)
+        return self.embed.attend(self.norm(x))[:, 0].astype(jnp.float32), tuple(new)

@@ -1,0 +1,145 @@
+"""Decode memory and latency: seed 004 §6.6.6's table, then per-token decode latency measured here.
+
+(a) Prints the exact cache sizes of seed 004 §6.6.6 (emb 2048, 16 x 128 heads, 48 layers, bf16,
+    batch 1): full-attention KV cache at 4K / 32K / 128K against the GDN state (the seed's bf16
+    figure and what gdn_jax keeps: float32 state + bf16 short-conv cache), and a 3:1 hybrid
+    (formulas in :mod:`gdn_jax.inference.memory`).
+(b) Measures, on this machine, the per-token decode latency (jitted ``LM.decode_step``, batch 1,
+    median of ``--reps`` calls) and the cache bytes of a GDN model, an attention model and a 3:1
+    hybrid (every 4th layer gated attention) at each context of ``--contexts``. The attention
+    KV cache has exactly ``context`` slots, filled with random keys/values (the cost does not depend on
+    the values) up to ``context - reps - 2``; each timed step writes the next slot (the last one
+    writes slot ``context - 1``), with the cache donated as a serving loop would. A masked
+    attention over the static ``context`` slots costs the same at every position.
+
+    python experiments/memory.py                                  # CPU: contexts 1K..8K
+    python experiments/memory.py --contexts 1024,4096,16384,32768 --out runs/memory_gpu
+
+Writes ``results.json``, ``latency.png`` and ``seed_table.md`` under ``--out`` (default runs/memory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.inference import KVCache, cache_nbytes
+from gdn_jax.inference.memory import model_cache_bytes, seed_table, seed_table_markdown
+from gdn_jax.models import LM, LMConfig
+
+
+def model_configs(args):
+    base = dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+                dtype=args.dtype, param_dtype=args.dtype)
+    return {
+        "gdn": LMConfig(**base, mixer="gdn"),
+        "attention": LMConfig(**base, mixer="attention"),
+        "hybrid_3to1": LMConfig(**base, mixer="gdn", hybrid_every=4, hybrid_mixer="gated_attention"),
+    }
+
+
+@jax.jit
+def _noop(x):
+    return x
+
+
+def measure(cfg: LMConfig, context: int, reps: int, seed: int = 0):
+    model = LM(cfg, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(model)
+
+    # the cache is donated, as in a serving loop (and as XLA does inside generate's lax.scan):
+    # without donation every step would also copy the whole KV cache
+    step = jax.jit(lambda state, tok, cache: nnx.merge(graphdef, state).decode_step(tok, cache), donate_argnums=2)
+
+    cache = model.init_cache(1, context)
+    key = jax.random.key(seed)
+    filled = []
+    for c in cache:  # an attention cache holding context - 1 tokens: the step attends over all of it
+        if isinstance(c, KVCache):
+            k1, k2, key = jax.random.split(key, 3)
+            c = KVCache(jax.random.normal(k1, c.k.shape, c.k.dtype), jax.random.normal(k2, c.v.shape, c.v.dtype),
+                        jnp.asarray(max(context - reps - 2, 0), jnp.int32))
+        filled.append(c)
+    cache = tuple(filled)
+    nbytes = cache_nbytes(cache)
+    tok = jnp.zeros((1,), jnp.int32)
+    _, cache = jax.block_until_ready(step(state, tok, cache))  # compile
+    times = []
+    for _ in range(reps):  # the last rep writes slot context - 1
+        t0 = time.perf_counter()
+        logits, cache = jax.block_until_ready(step(state, tok, cache))
+        times.append(time.perf_counter() - t0)
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    times = np.asarray(times) * 1e3
+    assert nbytes == model_cache_bytes(cfg, 1, context), (nbytes, model_cache_bytes(cfg, 1, context))
+    return dict(context=context, latency_ms_median=float(np.median(times)), latency_ms_p10=float(np.percentile(times, 10)),
+                latency_ms_p90=float(np.percentile(times, 90)), cache_bytes=nbytes)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="comma-separated contexts (GPU: up to 32768)")
+    ap.add_argument("--out", default="runs/memory")
+    ap.add_argument("--d_model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+
+    table = seed_table_markdown()
+    print(table)
+    with open(os.path.join(args.out, "seed_table.md"), "w") as f:
+        f.write(table + "\n")
+
+    results = dict(device=str(jax.devices()[0]), platform=jax.default_backend(), jax=jax.__version__,
+                   machine=platform.machine(), cpu_count=os.cpu_count(), args=vars(args),
+                   seed_table=seed_table(), measured={})
+    print(f"\nMeasured on {results['device']} (jax {jax.__version__}): d_model {args.d_model}, {args.layers} layers, "
+          f"{args.heads} heads, {args.dtype}, batch 1; per-token decode latency (median of {args.reps}) and cache bytes")
+    print("| model | context | latency ms (median) | p10-p90 ms | cache bytes |")
+    print("|---|---|---|---|---|")
+    for name, cfg in model_configs(args).items():
+        rows = []
+        for n in contexts:
+            r = measure(cfg, n, args.reps)
+            rows.append(r)
+            print(f"| {name} | {n:,} | {r['latency_ms_median']:.3f} | {r['latency_ms_p10']:.3f}-{r['latency_ms_p90']:.3f} "
+                  f"| {r['cache_bytes']:,} |", flush=True)
+        results["measured"][name] = rows
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in results["measured"].items():
+        xs = [r["context"] for r in rows]
+        axes[0].plot(xs, [r["latency_ms_median"] for r in rows], "o-", label=name)
+        axes[1].plot(xs, [r["cache_bytes"] / 2 ** 20 for r in rows], "o-", label=name)
+    for ax, yl in zip(axes, ("per-token decode latency (ms, median)", "decode cache (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(yl)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{results['device']}: d {args.d_model}, {args.layers} layers, {args.heads} heads, {args.dtype}, batch 1")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "latency.png"), dpi=100)
+    print(f"wrote {args.out}/results.json, latency.png, seed_table.md")
+
+
+if __name__ == "__main__":
+    main()

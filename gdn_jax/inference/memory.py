@@ -1,0 +1,124 @@
+"""Exact decode-cache sizes (bytes) for attention and Gated DeltaNet layers, and seed 004's
+§6.6.6 comparison table (REFERENCE §4).
+
+Units: ``B`` bytes; ``GiB``/``MiB`` binary (2^30, 2^20); ``GB``/``MB`` decimal (10^9, 10^6).
+Every function counts exactly what the arrays hold (no allocator overhead, no activations).
+
+Formulas (L layers, context n, H heads, head dims K, V, batch B, short conv kernel W):
+
+* KV cache (per attention layer, keys and values): ``2 · n · H · K · bytes · B``
+* GDN state (per GDN layer): ``H · K · V · bytes · B`` (gdn_jax keeps it in float32: 4 bytes)
+* GDN short-conv cache (per GDN layer, q, k and v): ``(W - 1) · (2·H·K + H·V) · bytes · B``
+  (compute dtype, e.g. bf16)
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import jax.numpy as jnp
+
+# Seed 004 §6.6.6 setting: emb 2048, 16 heads x 128, 48 layers, bf16, batch 1.
+SEED = dict(d_model=2048, num_heads=16, head_dim=128, num_layers=48, bytes_bf16=2, conv_size=4)
+SEED_CONTEXTS = (4096, 32768, 131072)
+
+
+def kv_cache_bytes(num_layers: int, n_ctx: int, num_heads: int, head_dim: int, *, bytes_per_elem: int = 2,
+                   batch: int = 1) -> int:
+    """Keys + values of ``num_layers`` attention layers over ``n_ctx`` positions."""
+    return 2 * num_layers * n_ctx * num_heads * head_dim * bytes_per_elem * batch
+
+
+def gdn_state_bytes(num_layers: int, num_heads: int, k_dim: int, v_dim: int = None, *, bytes_per_elem: int = 4,
+                    batch: int = 1) -> int:
+    """Recurrent states ``[B, H, K, V]`` of ``num_layers`` GDN layers (float32 by default)."""
+    v_dim = k_dim if v_dim is None else v_dim
+    return num_layers * num_heads * k_dim * v_dim * bytes_per_elem * batch
+
+
+def conv_cache_bytes(num_layers: int, num_heads: int, k_dim: int, v_dim: int = None, *, conv_size: int = 4,
+                     bytes_per_elem: int = 2, batch: int = 1) -> int:
+    """Short-conv caches (last ``conv_size - 1`` inputs of the q, k and v convolutions)."""
+    v_dim = k_dim if v_dim is None else v_dim
+    return num_layers * (conv_size - 1) * (2 * num_heads * k_dim + num_heads * v_dim) * bytes_per_elem * batch
+
+
+def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size: int = 4) -> int:
+    """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built)."""
+    hd = cfg.head_dim or cfg.d_model // cfg.num_heads
+    nbytes = jnp.dtype(cfg.dtype).itemsize
+    total = 0
+    for m in cfg.layer_mixers():
+        if m == "gdn":
+            total += gdn_state_bytes(1, cfg.num_heads, hd, batch=batch)
+            if cfg.use_short_conv:
+                total += conv_cache_bytes(1, cfg.num_heads, hd, conv_size=conv_size, bytes_per_elem=nbytes, batch=batch)
+        elif m in ("attention", "gated_attention"):
+            total += kv_cache_bytes(1, max_len, cfg.num_heads, hd, bytes_per_elem=nbytes, batch=batch)
+        else:
+            raise ValueError(f"no cache-size formula for mixer {m!r}")
+    return total + 4 * sum(m in ("attention", "gated_attention") for m in cfg.layer_mixers())  # int32 pos
+
+
+def fmt_bytes(n: int) -> str:
+    """``'1,610,612,736 B (1.500 GiB = 1.611 GB)'``: exact bytes, binary and decimal units."""
+    if n >= 2 ** 30:
+        return f"{n:,} B ({n / 2 ** 30:.3f} GiB = {n / 1e9:.3f} GB)"
+    return f"{n:,} B ({n / 2 ** 20:.3f} MiB = {n / 1e6:.3f} MB)"
+
+
+def seed_table(hybrid_every: int = 4) -> List[Dict]:
+    """Rows of seed 004 §6.6.6 (emb 2048, 16x128 heads, 48 layers, bf16, batch 1) per context.
+
+    Keys: ``context``; ``kv_full`` (48 attention layers, bf16); ``gdn_state_bf16`` (seed's figure:
+    48 bf16 states, no conv); ``gdn_state_f32`` (gdn_jax's float32 states); ``gdn_conv_bf16``
+    (gdn_jax's short-conv caches); ``gdn_jax_total``; ``hybrid_kv`` / ``hybrid_gdn`` /
+    ``hybrid_total`` (3:1 hybrid: every ``hybrid_every``-th layer attention, the rest GDN with
+    float32 state + bf16 conv cache); the ratios ``ratio_seed`` = kv_full / gdn_state_bf16 and
+    ``ratio_gdn_jax`` = kv_full / gdn_jax_total, ``ratio_hybrid`` = kv_full / hybrid_total.
+    """
+    L, H, d, b, W = SEED["num_layers"], SEED["num_heads"], SEED["head_dim"], SEED["bytes_bf16"], SEED["conv_size"]
+    n_attn = L // hybrid_every
+    n_gdn = L - n_attn
+    rows = []
+    for n in SEED_CONTEXTS:
+        kv = kv_cache_bytes(L, n, H, d, bytes_per_elem=b)
+        s16 = gdn_state_bytes(L, H, d, bytes_per_elem=2)
+        s32 = gdn_state_bytes(L, H, d, bytes_per_elem=4)
+        conv = conv_cache_bytes(L, H, d, conv_size=W, bytes_per_elem=b)
+        hkv = kv_cache_bytes(n_attn, n, H, d, bytes_per_elem=b)
+        hg = gdn_state_bytes(n_gdn, H, d) + conv_cache_bytes(n_gdn, H, d, conv_size=W, bytes_per_elem=b)
+        rows.append(dict(context=n, kv_full=kv, gdn_state_bf16=s16, gdn_state_f32=s32, gdn_conv_bf16=conv,
+                         gdn_jax_total=s32 + conv, hybrid_kv=hkv, hybrid_gdn=hg, hybrid_total=hkv + hg,
+                         ratio_seed=kv / s16, ratio_gdn_jax=kv / (s32 + conv), ratio_hybrid=kv / (hkv + hg)))
+    return rows
+
+
+def seed_table_markdown(rows=None) -> str:
+    """The seed table as Markdown (exact bytes, GiB/MiB and GB/MB stated)."""
+    rows = seed_table() if rows is None else rows
+    r0 = rows[0]
+    out = [
+        "Seed 004 §6.6.6 setting: emb 2048, 16 heads x 128, 48 layers, bf16 activations/KV, batch 1. "
+        "GiB/MiB = 2^30/2^20 B, GB/MB = 10^9/10^6 B.",
+        "",
+        "| context | KV cache, 48 attention layers (bf16) | 3:1 hybrid: KV of 12 attention layers + 36 GDN layers (f32 state + bf16 conv) | KV / hybrid |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(f"| {r['context']:,} | {fmt_bytes(r['kv_full'])} | {fmt_bytes(r['hybrid_total'])} "
+                   f"(KV {fmt_bytes(r['hybrid_kv'])}) | {r['ratio_hybrid']:.2f}x |")
+    out += [
+        "",
+        "Pure GDN, 48 layers (independent of the context):",
+        "",
+        "| cache | bytes | KV / it at 4K | at 32K | at 128K |",
+        "|---|---|---|---|---|",
+    ]
+    items = [("seed's figure: state in bf16, no conv cache", "gdn_state_bf16"),
+             ("gdn_jax state (float32)", "gdn_state_f32"),
+             ("gdn_jax short-conv cache (bf16, 3 x 3 x 2048 per layer)", "gdn_conv_bf16"),
+             ("gdn_jax total (float32 state + bf16 conv)", "gdn_jax_total")]
+    for name, key in items:
+        ratios = " | ".join("—" if key == "gdn_conv_bf16" else f"{r['kv_full'] / r0[key]:,.1f}x" for r in rows)
+        out.append(f"| {name} | {fmt_bytes(r0[key])} | {ratios} |")
+    return "\n".join(out)

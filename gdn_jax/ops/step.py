@@ -1,0 +1,85 @@
+"""Single-token (decode) update of the gated delta rule on a float32 state.
+
+Per batch element and head, with state S ``[K, V]``::
+
+    S   <- exp(g) * S                             # decay first (per head, or per key row)
+    S   <- S + k (beta * (v - S^T k))^T            # delta-rule write, prediction from the decayed state
+    o    = S^T (scale * q)
+
+This is exactly one step of :func:`gdn_jax.ops.gated_delta_rule` (same order, same L2
+normalisation, same default scale), so ``gated_delta_rule_step`` on token t agrees with the full
+op on T = 1 (and, iterated, with any backend up to accumulation-order round-off).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._common import acc_dtype, prepare
+from .scan import _step
+
+
+def gated_delta_rule_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+) -> Tuple[jax.Array, jax.Array]:
+    """One decode step of the gated delta rule (every gate form; jit-able).
+
+    Args:
+      q, k: ``[B, H, K]`` query and key of the new token, any float dtype.
+      v: ``[B, H, V]`` value; ``o`` is returned in ``v.dtype``.
+      g: log decay, ``[B, H]`` (per head) or ``[B, H, K]`` (per key channel, KDA).
+      beta: ``[B, H]`` (per head) or ``[B, H, V]`` (per value channel).
+      state: ``[B, H, K, V]`` recurrent state (any float dtype; computed in float32, float64 if
+        any input is float64).
+      scale: query scale, ``None`` means ``K ** -0.5``.
+      use_qk_l2norm: L2-normalise q and k (eps 1e-6) before the scale, as the op does.
+
+    Returns:
+      ``(o, new_state)``: o ``[B, H, V]`` in ``v.dtype``; new_state ``[B, H, K, V]`` float32
+      (float64 for float64 inputs).
+
+    Raises:
+      TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if q.ndim != 3:
+        raise ValueError(f"q must have shape [B, H, K] (rank 3), got shape {tuple(q.shape)}")
+    B, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q [B, H, K] = {(B, H, K)}, got {tuple(k.shape)}")
+    if v.ndim != 3 or v.shape[:2] != (B, H):
+        raise ValueError(f"v must have shape [B, H, V] = {(B, H)} + (V,), got {tuple(v.shape)}")
+    V = v.shape[2]
+    if g.shape == (B, H):
+        g_pc = False
+    elif g.shape == (B, H, K):
+        g_pc = True
+    else:
+        raise ValueError(f"g must have shape [B, H] = {(B, H)} or [B, H, K] = {(B, H, K)}, got {tuple(g.shape)}")
+    if beta.shape == (B, H):
+        b_pc = False
+    elif beta.shape == (B, H, V):
+        b_pc = True
+    else:
+        raise ValueError(f"beta must have shape [B, H] = {(B, H)} or [B, H, V] = {(B, H, V)}, got {tuple(beta.shape)}")
+    if tuple(state.shape) != (B, H, K, V):
+        raise ValueError(f"state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    dt = acc_dtype(q, k, v, g, beta, state)
+    qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
+    S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, g_pc, b_pc)
+    return o.astype(v.dtype), S

@@ -1,0 +1,221 @@
+"""Decode path: the single-token step op, layer/model caches, prefill + decode parity, the
+1024-step drift bound, generate (compile-once, determinism) and argument errors."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax.inference import GDNCache, KVCache, cache_nbytes
+from gdn_jax.inference.generate import TRACE_COUNT, decode_drift, generate
+from gdn_jax.layers import Attention, GatedDeltaNet
+from gdn_jax.models import LM, LMConfig
+from gdn_jax.ops import gated_delta_rule, gated_delta_rule_step
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+# ----------------------------------------------------------------------------------- step op
+@pytest.mark.parametrize("g_pc,b_pc", list(itertools.product([False, True], [False, True])))
+def test_step_matches_op_T1_and_iterated(g_pc, b_pc):
+    B, T, H, K, V = 2, 12, 2, 8, 6
+    ks = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k = jax.random.normal(ks[1], (B, T, H, K))
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, H) + ((K,) if g_pc else ()))) * 2.0  # strong gates
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H) + ((V,) if b_pc else ())))
+    S0 = jax.random.normal(ks[5], (B, H, K, V))
+    # T = 1 against the op
+    o1, S1 = gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=S0,
+                              output_final_state=True, use_qk_l2norm=True, backend="scan")
+    step = jax.jit(lambda *a: gated_delta_rule_step(*a, use_qk_l2norm=True))
+    o, S = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    assert o.shape == (B, H, V) and S.shape == (B, H, K, V) and S.dtype == jnp.float32
+    np.testing.assert_allclose(o, o1[:, 0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(S, S1, rtol=1e-6, atol=1e-6)
+    # iterated steps against the op over T tokens (chunked backend where it takes the gate form)
+    backend = "scan" if b_pc else "chunk"
+    oT, ST = gated_delta_rule(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                              use_qk_l2norm=True, backend=backend, chunk_size=16)
+    S, outs = S0, []
+    for t in range(T):
+        o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o)
+    assert rel(jnp.stack(outs, 1), oT) < 1e-5 and rel(S, ST) < 1e-5
+
+
+def test_step_bf16_inputs_scale_and_errors():
+    B, H, K, V = 1, 2, 4, 4
+    q = jnp.ones((B, H, K), jnp.bfloat16)
+    o, S = gated_delta_rule_step(q, q, jnp.ones((B, H, V), jnp.bfloat16), jnp.zeros((B, H)), jnp.ones((B, H)),
+                                 jnp.zeros((B, H, K, V)), scale=1.0)
+    assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
+    # beta = 1, empty state: S = k v^T, o = (q.k) v = 4 per channel with scale 1
+    np.testing.assert_allclose(np.asarray(o, np.float32), 4.0)
+    with pytest.raises(ValueError, match="state must have shape"):
+        gated_delta_rule_step(q, q, q, jnp.zeros((B, H)), jnp.ones((B, H)), jnp.zeros((B, H, K, V + 1)))
+    with pytest.raises(ValueError, match="g must have shape"):
+        gated_delta_rule_step(q, q, q, jnp.zeros((B, H, 3)), jnp.ones((B, H)), jnp.zeros((B, H, K, V)))
+    with pytest.raises(TypeError):
+        gated_delta_rule_step(q, q, q, jnp.zeros((B, H), jnp.int32), jnp.ones((B, H)), jnp.zeros((B, H, K, V)))
+
+
+# -------------------------------------------------------------------------------- layer caches
+@pytest.mark.parametrize("kw", [dict(), dict(decay_per_channel=True), dict(beta_per_channel=True),
+                                dict(use_short_conv=False, decay="sigmoid"), dict(allow_neg_eigval=True)])
+def test_gdn_layer_prefill_decode_parity(kw):
+    layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), chunk_size=16, **kw)
+    x = jax.random.normal(jax.random.key(1), (2, 21, 32))
+    full = layer(x)
+    y, cache = layer.prefill(x[:, :-1])
+    np.testing.assert_allclose(y, full[:, :-1], rtol=1e-6, atol=1e-6)
+    y1, cache1 = jax.jit(layer.decode)(x[:, -1:], cache)
+    _, cache_full = layer.prefill(x)
+    assert rel(y1[:, 0], full[:, -1]) < 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(cache1), jax.tree_util.tree_leaves(cache_full)):
+        assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_attention_prefill_decode_parity_and_overflow(gated):
+    attn = Attention(32, 4, qk_norm=gated, output_gate=gated, rope_fraction=0.25 if gated else 1.0, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 32))
+    full = attn(x)
+    y, cache = attn.prefill(x[:, :-1], max_len=9)
+    assert int(cache.pos) == 8 and cache.k.shape == (2, 9, 4, 8)
+    y1, cache = jax.jit(attn.decode)(x[:, -1:], cache)
+    assert rel(y1[:, 0], full[:, -1]) < 1e-5 and int(cache.pos) == 9
+    y2, _ = attn.decode(x[:, -1:], cache)  # cache full: NaN, never a silent answer
+    assert bool(jnp.all(jnp.isnan(y2)))
+    with pytest.raises(ValueError, match="does not fit"):
+        attn.prefill(x, max_len=8)
+
+
+# -------------------------------------------------------------------------------- model parity
+MODEL_CFGS = {
+    "gdn": dict(mixer="gdn"),
+    "attention": dict(mixer="attention"),
+    "hybrid": dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", mlp_ratio=2.0),
+    "hybrid_kda": dict(num_layers=4, hybrid_every=2, decay_per_channel=True),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_CFGS))
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_model_prefill_plus_step_equals_forward(name, dtype, tol):
+    cfg = LMConfig(d_model=32, num_heads=2, chunk_size=16, dtype=dtype, **MODEL_CFGS[name])
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size)
+    full = model(tokens)
+    logits, cache = model.prefill(tokens[:, :-1], 24)
+    assert rel(logits, full[:, :-1]) < tol
+    last, cache1 = model.decode_step(tokens[:, -1], cache)
+    assert last.shape == (2, cfg.vocab_size) and last.dtype == jnp.float32
+    assert rel(last, full[:, -1]) <= tol
+    _, cache_full = model.prefill(tokens, 24)
+    for a, b in zip(jax.tree_util.tree_leaves(cache1), jax.tree_util.tree_leaves(cache_full)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if a.ndim:
+            assert rel(a, b) <= tol
+        else:
+            assert int(a) == int(b) == 19
+
+
+def test_cache_shapes_and_dtypes():
+    cfg = LMConfig(d_model=32, num_heads=2, num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", dtype="bfloat16")
+    cache = LM(cfg, rngs=nnx.Rngs(0)).init_cache(3, 40)
+    assert len(cache) == 4
+    for c in cache[:3]:
+        assert isinstance(c, GDNCache)
+        assert c.state.shape == (3, 2, 16, 16) and c.state.dtype == jnp.float32
+        for conv in (c.conv_q, c.conv_k, c.conv_v):
+            assert conv.shape == (3, 3, 32) and conv.dtype == jnp.bfloat16
+    kv = cache[3]
+    assert isinstance(kv, KVCache) and kv.max_len == 40
+    assert kv.k.shape == kv.v.shape == (3, 40, 2, 16) and kv.k.dtype == jnp.bfloat16
+    assert kv.pos.shape == () and kv.pos.dtype == jnp.int32
+    assert cache_nbytes(cache) == 3 * (3 * 2 * 16 * 16 * 4 + 3 * 3 * 3 * 32 * 2) + 2 * 3 * 40 * 32 * 2 + 4
+
+
+# ------------------------------------------------------------------------------ 1024-step drift
+DRIFT_BOUND = 1e-4  # fp32, RMS-relative logit error at every one of 1024 decode steps
+
+
+def test_decode_drift_1024_steps():
+    cfg = LMConfig(d_model=32, num_heads=2, num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention")
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(3), (1, 1025), 0, cfg.vocab_size)
+    r, cache = decode_drift(model, tokens, n_prompt=1)
+    assert r.shape == (1024,)
+    print("decode drift (RMS-rel logits) at step 1/64/256/1024:", r[[0, 63, 255, 1023]], "max", r.max())
+    assert np.all(np.isfinite(r)) and r.max() < DRIFT_BOUND
+    # the GDN states after 1024 decode steps against the chunked prefill of all tokens
+    _, ref = model.prefill(tokens, 1025)
+    for a, b in zip(cache[:3], ref[:3]):
+        assert rel(a.state, b.state) < DRIFT_BOUND
+
+
+# ------------------------------------------------------------------------------------ generate
+def _tiny_hybrid(embed_init_std=1.0):
+    cfg = LMConfig(d_model=32, num_heads=2, num_layers=2, hybrid_every=2, hybrid_mixer="gated_attention",
+                   embed_init_std=embed_init_std)
+    return LM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_generate_greedy_matches_naive_loop_and_compiles_once():
+    model = _tiny_hybrid()
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, 256)
+    before = TRACE_COUNT["generate"]
+    out = generate(model, prompt, 4, key=jax.random.key(0), temperature=0.0)
+    assert out.shape == (2, 4) and out.dtype == jnp.int32
+    toks = prompt
+    fwd = jax.jit(model.__call__)
+    for _ in range(4):  # naive: full forward over the growing sequence, argmax
+        nxt = jnp.argmax(fwd(toks)[:, -1], -1).astype(jnp.int32)
+        toks = jnp.concatenate([toks, nxt[:, None]], 1)
+    np.testing.assert_array_equal(out, toks[:, 5:])
+    generate(model, prompt + 1, 4, key=jax.random.key(5), temperature=0.7)  # new values, same shapes
+    assert TRACE_COUNT["generate"] == before + 1
+    generate(model, prompt[:, :4], 4, key=jax.random.key(0))  # new prompt length: one more trace
+    assert TRACE_COUNT["generate"] == before + 2
+
+
+def test_generate_sampling_determinism():
+    model = _tiny_hybrid(embed_init_std=0.02)  # near-uniform logits: sampling varies with the key
+    prompt = jnp.zeros((2, 3), jnp.int32)
+    a = generate(model, prompt, 12, key=jax.random.key(7), temperature=1.0, top_k=20)
+    b = generate(model, prompt, 12, key=jax.random.key(7), temperature=1.0, top_k=20)
+    c = generate(model, prompt, 12, key=jax.random.key(8), temperature=1.0, top_k=20)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    g = generate(model, prompt, 12, key=jax.random.key(7))
+    g1 = generate(model, prompt, 12, key=jax.random.key(9), temperature=1.0, top_k=1)  # top-1 = greedy
+    np.testing.assert_array_equal(g, g1)
+    assert generate(model, prompt, 0, key=jax.random.key(0)).shape == (2, 0)
+
+
+def test_bad_arguments():
+    model = _tiny_hybrid()
+    prompt = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="longer than the attention cache"):
+        generate(model, prompt, 2, key=jax.random.key(0), max_len=6)
+    with pytest.raises(ValueError, match="exceeds the attention cache"):
+        generate(model, prompt, 4, key=jax.random.key(0), max_len=10)
+    with pytest.raises(ValueError, match="longer than max_len"):
+        model.prefill(prompt, 6)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt, -1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(model, jnp.zeros((1, 0), jnp.int32), 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.prefill(jnp.zeros((1, 0), jnp.int32), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompt, 2, key=jax.random.key(0), temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, prompt, 2, key=jax.random.key(0), top_k=0)

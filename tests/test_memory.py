@@ -1,0 +1,40 @@
+"""Exact cache-size formulas (REFERENCE §4, seed 004 §6.6.6) and their agreement with real caches."""
+import pytest
+from flax import nnx
+
+from gdn_jax.inference import cache_nbytes
+from gdn_jax.inference.memory import (conv_cache_bytes, fmt_bytes, gdn_state_bytes, kv_cache_bytes,
+                                      model_cache_bytes, seed_table, seed_table_markdown)
+from gdn_jax.models import LM, LMConfig
+
+
+def test_seed_numbers_exact():
+    assert kv_cache_bytes(48, 4096, 16, 128, bytes_per_elem=2) == 1_610_612_736
+    assert kv_cache_bytes(48, 32768, 16, 128) == 12 * 2 ** 30
+    assert kv_cache_bytes(48, 131072, 16, 128) == 48 * 2 ** 30
+    assert gdn_state_bytes(48, 16, 128, bytes_per_elem=2) == 25_165_824
+    assert gdn_state_bytes(48, 16, 128) == 50_331_648  # float32 by default, as gdn_jax keeps it
+    assert conv_cache_bytes(48, 16, 128, conv_size=4, bytes_per_elem=2) == 1_769_472
+    rows = seed_table()
+    assert [r["context"] for r in rows] == [4096, 32768, 131072]
+    assert rows[2]["ratio_seed"] == 2048 and rows[2]["ratio_gdn_jax"] == pytest.approx(51539607552 / 52101120)
+    # 3:1 hybrid: 12 attention layers + 36 GDN layers
+    assert rows[0]["hybrid_kv"] == 1_610_612_736 // 4
+    assert rows[0]["hybrid_gdn"] == 36 * (16 * 128 * 128 * 4 + 3 * 3 * 2048 * 2)
+
+
+def test_units_are_stated():
+    assert fmt_bytes(1_610_612_736) == "1,610,612,736 B (1.500 GiB = 1.611 GB)"
+    assert fmt_bytes(25_165_824) == "25,165,824 B (24.000 MiB = 25.166 MB)"
+    md = seed_table_markdown()
+    for s in ("1,610,612,736 B", "25,165,824 B", "50,331,648 B", "1,769,472 B", "GiB", "GB", "2,048.0x"):
+        assert s in md
+
+
+@pytest.mark.parametrize("kw", [dict(mixer="gdn"), dict(mixer="attention", dtype="bfloat16"),
+                                dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", dtype="bfloat16"),
+                                dict(use_short_conv=False)])
+def test_formula_matches_real_cache(kw):
+    cfg = LMConfig(d_model=32, num_heads=2, **kw)
+    cache = LM(cfg, rngs=nnx.Rngs(0)).init_cache(2, 37)
+    assert cache_nbytes(cache) == model_cache_bytes(cfg, 2, 37)
