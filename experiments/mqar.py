@@ -85,6 +85,10 @@ _RESUME_FREE = {"max_steps", "out", "ckpt_dir", "resume", "keep_checkpoints", "p
 
 def build(cfg: Config):
     """Task, loader, test set, model factory and optimizer of ``cfg``."""
+    from gdn_jax.ops import BACKENDS
+
+    if cfg.backend not in BACKENDS:
+        raise SystemExit(f"--backend must be one of {BACKENDS}, got {cfg.backend!r}")
     task = MQARConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs,
                       power_a=cfg.power_a, train_examples=cfg.train_examples,
                       test_examples=cfg.test_examples, seed=cfg.seed)
@@ -176,7 +180,14 @@ def run(cfg: Config) -> Tuple[Dict[str, Any], T.TrainState]:
     restored = None
     if cfg.resume:
         graphdef, abstract = T.abstract_train_state(model_fn, tx, mesh=mesh)
-        restored = ckpt.restore_latest(abstract)
+        try:
+            restored = ckpt.restore_latest(abstract)
+        except ValueError as e:  # orbax: saved tree does not match this model
+            raise SystemExit(
+                f"--resume: the checkpoint in {ckpt_dir} does not match this run's model/optimizer "
+                f"(saved with other settings, e.g. --mixer/--d_model/--num_layers?). Use the original "
+                f"flags, another --out/--ckpt_dir, or drop --resume. ({str(e).splitlines()[0]})"
+            ) from None
         if restored is None:
             print(f"--resume: no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
     if restored is not None:

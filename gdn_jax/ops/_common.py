@@ -156,6 +156,20 @@ def seq_info(cu_seqlens, T: int):
     return seq_id, is_start, is_last, valid
 
 
-def poison_if_invalid(o, valid):
-    """NaN-fill ``o`` when a traced ``cu_seqlens`` turned out malformed (never a silent answer)."""
-    return jnp.where(valid, o, jnp.asarray(jnp.nan, o.dtype))
+def poison_if_invalid(x, valid):
+    """Multiply ``x`` by NaN when a traced ``cu_seqlens`` turned out malformed (never a silent
+    answer): the values AND the gradients flowing through them become NaN."""
+    return x * jnp.where(valid, 1.0, jnp.nan).astype(x.dtype)
+
+
+# Floor of the per-token log decay in float32. exp(-60) ~ 8.8e-27: the state is zeroed to
+# float32 precision either way, while the chunked backends never difference cumulative decays
+# of order 1e4 and beyond (whose rounding would be amplified by exp), and g = -inf gives no NaN.
+G_MIN_F32 = -60.0
+
+
+def clamp_log_decay(g, acc_dtype):
+    """``max(g, -60)`` for float32 accumulation (no clamp in float64)."""
+    if jnp.dtype(acc_dtype) == jnp.float64:
+        return g
+    return jnp.maximum(g, jnp.asarray(G_MIN_F32, g.dtype))

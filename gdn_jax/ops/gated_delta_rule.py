@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import GateForms, acc_dtype, check_inputs, poison_if_invalid, prepare
+from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, poison_if_invalid, prepare
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
 
@@ -51,7 +51,7 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     if backend == "pallas":
         reason = _pallas_module().supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype)
         if reason is not None:
-            raise NotImplementedError(f"backend='pallas' {reason}; use backend='chunk' or 'auto'")
+            raise NotImplementedError(f"backend='pallas' {reason}; backend='auto' picks one that takes the call")
     return backend
 
 
@@ -85,7 +85,9 @@ def gated_delta_rule(
     Args:
       q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
       v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
-      g: LOG-space decay (g <= 0; the state is multiplied by exp(g)), ``[B, T, H]`` per head
+      g: LOG-space decay (g <= 0; the state is multiplied by exp(g); -inf allowed: with float32
+        accumulation g is floored at -60, exp(-60) ~ 9e-27, so the state is zeroed to float32
+        precision without the chunked forms differencing huge cumulative decays), ``[B, T, H]`` per head
         (GDN, Qwen3-Next) or ``[B, T, H, K]`` per key channel (Kimi Delta Attention: row c of S
         is scaled by exp(g[..., c])).
       beta: write strength, ``[B, T, H]`` per head or ``[B, T, H, V]`` per value channel
@@ -100,7 +102,7 @@ def gated_delta_rule(
         under ``jit`` (packing can change every step without recompiling). Concrete values are
         validated (``ValueError``); traced values cannot be, so a malformed traced ``cu_seqlens``
         (not starting at 0, not ending at T, or decreasing) makes the op return an all-NaN ``o``
-        rather than a silently wrong one.
+        and final state, whose gradients are NaN too, rather than silently wrong ones.
       use_qk_l2norm: L2-normalise q and k over the last axis inside the op
         (``x / sqrt(sum(x**2) + 1e-6)``), before the scale is applied.
       chunk_size: tokens per chunk for the chunked backends (16, 32, 64 or 128 are tested).
@@ -128,6 +130,7 @@ def gated_delta_rule(
     which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
+    g = clamp_log_decay(g, dt)
     if which == "pallas":
         o, fin, valid = _pallas_module().pallas_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -148,4 +151,5 @@ def gated_delta_rule(
     o = o.astype(v.dtype)
     if cu_seqlens is not None:
         o = poison_if_invalid(o, valid)
+        fin = poison_if_invalid(fin, valid)
     return o, (fin if output_final_state else None)
