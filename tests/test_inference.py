@@ -223,3 +223,21 @@ def test_bad_arguments():
         generate(model, prompt, 2, key=jax.random.key(0), temperature=-1.0)
     with pytest.raises(ValueError, match="top_k"):
         generate(model, prompt, 2, key=jax.random.key(0), top_k=0)
+
+
+def test_mixer_without_decode_is_a_clear_error():
+    from gdn_jax.models import register_mixer
+
+    class Plain(nnx.Module):
+        def __init__(self, cfg):
+            self.d = cfg.d_model
+
+        def __call__(self, x, *, cu_seqlens=None):
+            return x
+
+    register_mixer("_plain_no_decode", lambda cfg, i, rngs: Plain(cfg))
+    model = LM(LMConfig(d_model=16, num_heads=2, num_layers=1, mixer="_plain_no_decode"), rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="has no init_cache"):
+        model.init_cache(1, 8)
+    with pytest.raises(NotImplementedError, match="has no prefill"):
+        model.prefill(jnp.zeros((1, 3), jnp.int32), 8)
