@@ -160,3 +160,11 @@ def test_register_mixer_pluggable():
         assert m(jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, 16)
     finally:
         MIXERS.pop("identity_test")
+
+
+def test_lm_token_range_checked():
+    model = LM(LMConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocab_size=16"):
+        model(jnp.full((1, 3), 16, jnp.int32))
+    with pytest.raises(ValueError, match="tokens must be in"):
+        model(jnp.full((1, 3), -1, jnp.int32))

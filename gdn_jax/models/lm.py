@@ -167,6 +167,16 @@ class Block(nnx.Module):
         return self._mlp(x_t + y), cache
 
 
+def _check_token_range(tokens, vocab_size: int):
+    """ValueError for concrete token ids outside [0, vocab_size) (traced ids cannot be checked;
+    out-of-range ids would silently embed as NaN)."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    t = jax.device_get(tokens)
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        raise ValueError(f"tokens must be in [0, vocab_size={vocab_size}), got ids from {t.min()} to {t.max()}")
+
+
 class LM(nnx.Module):
     """Token embedding, N pre-norm blocks, final RMSNorm and a tied LM head.
 
@@ -185,6 +195,7 @@ class LM(nnx.Module):
     def __call__(self, tokens, *, cu_seqlens=None):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        _check_token_range(tokens, self.cfg.vocab_size)
         x = self.embed(tokens)
         for blk in self.blocks:
             x = blk(x, cu_seqlens=cu_seqlens)
