@@ -1,0 +1,204 @@
+"""Gated linear attention without the delta rule: linear attention, per-head decay (Mamba2's SSD
+core / RetNet; FLA's "simple GLA") and per-key-channel decay (GLA), with the backend switch of
+:func:`gdn_jax.ops.gated_delta_rule` (``"scan"``, ``"chunk"``, ``"auto"`` -> chunk).
+
+Sources: Katharopoulos et al. 2020, "Transformers are RNNs" (linear attention); Yang et al. 2023,
+"Gated Linear Attention Transformers with Hardware-Efficient Training" (GLA, per-key-channel
+decay, chunked form); Dao & Gu 2024, "Transformers are SSMs" (Mamba2 / SSD, scalar decay per head).
+
+Per batch element and head, state S in R^{K x V}::
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T       # g_t scalar (per head) or [K] (per key channel)
+    o_t = S_t^T (scale * q_t)
+
+Chunked form (C tokens per chunk, gamma_i = sum_{j<=i} g_j within the chunk)::
+
+    O  = (Q * exp(gamma)) S + (tril(Q K^T * Gamma)) V,   Gamma_ij = exp(gamma_i - gamma_j), i >= j
+    S <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T V
+
+No triangular inverse is needed (there is no delta-rule write). The decay mask is masked before
+the exponential; per-key-channel decay uses ``chunk._decay_gram_channel``'s overflow-free
+16-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from . import chunk as _chunk
+from ._common import acc_dtype, check_inputs, clamp_log_decay, l2norm, poison_if_invalid, seq_info
+
+LA_BACKENDS = ("auto", "scan", "chunk")
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _scan_forward(q, k, v, g, initial_state, cu_seqlens, *, g_pc: bool):
+    """Token-by-token recurrence. Inputs [B,T,H,*] in the accumulation dtype, q pre-scaled."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = q.dtype
+    tm = lambda x: jnp.moveaxis(x, 1, 0)
+
+    def step(S, q, k, v, g):
+        d = jnp.exp(g)
+        S = S * (d[..., :, None] if g_pc else d[..., None, None]) + k[..., :, None] * v[..., None, :]
+        return S, jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HI)
+
+    xs = tuple(map(tm, (q, k, v, g)))
+    if cu_seqlens is None:
+        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state
+        S, o = jax.lax.scan(lambda S, x: step(S, *x), S0, xs)
+        return tm(o), S, jnp.asarray(True)
+    N = cu_seqlens.shape[0] - 1
+    seq_id, is_start, is_last, valid = seq_info(cu_seqlens, T)
+    h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state
+
+    def body(carry, x):
+        S, fin = carry
+        sid, start, last, xt = x
+        S = jnp.where(start, h0[sid][None], S)
+        S, o = step(S, *xt)
+        fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
+        return (S, fin), o
+
+    (_, fin), o = jax.lax.scan(body, (jnp.zeros((B, H, K, V), dt), h0), (seq_id, is_start, is_last, xs))
+    return tm(o), fin, valid
+
+
+def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_pc: bool):
+    """Chunked form. Inputs [B,T,H,*] in the accumulation dtype, q pre-scaled."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = int(chunk_size)
+    dt = q.dtype
+    valid = jnp.asarray(True)
+    if cu_seqlens is None:
+        T_pad = -(-T // C) * C
+        pad = T_pad - T
+        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+        q, k, v, g = map(padf, (q, k, v, g))  # padding: g = 0, k = v = 0 leaves the state untouched
+    else:
+        N = cu_seqlens.shape[0] - 1
+        valid = seq_info(cu_seqlens, T)[3]
+        T_pad, pos, cseq, cfirst, clast = _chunk._chunk_layout(cu_seqlens, T, C)
+        scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
+        q, k, v, g = map(scat, (q, k, v, g))
+    n = T_pad // C
+    qc, kc, vc, gcc = (_chunk._to_chunks(x, n, C) for x in (q, k, v, g))
+    gam = jnp.cumsum(gcc, axis=3)
+    to_end = jnp.flip(jnp.cumsum(jnp.flip(gcc, 3), axis=3), 3) - gcc  # gamma_C - gamma_i, reverse cumsum
+    if g_pc:
+        Aqk = _chunk._decay_gram_channel(qc, kc, gam)
+        qg = qc * jnp.exp(gam)
+        kd = kc * jnp.exp(to_end)
+        dec = jnp.exp(gam[..., -1, :])[..., :, None]  # [B,H,n,K,1]
+    else:
+        Aqk = _chunk._decay_gram_head(qc, kc, gam)
+        qg = qc * jnp.exp(gam)[..., None]
+        kd = kc * jnp.exp(to_end)[..., None]
+        dec = jnp.exp(gam[..., -1])[..., None, None]  # [B,H,n,1,1]
+    o_intra = _chunk._mm(Aqk, vc)  # [B,H,n,C,V]
+    kv = _chunk._mm(jnp.swapaxes(kd, -1, -2), vc)  # [B,H,n,K,V]
+    tm = lambda x: jnp.moveaxis(x, 2, 0)
+    xs = tuple(map(tm, (qg, kv, dec)))
+
+    def chunk_step(S, x):
+        qg, kv, dec = x
+        return dec * S + kv, _chunk._mm(qg, S)
+
+    if cu_seqlens is None:
+        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state
+        fin, o_inter = jax.lax.scan(chunk_step, S0, xs)
+    else:
+        h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state
+
+        def packed_step(carry, x):
+            S, fin = carry
+            sid, first, last, xc = x
+            S = jnp.where(first, h0[sid][None], S)
+            S, o = chunk_step(S, xc)
+            fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
+            return (S, fin), o
+
+        (_, fin), o_inter = jax.lax.scan(packed_step, (jnp.zeros((B, H, K, V), dt), h0), (cseq, cfirst, clast, xs))
+    o = jnp.moveaxis(o_inter, 0, 2) + o_intra  # [B,H,n,C,V]
+    o = jnp.moveaxis(o.reshape(B, H, T_pad, V), 1, 2)
+    o = o[:, :T] if cu_seqlens is None else o[:, pos]
+    return o, fin, valid
+
+
+def gated_linear_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: Optional[jax.Array] = None,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[jax.Array] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[jax.Array] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """Gated linear attention (no delta rule): ``S <- diag(exp(g_t)) S + k_t v_t^T``, ``o_t = S^T (scale q_t)``.
+
+    * ``g=None``: plain linear attention (Katharopoulos et al. 2020), no decay.
+    * g ``[B, T, H]``: one decay per head (Mamba2's SSD core, Dao & Gu 2024; RetNet with constant g;
+      FLA's "simple GLA").
+    * g ``[B, T, H, K]``: one decay per key channel (GLA, Yang et al. 2023): row c of S is scaled by
+      ``exp(g[..., c])``.
+
+    Args:
+      q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
+      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
+      g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier);
+        floored at -60 with float32 accumulation (``-inf`` allowed).
+      scale: query scale; ``None`` means ``K ** -0.5``.
+      initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
+      output_final_state: also return the final state.
+      cu_seqlens: integer ``[N + 1]`` boundaries of packed sequences (B = 1), as in
+        :func:`gdn_jax.ops.gated_delta_rule` (a malformed traced one gives NaN outputs).
+      use_qk_l2norm: L2-normalise q and k over the last axis (before the scale).
+      chunk_size: tokens per chunk for ``backend="chunk"``.
+      backend: ``"scan"`` (token-by-token ``lax.scan``), ``"chunk"`` (chunked matmuls plus a
+        ``lax.scan`` over chunks), ``"auto"`` (= ``"chunk"``).
+
+    Returns:
+      ``(o, final_state)``: o ``[B, T, H, V]`` in ``v.dtype``; final_state ``[B, H, K, V]``
+      (``[N, H, K, V]`` with cu_seqlens) in float32 (float64 for float64 inputs), or ``None``
+      unless ``output_final_state``. The state is accumulated in float32 (float64 for float64 inputs).
+
+    Raises:
+      TypeError / ValueError: as :func:`gdn_jax.ops.gated_delta_rule` (wrong dtypes, shapes,
+        cu_seqlens, initial_state, chunk_size); ValueError for an unknown backend.
+    """
+    if backend not in LA_BACKENDS:
+        raise ValueError(f"backend must be one of {LA_BACKENDS}, got {backend!r}")
+    lead = tuple(q.shape[:3]) if hasattr(q, "shape") and len(q.shape) == 4 else (1, 1, 1)
+    g_chk = jax.ShapeDtypeStruct(lead, jnp.float32) if g is None else g
+    beta_dummy = jax.ShapeDtypeStruct(lead, jnp.float32)  # no delta rule: a per-head beta of ones
+    forms = check_inputs(q, k, v, g_chk, beta_dummy, initial_state, cu_seqlens, chunk_size, scale)
+    dt = acc_dtype(q, k, v, g, initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens)
+    out_dtype = v.dtype
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    if g is None:
+        g = jnp.zeros(q.shape[:3], dt)
+    g = clamp_log_decay(g.astype(dt), dt)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, dt)
+    h0 = None if initial_state is None else initial_state.astype(dt)
+    if backend == "scan":
+        o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)
+    else:
+        o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_size, g_pc=forms.g_per_channel)
+    o = o.astype(out_dtype)
+    if cu_seqlens is not None:
+        o = poison_if_invalid(o, valid)
+        fin = poison_if_invalid(fin, valid)
+    return o, (fin if output_final_state else None)

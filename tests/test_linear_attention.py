@@ -1,0 +1,160 @@
+"""gated_linear_attention (no delta rule) against an independent float64 token-loop reference."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdn_jax.ops import gated_linear_attention
+
+B, T, H, K, V, C = 2, 37, 2, 8, 6, 16
+
+
+def _ref_one(q, k, v, g, S0):
+    """One sequence, float64, a plain Python loop over tokens. q,k [T,H,K]; v [T,H,V]; g [T,H,K]."""
+    S, outs = S0, []
+    for t in range(q.shape[0]):
+        S = jnp.exp(g[t])[:, :, None] * S + k[t][:, :, None] * v[t][:, None, :]
+        outs.append(jnp.einsum("hkv,hk->hv", S, q[t]))
+    return jnp.stack(outs), S
+
+
+def ref(q, k, v, g, S0, *, scale=None, cu=None, l2=False):
+    """Reference (call inside enable_x64): S_t = diag(exp g_t) S + k v^T; o_t = S^T (scale q)."""
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
+    if l2:
+        q = q / jnp.sqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)
+        k = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    g = jnp.zeros(q.shape[:3], jnp.float64) if g is None else jnp.asarray(g, jnp.float64)
+    if g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], q.shape)
+    bounds = [(b, 0, q.shape[1]) for b in range(q.shape[0])] if cu is None else \
+        [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
+    os, Ss = [], []
+    for n, (b, s, e) in enumerate(bounds):
+        h0 = jnp.zeros((q.shape[2], q.shape[3], v.shape[3])) if S0 is None else jnp.asarray(S0[n], jnp.float64)
+        if e > s:
+            o, S = _ref_one(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], h0)
+            os.append(o)
+        else:
+            S = h0
+        Ss.append(S)
+    o = jnp.concatenate(os, 0)
+    o = o[None] if cu is not None else o.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
+    return o, jnp.stack(Ss)
+
+
+def rel_rms(x, r):
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    return float(np.sqrt(np.mean((x - r) ** 2)) / (np.sqrt(np.mean(r ** 2)) + 1e-30))
+
+
+def inputs(form, dtype=jnp.float32, strong=False, seed=0, b=B, t=T):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, H, K))
+    k = jax.random.normal(ks[1], (b, t, H, K)) / np.sqrt(K)
+    v = jax.random.normal(ks[2], (b, t, H, V))
+    gs = {"none": None, "head": (b, t, H), "channel": (b, t, H, K)}[form]
+    g = None
+    if gs is not None:
+        x = jax.random.normal(ks[3], gs) + (1.0 if not strong else -3.0)
+        g = jax.nn.log_sigmoid(x) * (1.0 if not strong else 4.0)  # strong: g ~ -10 per token
+    S0 = jax.random.normal(ks[4], (b, H, K, V))
+    cast = lambda x: None if x is None else x.astype(dtype)
+    return cast(q), cast(k), cast(v), cast(g), S0
+
+
+def _loss(f, w_o, w_s):
+    def L(q, k, v, g, S0):
+        o, S = f(q, k, v, g, S0)
+        return jnp.sum(o.astype(jnp.float64 if o.dtype == jnp.float64 else jnp.float32) * w_o) + jnp.sum(S * w_s)
+    return L
+
+
+@pytest.mark.parametrize("form", ["none", "head", "channel"])
+@pytest.mark.parametrize("backend", ["scan", "chunk"])
+@pytest.mark.parametrize("dtype,strong", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, False)])
+def test_forward_and_grads(form, backend, dtype, strong):
+    q, k, v, g, S0 = inputs(form, dtype, strong)
+    w_o = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, V))
+    w_s = jax.random.normal(jax.random.PRNGKey(8), (B, H, K, V))
+    op = lambda q, k, v, g, S0: gated_linear_attention(q, k, v, g, initial_state=S0, output_final_state=True,
+                                                      chunk_size=C, backend=backend)
+    argn = (0, 1, 2, 4) if g is None else (0, 1, 2, 3, 4)
+    o, S = jax.jit(op)(q, k, v, g, S0)
+    assert o.dtype == dtype and S.dtype == jnp.float32 and o.shape == (B, T, H, V)
+    grads = jax.jit(jax.grad(_loss(op, w_o, w_s), argnums=argn))(q, k, v, g, S0)
+    with jax.enable_x64(True):
+        f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+        a = tuple(map(f64, (q, k, v, g, S0)))
+        ro, rS = ref(*a)
+        rg = jax.grad(_loss(lambda *x: ref(*x), f64(w_o), f64(w_s)), argnums=argn)(*a)
+        ro, rS, rg = np.asarray(ro), np.asarray(rS), [np.asarray(x) for x in rg]
+    tol = 5e-3 if dtype == jnp.float32 else 2e-2  # bf16 inputs: o is rounded to bf16 (~4e-3 rel)
+    assert rel_rms(o, ro) <= tol and rel_rms(S, rS) <= 5e-3
+    names = ["dq", "dk", "dv", "dg", "dS0"] if g is not None else ["dq", "dk", "dv", "dS0"]
+    for n, x, r in zip(names, grads, rg):
+        gt = (2e-2 if n == "dg" else 8e-3) * (1 if dtype == jnp.float32 else 3)
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), n
+        assert rel_rms(np.asarray(x, np.float32), r) <= gt, (n, rel_rms(np.asarray(x, np.float32), r))
+
+
+@pytest.mark.parametrize("backend", ["scan", "chunk"])
+@pytest.mark.parametrize("form", ["head", "channel"])
+def test_cu_seqlens_matches_separate_runs(backend, form):
+    cu = np.array([0, 5, 5, 30, 44], np.int32)
+    q, k, v, g, _ = inputs(form, b=1, t=44, seed=3)
+    S0 = jax.random.normal(jax.random.PRNGKey(4), (4, H, K, V))
+    o, S = gated_linear_attention(q, k, v, g, initial_state=S0, cu_seqlens=cu, output_final_state=True,
+                                  chunk_size=C, backend=backend, use_qk_l2norm=True)
+    for n in range(4):
+        s, e = cu[n], cu[n + 1]
+        if e == s:
+            np.testing.assert_allclose(S[n], S0[n], rtol=1e-6)
+            continue
+        on, Sn = gated_linear_attention(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], initial_state=S0[n:n + 1],
+                                        output_final_state=True, chunk_size=C, backend=backend, use_qk_l2norm=True)
+        assert rel_rms(o[:, s:e], on) < 1e-5 and rel_rms(S[n], Sn[0]) < 1e-5
+    with jax.enable_x64(True):
+        ro, rS = ref(*(np.asarray(x, np.float64) for x in (q, k, v, g, S0)), cu=cu, l2=True)
+    assert rel_rms(o, ro) < 5e-3 and rel_rms(S, rS) < 5e-3
+
+
+@pytest.mark.parametrize("backend", ["scan", "chunk"])
+def test_channel_equal_decay_equals_head_decay(backend):
+    q, k, v, g, S0 = inputs("head", seed=5)
+    gc = jnp.broadcast_to(g[..., None], q.shape)
+    kw = dict(initial_state=S0, output_final_state=True, chunk_size=C, backend=backend)
+    o1, S1 = gated_linear_attention(q, k, v, g, **kw)
+    o2, S2 = gated_linear_attention(q, k, v, gc, **kw)
+    assert rel_rms(o2, o1) < 1e-5 and rel_rms(S2, S1) < 1e-5
+
+
+def test_infinite_gate_resets_state_no_nan():
+    q, k, v, g, S0 = inputs("head", seed=6)
+    g = g.at[:, 20].set(-jnp.inf)
+    for backend in ("scan", "chunk"):
+        o, S = gated_linear_attention(q, k, v, g, initial_state=S0, output_final_state=True, chunk_size=C, backend=backend)
+        o2, S2 = gated_linear_attention(q[:, 20:], k[:, 20:], v[:, 20:], g[:, 20:].at[:, 0].set(0.0),
+                                        output_final_state=True, chunk_size=C, backend=backend)
+        assert np.all(np.isfinite(o)) and rel_rms(o[:, 20:], o2) < 1e-5 and rel_rms(S, S2) < 1e-5
+
+
+def test_validation_errors():
+    q, k, v, g, S0 = inputs("head", t=8)
+    with pytest.raises(ValueError, match="backend"):
+        gated_linear_attention(q, k, v, g, backend="pallas")
+    with pytest.raises(ValueError, match="g"):
+        gated_linear_attention(q, k, v, g[..., :1])
+    with pytest.raises(ValueError, match="v must"):
+        gated_linear_attention(q, k, v[:, :3], g)
+    with pytest.raises(ValueError, match="initial_state"):
+        gated_linear_attention(q, k, v, g, initial_state=S0[:1])
+    with pytest.raises(TypeError):
+        gated_linear_attention(q.astype(jnp.int32), k, v, g)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gated_linear_attention(q, k, v, g, cu_seqlens=np.array([0, 8], np.int32))  # B = 2
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gated_linear_attention(q[:1], k[:1], v[:1], g[:1], cu_seqlens=np.array([0, 5], np.int32))
+    with pytest.raises(ValueError, match="chunk_size"):
+        gated_linear_attention(q, k, v, g, chunk_size=0)
