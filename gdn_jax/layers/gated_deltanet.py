@@ -13,7 +13,7 @@ from ..inference.cache import GDNCache
 from ..ops import gated_delta_rule, gated_delta_rule_step
 from .conv import ShortConv
 
-DECAY_KINDS = ("mamba2", "sigmoid")
+DECAY_KINDS = ("mamba2", "sigmoid", "none")
 
 
 def inverse_softplus(x):
@@ -29,6 +29,7 @@ class GatedDeltaNet(nnx.Module):
         q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # short conv, optional
         g       = -exp(A_log) * softplus(W_a x + dt_bias)    # log decay, per head  (decay="mamba2")
                   log sigmoid(W_a x)                          # seed 000's gate      (decay="sigmoid")
+                  0                                           # DeltaNet, no decay   (decay="none")
         beta    = sigmoid(W_b x)  (x2 with allow_neg_eigval)  # per head, or per value channel
         o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # q,k L2-normalised and
                                                                           # q scaled by K^-1/2, once
@@ -45,7 +46,8 @@ class GatedDeltaNet(nnx.Module):
       num_heads: H.
       head_dim: key head dim K (default ``hidden_size // num_heads``).
       value_head_dim: V (default K).
-      decay: ``"mamba2"`` (default) or ``"sigmoid"``.
+      decay: ``"mamba2"`` (default), ``"sigmoid"`` or ``"none"`` (g = 0: DeltaNet, Yang et al. 2024;
+        no a_proj / A_log / dt_bias parameters).
       decay_per_channel: one decay per key channel (Kimi Delta Attention, g ``[B,T,H,K]``).
       beta_per_channel: one beta per value channel (seed 004; runs on the scan backend).
       allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) (negative eigenvalues; Grazzi et al. 2024).
@@ -86,7 +88,8 @@ class GatedDeltaNet(nnx.Module):
         self.k_proj = lin(hidden_size, H * K)
         self.v_proj = lin(hidden_size, H * V)
         n_decay = H * K if decay_per_channel else H
-        self.a_proj = lin(hidden_size, n_decay)
+        if decay != "none":
+            self.a_proj = lin(hidden_size, n_decay)
         self.b_proj = lin(hidden_size, H * V if beta_per_channel else H)
         self.g_proj = lin(hidden_size, H * V)
         self.o_proj = lin(H * V, hidden_size)
@@ -108,8 +111,10 @@ class GatedDeltaNet(nnx.Module):
         """Log decay g ``[B,T,H]`` / ``[B,T,H,K]`` and beta ``[B,T,H]`` / ``[B,T,H,V]`` in float32."""
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        a = self.a_proj(x).astype(jnp.float32)
-        if self.decay == "mamba2":
+        if self.decay == "none":
+            g = jnp.zeros((B, T, H), jnp.float32)
+        elif self.decay == "mamba2":
+            a = self.a_proj(x).astype(jnp.float32)
             a = a + self.dt_bias[...].astype(jnp.float32)
             A = jnp.exp(self.A_log[...].astype(jnp.float32))
             if self.decay_per_channel:
@@ -117,7 +122,7 @@ class GatedDeltaNet(nnx.Module):
             else:
                 g = -A * jax.nn.softplus(a)
         else:
-            g = jax.nn.log_sigmoid(a)
+            g = jax.nn.log_sigmoid(self.a_proj(x).astype(jnp.float32))
             if self.decay_per_channel:
                 g = g.reshape(B, T, H, K)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))

@@ -96,6 +96,38 @@ def _gdn(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     )
 
 
+@register_mixer("deltanet")
+def _deltanet(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+    """DeltaNet (Yang et al. 2024): the GDN layer with g = 0 (no decay parameters)."""
+    return GatedDeltaNet(
+        cfg.d_model, cfg.num_heads, cfg.head_dim, decay="none", beta_per_channel=cfg.beta_per_channel,
+        allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv, backend=cfg.backend,
+        chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype),
+        rngs=rngs,
+    )
+
+
+def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
+    def factory(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+        from ..layers.linear_attention import GatedLinearAttention
+        from ..ops.linear_attention import LA_BACKENDS
+
+        backend = cfg.backend if cfg.backend in LA_BACKENDS else "auto"  # no Pallas kernels: chunk
+        return GatedLinearAttention(
+            cfg.d_model, cfg.num_heads, cfg.head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
+            backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
+            param_dtype=_dt(cfg.param_dtype), rngs=rngs,
+        )
+
+    factory.__doc__ = doc
+    return factory
+
+
+register_mixer("mamba2", _linear_attention_factory("mamba2", "Mamba2/SSD-style: per-head decay, no delta rule."))
+register_mixer("gla", _linear_attention_factory("gla", "GLA: per-key-channel decay, no delta rule."))
+register_mixer("linear", _linear_attention_factory("none", "Linear attention: no decay, no delta rule."))
+
+
 @register_mixer("attention")
 def _attention(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     return Attention(cfg.d_model, cfg.num_heads, cfg.head_dim, norm_eps=cfg.norm_eps,

@@ -1,0 +1,112 @@
+"""Baseline token mixers without the delta rule (Flax NNX): linear attention, Mamba2-style
+per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gated_linear_attention`."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..ops import gated_linear_attention
+from .conv import ShortConv
+from .gated_deltanet import inverse_softplus
+
+LA_DECAY_KINDS = ("mamba2", "gla", "none")
+
+
+class GatedLinearAttention(nnx.Module):
+    """Gated linear attention mixer: GatedDeltaNet's projections, short conv, per-head output
+    RMSNorm and SiLU output gate, with the state update ``S <- diag(exp(g)) S + k v^T`` (no delta rule).
+
+    ``x [B, T, hidden_size] -> [B, T, hidden_size]``::
+
+        q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))
+        g = -exp(A_log) * softplus(W_a x + dt_bias)   [B,T,H]    decay="mamba2" (Dao & Gu 2024), q,k L2-normalised
+            log sigmoid(W_2 W_1 x + b) / 16           [B,T,H,K]  decay="gla" (Yang et al. 2023; FLA's
+                                                                 low-rank gate, rank 16, normaliser 16), no L2 norm
+            none                                                 decay="none" (Katharopoulos et al. 2020), q,k
+                                                                 L2-normalised for stability
+        o = gated_linear_attention(q, k, v, g)        # q scaled by K^-1/2
+        y = W_o (RMSNorm(o) * silu(W_g x))
+
+    The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's. No decode
+    methods (``init_cache``/``prefill``/``decode``): training and full-sequence forward only.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
+                 value_head_dim: Optional[int] = None, *, decay: str = "gla", use_short_conv: bool = True,
+                 conv_size: int = 4, backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
+                 gate_low_rank: int = 16, gate_logit_normalizer: float = 16.0,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if decay not in LA_DECAY_KINDS:
+            raise ValueError(f"decay must be one of {LA_DECAY_KINDS}, got {decay!r}")
+        if hidden_size <= 0 or num_heads <= 0:
+            raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
+            head_dim = hidden_size // num_heads
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        H, K, V = num_heads, head_dim, value_head_dim
+        self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
+        self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
+        self.gate_logit_normalizer = gate_logit_normalizer
+        self.use_qk_l2norm = decay != "gla"
+        self.dtype = dtype
+        lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = lin(hidden_size, H * K)
+        self.k_proj = lin(hidden_size, H * K)
+        self.v_proj = lin(hidden_size, H * V)
+        self.g_proj = lin(hidden_size, H * V)
+        self.o_proj = lin(H * V, hidden_size)
+        if use_short_conv:
+            self.q_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self.k_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+        if decay == "mamba2":
+            self.a_proj = lin(hidden_size, H)
+            lo, hi = A_init_range
+            A = jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)
+            self.A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
+            u = jax.random.uniform(rngs.params(), (H,), jnp.float32)
+            dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), 1e-4)
+            self.dt_bias = nnx.Param(inverse_softplus(dt).astype(param_dtype))
+        elif decay == "gla":
+            self.gk_proj1 = lin(hidden_size, gate_low_rank)
+            self.gk_proj2 = lin(gate_low_rank, H * K, bias=True)
+        self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+
+    def log_decay(self, x):
+        """g ``[B,T,H]`` (mamba2), ``[B,T,H,K]`` (gla) in float32, or ``None`` (none)."""
+        B, T, _ = x.shape
+        if self.decay == "none":
+            return None
+        if self.decay == "mamba2":
+            a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+            return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+        a = self.gk_proj2(self.gk_proj1(x)).astype(jnp.float32)
+        return (jax.nn.log_sigmoid(a) / self.gate_logit_normalizer).reshape(B, T, self.num_heads, self.head_dim)
+
+    def __call__(self, x, *, cu_seqlens=None):
+        """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1) restarts the
+        recurrence and the short conv at every packed-sequence boundary."""
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q = self.q_conv(q, cu_seqlens=cu_seqlens)
+            k = self.k_conv(k, cu_seqlens=cu_seqlens)
+            v = self.v_conv(v, cu_seqlens=cu_seqlens)
+        o, _ = gated_linear_attention(
+            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), self.log_decay(x),
+            cu_seqlens=cu_seqlens, use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
+        gate = self.g_proj(x).reshape(B, T, H, V)
+        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
+        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
