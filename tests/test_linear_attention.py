@@ -158,3 +158,12 @@ def test_validation_errors():
         gated_linear_attention(q[:1], k[:1], v[:1], g[:1], cu_seqlens=np.array([0, 5], np.int32))
     with pytest.raises(ValueError, match="chunk_size"):
         gated_linear_attention(q, k, v, g, chunk_size=0)
+
+
+def test_traced_malformed_cu_seqlens_gives_nan():
+    q, k, v, g, _ = inputs("head", b=1, t=20)
+    f = jax.jit(lambda cu: gated_linear_attention(q, k, v, g, cu_seqlens=cu, output_final_state=True, chunk_size=C))
+    o, S = f(jnp.array([0, 8, 20], jnp.int32))
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
+    o, S = f(jnp.array([0, 12, 8], jnp.int32))
+    assert np.all(np.isnan(o)) and np.all(np.isnan(S))
