@@ -103,6 +103,10 @@ MODEL_CFGS = {
     "attention": dict(mixer="attention"),
     "hybrid": dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", mlp_ratio=2.0),
     "hybrid_kda": dict(num_layers=4, hybrid_every=2, decay_per_channel=True),
+    "deltanet": dict(mixer="deltanet"),
+    "mamba2": dict(mixer="mamba2"),
+    "gla": dict(mixer="gla"),
+    "linear": dict(mixer="linear"),
 }
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..inference.cache import GDNCache
 from ..ops import gated_linear_attention
 from .conv import ShortConv
 from .gated_deltanet import inverse_softplus
@@ -31,8 +32,9 @@ class GatedLinearAttention(nnx.Module):
         o = gated_linear_attention(q, k, v, g)        # q scaled by K^-1/2
         y = W_o (RMSNorm(o) * silu(W_g x))
 
-    The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's. No decode
-    methods (``init_cache``/``prefill``/``decode``): training and full-sequence forward only.
+    The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's. Decoding
+    (``init_cache`` / ``prefill`` / ``decode``) keeps the same fixed-size cache as GatedDeltaNet
+    (:class:`gdn_jax.inference.cache.GDNCache`: float32 state ``[B,H,K,V]`` + short-conv states).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
@@ -89,6 +91,53 @@ class GatedLinearAttention(nnx.Module):
             return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
         a = self.gk_proj2(self.gk_proj1(x)).astype(jnp.float32)
         return (jax.nn.log_sigmoid(a) / self.gate_logit_normalizer).reshape(B, T, self.num_heads, self.head_dim)
+
+    # ------------------------------------------------------------------ decode path
+    def init_cache(self, batch: int, max_len=None) -> GDNCache:
+        """Zero cache: state ``[batch, H, K, V]`` float32 and conv states ``[batch, W-1, ·]``
+        (``max_len`` ignored: the size does not depend on the context)."""
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        state = jnp.zeros((batch, H, K, V), jnp.float32)
+        if not self.use_short_conv:
+            return GDNCache(state)
+        W1 = self.q_conv.kernel_size - 1
+        z = lambda d: jnp.zeros((batch, W1, d), self.dtype)
+        return GDNCache(state, z(H * K), z(H * K), z(H * V))
+
+    def _run(self, x, cache: GDNCache, backend: str):
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        convs = ()
+        if self.use_short_conv:
+            q, cq = self.q_conv(q, cache=cache.conv_q)
+            k, ck = self.k_conv(k, cache=cache.conv_k)
+            v, cv = self.v_conv(v, cache=cache.conv_v)
+            convs = tuple(c.astype(self.dtype) for c in (cq, ck, cv))
+        o, state = gated_linear_attention(
+            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), self.log_decay(x),
+            initial_state=cache.state, output_final_state=True, use_qk_l2norm=self.use_qk_l2norm,
+            chunk_size=self.chunk_size, backend=backend,
+        )
+        return self._output(o, x), GDNCache(state.astype(jnp.float32), *convs)
+
+    def prefill(self, x, *, max_len=None):
+        """Prompt ``x [B, T, hidden_size]`` -> ``(y [B, T, hidden_size], cache)``; ``y == self(x)``."""
+        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        return self._run(x, self.init_cache(x.shape[0]), self.backend)
+
+    def decode(self, x_t, cache: GDNCache):
+        """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
+        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
+        return self._run(x_t, cache, "scan")
+
+    def _output(self, o, x):
+        B, T = x.shape[:2]
+        gate = self.g_proj(x).reshape(B, T, self.num_heads, self.value_head_dim)
+        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
+        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
 
     def __call__(self, x, *, cu_seqlens=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1) restarts the
