@@ -6,7 +6,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ..inference.cache import GDNCache
@@ -19,6 +18,19 @@ DECAY_KINDS = ("mamba2", "sigmoid", "none")
 def inverse_softplus(x):
     """softplus^-1(x) = x + log(-expm1(-x)), exact for x > 0."""
     return x + jnp.log(-jnp.expm1(-x))
+
+
+def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: float = 1e-3,
+                      dt_max: float = 0.1, A_init_range=(0.0, 16.0), param_dtype=jnp.float32):
+    """``(A_log [num_heads], dt_bias [n_dt])`` Params of the decay ``-exp(A_log) softplus(W x + dt_bias)``:
+    A ~ U(A_init_range) sampled in float32 and clipped to >= 1e-4; dt log-uniform in
+    [dt_min, dt_max] (>= 1e-4) and dt_bias = softplus^-1(dt) (Mamba2 / FLA init)."""
+    lo, hi = A_init_range
+    A = jax.random.uniform(rngs.params(), (num_heads,), jnp.float32, lo, hi)
+    A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
+    u = jax.random.uniform(rngs.params(), (n_dt,), jnp.float32)
+    dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), 1e-4)
+    return A_log, nnx.Param(inverse_softplus(dt).astype(param_dtype))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -98,13 +110,8 @@ class GatedDeltaNet(nnx.Module):
             self.k_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
             self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
         if decay == "mamba2":
-            lo, hi = A_init_range
-            A = jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)
-            self.A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
-            u = jax.random.uniform(rngs.params(), (n_decay,), jnp.float32)
-            dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-            dt = jnp.maximum(dt, 1e-4)
-            self.dt_bias = nnx.Param(inverse_softplus(dt).astype(param_dtype))
+            self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, n_decay, dt_min=dt_min, dt_max=dt_max,
+                                                         A_init_range=A_init_range, param_dtype=param_dtype)
         self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
 
     def gates(self, x):

@@ -2,7 +2,6 @@
 per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gated_linear_attention`."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 from ..inference.cache import GDNCache
 from ..ops import gated_linear_attention
 from .conv import ShortConv
-from .gated_deltanet import inverse_softplus
+from .gated_deltanet import mamba2_decay_init
 
 LA_DECAY_KINDS = ("mamba2", "gla", "none")
 
@@ -70,12 +69,8 @@ class GatedLinearAttention(nnx.Module):
             self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
         if decay == "mamba2":
             self.a_proj = lin(hidden_size, H)
-            lo, hi = A_init_range
-            A = jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)
-            self.A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
-            u = jax.random.uniform(rngs.params(), (H,), jnp.float32)
-            dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), 1e-4)
-            self.dt_bias = nnx.Param(inverse_softplus(dt).astype(param_dtype))
+            self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, H, dt_min=dt_min, dt_max=dt_max,
+                                                         A_init_range=A_init_range, param_dtype=param_dtype)
         elif decay == "gla":
             self.gk_proj1 = lin(hidden_size, gate_low_rank)
             self.gk_proj2 = lin(gate_low_rank, H * K, bias=True)

@@ -146,6 +146,32 @@ def _chunk_layout(cu_seqlens, T: int, C: int):
     return T_pad, pos, cseq, first, last
 
 
+def to_chunk_layout(xs, cu_seqlens, C: int):
+    """Pad (or, with ``cu_seqlens``, re-lay) the ``[B,T,...]`` arrays ``xs`` onto whole chunks.
+
+    Padding is zeros (g = 0, beta = 0, q = k = v = 0 leave the state untouched). Returns
+    ``(xs, T_pad, packing, valid)``: ``packing`` is None or ``(pos, chunk_seq, first, last)``
+    from :func:`_chunk_layout`; ``valid`` is False for a malformed traced ``cu_seqlens``.
+    """
+    from ._common import seq_info
+
+    B, T = xs[0].shape[:2]
+    if cu_seqlens is None:
+        T_pad = -(-T // C) * C
+        pad = T_pad - T
+        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+        return tuple(map(padf, xs)), T_pad, None, jnp.asarray(True)
+    valid = seq_info(cu_seqlens, T)[3]
+    T_pad, pos, cseq, cfirst, clast = _chunk_layout(cu_seqlens, T, C)
+    scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
+    return tuple(map(scat, xs)), T_pad, (pos, cseq, cfirst, clast), valid
+
+
+def from_chunk_layout(o, T: int, packing):
+    """Inverse of :func:`to_chunk_layout` for an output ``[B, T_pad, ...]``."""
+    return o[:, :T] if packing is None else o[:, packing[0]]
+
+
 def _to_chunks(x, n, C):
     """[B,T,H,*] -> head-major chunks [B,H,n,C,*]."""
     B, T, H = x.shape[:3]
@@ -163,25 +189,14 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
             "backend='chunk' does not take per-value-channel beta [B,T,H,V]; use backend='scan' "
             "(or backend='auto', which picks it)"
         )
-    from ._common import seq_info
-
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = int(chunk_size)
     dt = q.dtype
-    valid = jnp.asarray(True)
-
-    if cu_seqlens is None:
-        T_pad = -(-T // C) * C
-        pad = T_pad - T
-        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
-        q, k, v, g, beta = map(padf, (q, k, v, g, beta))
-    else:
+    (q, k, v, g, beta), T_pad, packing, valid = to_chunk_layout((q, k, v, g, beta), cu_seqlens, C)
+    if packing is not None:
         N = cu_seqlens.shape[0] - 1
-        valid = seq_info(cu_seqlens, T)[3]
-        T_pad, pos, cseq, cfirst, clast = _chunk_layout(cu_seqlens, T, C)
-        scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
-        q, k, v, g, beta = map(scat, (q, k, v, g, beta))
+        pos, cseq, cfirst, clast = packing
     n = T_pad // C
 
     qc, kc, vc, gcc, bc = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
@@ -241,8 +256,4 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
     # o: [n,B,H,C,V] -> [B,T_pad,H,V]
     o = jnp.moveaxis(o, 0, 2).reshape(B, H, T_pad, V)
     o = jnp.moveaxis(o, 1, 2)
-    if cu_seqlens is None:
-        o = o[:, :T]
-    else:
-        o = o[:, pos]
-    return o, fin, valid
+    return from_chunk_layout(o, T, packing), fin, valid

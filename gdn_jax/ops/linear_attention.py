@@ -73,18 +73,10 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
     V = v.shape[-1]
     C = int(chunk_size)
     dt = q.dtype
-    valid = jnp.asarray(True)
-    if cu_seqlens is None:
-        T_pad = -(-T // C) * C
-        pad = T_pad - T
-        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
-        q, k, v, g = map(padf, (q, k, v, g))  # padding: g = 0, k = v = 0 leaves the state untouched
-    else:
+    (q, k, v, g), T_pad, packing, valid = _chunk.to_chunk_layout((q, k, v, g), cu_seqlens, C)
+    if packing is not None:
         N = cu_seqlens.shape[0] - 1
-        valid = seq_info(cu_seqlens, T)[3]
-        T_pad, pos, cseq, cfirst, clast = _chunk._chunk_layout(cu_seqlens, T, C)
-        scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
-        q, k, v, g = map(scat, (q, k, v, g))
+        pos, cseq, cfirst, clast = packing
     n = T_pad // C
     qc, kc, vc, gcc = (_chunk._to_chunks(x, n, C) for x in (q, k, v, g))
     gam = jnp.cumsum(gcc, axis=3)
@@ -125,8 +117,7 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
         (_, fin), o_inter = jax.lax.scan(packed_step, (jnp.zeros((B, H, K, V), dt), h0), (cseq, cfirst, clast, xs))
     o = jnp.moveaxis(o_inter, 0, 2) + o_intra  # [B,H,n,C,V]
     o = jnp.moveaxis(o.reshape(B, H, T_pad, V), 1, 2)
-    o = o[:, :T] if cu_seqlens is None else o[:, pos]
-    return o, fin, valid
+    return _chunk.from_chunk_layout(o, T, packing), fin, valid
 
 
 def gated_linear_attention(
