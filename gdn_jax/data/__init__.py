@@ -1,11 +1,14 @@
-"""Synthetic data for gdn_jax experiments."""
+"""Synthetic data for gdn_jax experiments: MQAR (Zoology), needle-in-a-haystack, state tracking.
 
-from gdn_jax.data.mqar import (
-    IGNORE_INDEX,
-    MQARBatch,
-    MQARConfig,
+Every task config has ``seed``, ``test_examples``, ``model_vocab_size``, ``chance`` and
+``generate(num_examples, seed, *, split)`` returning a :class:`TaskBatch`; :class:`TaskLoader`,
+:func:`make_test_set` and the ``seed_*`` functions work for all of them (:mod:`gdn_jax.data.loader`).
+"""
+
+from gdn_jax.data.common import IGNORE_INDEX, TaskBatch
+from gdn_jax.data.loader import (
     MQARLoader,
-    generate_mqar,
+    TaskLoader,
     make_test_set,
     make_train_set,
     seed_epoch_shuffle,
@@ -13,12 +16,15 @@ from gdn_jax.data.mqar import (
     seed_test_set,
     seed_train_set,
 )
+from gdn_jax.data.mqar import MQARBatch, MQARConfig, generate_mqar
 
 __all__ = [
     "IGNORE_INDEX",
     "MQARBatch",
     "MQARConfig",
     "MQARLoader",
+    "TaskBatch",
+    "TaskLoader",
     "generate_mqar",
     "make_test_set",
     "make_train_set",

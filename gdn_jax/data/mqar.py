@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Iterator, NamedTuple, Union
+
 
 import numpy as np
 
@@ -83,58 +83,20 @@ __all__ = [
     "seed_epoch_shuffle",
 ]
 
-#: Target value at positions that carry no label (PyTorch / Zoology convention).
-IGNORE_INDEX: int = -100
-
-SeedLike = Union[int, np.integer, np.random.SeedSequence]
+from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, child as _child
 
 # Upper bound on the number of elements of one temporary random array per chunk
 # (float64): 2**22 elements = 32 MiB.
 _CHUNK_ELEMENTS = 1 << 22
 
 
-class MQARBatch(NamedTuple):
-    """A batch of MQAR examples (a NamedTuple, hence also a JAX pytree).
-
-    Attributes:
-      inputs: ``int32 [B, L]`` input token ids in ``[0, vocab_size)``.
-      targets: ``int32 [B, L]``; ``targets[b, t]`` is the label for the
-        prediction made at position ``t`` (the value paired with the key
-        ``inputs[b, t]``) at the ``num_kv_pairs`` query positions, and
-        :data:`IGNORE_INDEX` (-100) elsewhere.
-    """
-
-    inputs: np.ndarray
-    targets: np.ndarray
-
-    @property
-    def num_examples(self) -> int:
-        return int(self.inputs.shape[0])
-
-    @property
-    def query_mask(self) -> np.ndarray:
-        """``bool [B, L]``: True exactly at the labelled (query) positions."""
-        return self.targets != IGNORE_INDEX
+#: An MQAR batch is a :class:`gdn_jax.data.common.TaskBatch` (``inputs``, ``targets``).
+MQARBatch = TaskBatch
 
 
 # --------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------
-
-
-def _check_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
-    return int(value)
-
-
-def _check_seed(seed) -> np.random.SeedSequence:
-    if isinstance(seed, np.random.SeedSequence):
-        return seed
-    seed = _check_int("seed", seed)
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got seed={seed}")
-    return np.random.SeedSequence(seed)
 
 
 def _validate(num_examples, vocab_size, seq_len, num_kv_pairs, power_a, random_non_queries):
@@ -223,13 +185,6 @@ def _sample_distinct(rng: np.random.Generator, rows: int, width: int, k: int) ->
         todo = todo[~ok]
         m *= 2
     return out
-
-
-def _child(ss: np.random.SeedSequence, *key: int) -> np.random.SeedSequence:
-    """Pure (non-mutating) equivalent of a spawned child with ``spawn_key + key``."""
-    return np.random.SeedSequence(
-        ss.entropy, spawn_key=tuple(ss.spawn_key) + tuple(key), pool_size=ss.pool_size
-    )
 
 
 def generate_mqar(
@@ -357,8 +312,21 @@ class MQARConfig:
                 raise ValueError(f"{name} must be >= 1, got {name}={v}")
         _check_seed(self.seed)
 
-    def generate(self, num_examples: int, seed: SeedLike) -> MQARBatch:
-        """:func:`generate_mqar` with this config's task parameters."""
+    @property
+    def model_vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``."""
+        return self.vocab_size
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of a uniform guess among the ``vocab_size - vocab_size // 2`` values."""
+        return 1.0 / (self.vocab_size - self.vocab_size // 2)
+
+    def generate(self, num_examples: int, seed: SeedLike, *, split: str = "train") -> MQARBatch:
+        """:func:`generate_mqar` with this config's task parameters (``split`` "train" or "test":
+        MQAR's test examples come from the training distribution)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got split={split!r}")
         return generate_mqar(
             num_examples,
             vocab_size=self.vocab_size,
@@ -370,125 +338,9 @@ class MQARConfig:
         )
 
 
-def seed_test_set(cfg: MQARConfig) -> np.random.SeedSequence:
-    """Seed of the test set: ``SeedSequence(cfg.seed, spawn_key=(1,))``."""
-    return np.random.SeedSequence(cfg.seed, spawn_key=(1,))
+# seeds, test/train sets and the loader are task-generic (gdn_jax.data.loader); re-exported here
+from gdn_jax.data.loader import (  # noqa: E402
+    MQARLoader, TaskLoader, make_test_set, make_train_set, seed_epoch_shuffle, seed_stream_batch, seed_test_set,
+    seed_train_set)
 
-
-def seed_train_set(cfg: MQARConfig) -> np.random.SeedSequence:
-    """Seed of the fixed training set: ``SeedSequence(cfg.seed, spawn_key=(0, 0))``."""
-    return np.random.SeedSequence(cfg.seed, spawn_key=(0, 0))
-
-
-def seed_stream_batch(cfg: MQARConfig, step: int) -> np.random.SeedSequence:
-    """Seed of the stream-mode batch at global ``step``: ``spawn_key=(0, 1, step)``."""
-    return np.random.SeedSequence(cfg.seed, spawn_key=(0, 1, int(step)))
-
-
-def seed_epoch_shuffle(cfg: MQARConfig, epoch: int) -> np.random.SeedSequence:
-    """Seed of the fixed-mode shuffle of ``epoch``: ``spawn_key=(0, 2, epoch)``."""
-    return np.random.SeedSequence(cfg.seed, spawn_key=(0, 2, int(epoch)))
-
-
-def make_test_set(cfg: MQARConfig) -> MQARBatch:
-    """The held-out test set: ``cfg.test_examples`` examples (default 1000), seed :func:`seed_test_set`."""
-    return cfg.generate(cfg.test_examples, seed_test_set(cfg))
-
-
-def make_train_set(cfg: MQARConfig) -> MQARBatch:
-    """The fixed training set of the Zoology protocol: ``cfg.train_examples`` examples, seed :func:`seed_train_set`."""
-    return cfg.generate(cfg.train_examples, seed_train_set(cfg))
-
-
-class MQARLoader:
-    """Resumable training-batch iterator for MQAR.
-
-    Modes:
-      ``"fixed"``: the fixed training set :func:`make_train_set` (generated
-        lazily on first use and cached), iterated in epochs of
-        ``steps_per_epoch = cfg.train_examples // batch_size`` steps (the last
-        partial batch of an epoch is dropped). Epoch ``e`` visits the examples
-        in the order ``default_rng(seed_epoch_shuffle(cfg, e)).permutation(n)``.
-      ``"stream"``: fresh examples every step; step ``s`` is
-        ``generate_mqar(batch_size, ..., seed=seed_stream_batch(cfg, s))``.
-
-    In both modes :meth:`batch` is a pure function of ``(cfg, batch_size,
-    mode, step)``, so a run resumed at step ``s`` sees exactly the same data as
-    an uninterrupted one. Iterating the loader yields ``batch(start_step)``,
-    ``batch(start_step + 1)``, ... without end.
-
-    Args:
-      cfg: the task configuration.
-      batch_size: examples per batch (``<= cfg.train_examples`` in fixed mode).
-      mode: ``"fixed"`` or ``"stream"``.
-      start_step: first global step produced by ``iter(loader)``.
-    """
-
-    MODES = ("fixed", "stream")
-
-    def __init__(self, cfg: MQARConfig, batch_size: int, *, mode: str = "fixed", start_step: int = 0):
-        if not isinstance(cfg, MQARConfig):
-            raise TypeError(f"cfg must be an MQARConfig, got {type(cfg).__name__}")
-        batch_size = _check_int("batch_size", batch_size)
-        start_step = _check_int("start_step", start_step)
-        if mode not in self.MODES:
-            raise ValueError(f"mode must be one of {self.MODES}, got mode={mode!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size}")
-        if mode == "fixed" and batch_size > cfg.train_examples:
-            raise ValueError(
-                f"batch_size={batch_size} exceeds cfg.train_examples={cfg.train_examples} in fixed mode"
-            )
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got start_step={start_step}")
-        self.cfg = cfg
-        self.batch_size = batch_size
-        self.mode = mode
-        self.start_step = start_step
-        self._train: MQARBatch | None = None
-        self._perm_epoch: int | None = None
-        self._perm: np.ndarray | None = None
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        """Steps per pass over the fixed training set (``None`` in stream mode)."""
-        if self.mode != "fixed":
-            return None
-        return self.cfg.train_examples // self.batch_size
-
-    @property
-    def train_set(self) -> MQARBatch:
-        """The (cached, read-only) fixed training set; fixed mode only."""
-        if self.mode != "fixed":
-            raise ValueError("train_set is only defined for mode='fixed'")
-        if self._train is None:
-            train = make_train_set(self.cfg)
-            train.inputs.flags.writeable = False
-            train.targets.flags.writeable = False
-            self._train = train
-        return self._train
-
-    def _epoch_perm(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            rng = np.random.default_rng(seed_epoch_shuffle(self.cfg, epoch))
-            self._perm = rng.permutation(self.cfg.train_examples)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def batch(self, step: int) -> MQARBatch:
-        """The batch for global ``step`` (``int32 [batch_size, seq_len]`` arrays, fresh copies)."""
-        step = _check_int("step", step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got step={step}")
-        if self.mode == "stream":
-            return self.cfg.generate(self.batch_size, seed_stream_batch(self.cfg, step))
-        epoch, i = divmod(step, self.steps_per_epoch)
-        idx = self._epoch_perm(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
-        train = self.train_set
-        return MQARBatch(inputs=train.inputs[idx], targets=train.targets[idx])
-
-    def __iter__(self) -> Iterator[MQARBatch]:
-        step = self.start_step
-        while True:
-            yield self.batch(step)
-            step += 1
+__all__ += ["TaskLoader"]
