@@ -17,17 +17,24 @@ from gdn_jax.data.loader import (
     seed_train_set,
 )
 from gdn_jax.data.mqar import MQARBatch, MQARConfig, generate_mqar
+from gdn_jax.data.niah import NIAHConfig, generate_niah
+from gdn_jax.data.state_tracking import StateTrackingConfig, generate_state_tracking, scaled_accuracy
 
 __all__ = [
     "IGNORE_INDEX",
     "MQARBatch",
     "MQARConfig",
     "MQARLoader",
+    "NIAHConfig",
+    "StateTrackingConfig",
     "TaskBatch",
     "TaskLoader",
     "generate_mqar",
+    "generate_niah",
+    "generate_state_tracking",
     "make_test_set",
     "make_train_set",
+    "scaled_accuracy",
     "seed_epoch_shuffle",
     "seed_stream_batch",
     "seed_test_set",
