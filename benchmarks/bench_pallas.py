@@ -14,7 +14,8 @@ beta = sigmoid(N(0,1)); q ~ N(0,1), default scale D^-1/2):
 4. ``--variants``: the same pallas timings under other kernel settings, e.g.
    ``--variants bv_state=64 warps_grad=4,bv_grad=128 chunk=32`` (keys: the fields of
    ``gdn_jax.ops.pallas_kernels.Tuning`` and ``chunk``; one variant per argument,
-   ``,``-separated settings).
+   ``,``-separated settings; timed after FLA / jax-linear-attention and the breakdown, so that a
+   run cut short by a time limit still has those).
 
 The compact table (ms and ratios vs chunk, vs the §5 anchors, vs FLA) is the LAST output.
 
@@ -365,28 +366,6 @@ def main(argv=None):
         measure("pallas", lambda: jax_fns("pallas", x, args.chunk))
         if not args.no_chunk:
             measure("chunk (XLA)", lambda: jax_fns("chunk", x, args.chunk))
-        for kw in variants:
-            kw = dict(kw)
-            explicit = "chunk" in kw
-            c = kw.pop("chunk", args.chunk)
-            label = "pallas[" + ",".join([f"{k}={v}" for k, v in kw.items()] + ([f"C={c}"] if c != args.chunk else [])) + "]"
-
-            def mk(kw=kw, c=c, explicit=explicit):
-                from gdn_jax.ops import _pallas_platform as plat
-
-                cap = plat.MAX_KERNEL_CHUNK
-                if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D cap
-                    plat.MAX_KERNEL_CHUNK = {}
-                try:
-                    with P.tuning(**kw):
-                        f, fb = jax_fns("pallas", x, c)
-                        jax.block_until_ready(f())  # trace + compile inside the settings
-                        jax.block_until_ready(fb())
-                finally:
-                    plat.MAX_KERNEL_CHUNK = cap
-                return f, fb
-
-            measure(label, mk)
         if not args.no_fla:
             try:
                 ffwd, ffb, fsync, fo, note = fla_fns(x)
@@ -412,7 +391,8 @@ def main(argv=None):
                 cfg, brows, nfwd = kernel_breakdown(x, args.chunk, reps)
                 breakdowns[shape] = brows
                 log(f"  per-kernel (cfg: layout {cfg.layout}, C {cfg.C}, bv state/out/grad "
-                    f"{cfg.bv('state')}/{cfg.bv('out')}/{cfg.bv('grad')}, mid {cfg.mid_dt}, U {cfg.u_dt.name}):")
+                    f"{cfg.bv('state')}/{cfg.bv('out')}/{cfg.bv('grad')}, grad K blocks {cfg.grad_nk()}, mid {cfg.mid_dt}, "
+                    f"U {cfg.u_dt.name}):")
                 for name, ms, mb, gbs in brows:
                     log(f"    {name:<30} {ms:8.3f} ms  {mb:9.1f} MB  {gbs:7.0f} GB/s")
                 log(f"    {'sum fwd / bwd kernels':<30} {sum(r[1] for r in brows[:nfwd]):8.3f} / "
@@ -420,6 +400,29 @@ def main(argv=None):
             except Exception as e:
                 log(f"  breakdown FAILED: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=5)
+
+        for kw in variants:
+            kw = dict(kw)
+            explicit = "chunk" in kw
+            c = kw.pop("chunk", args.chunk)
+            label = "pallas[" + ",".join([f"{k}={v}" for k, v in kw.items()] + ([f"C={c}"] if c != args.chunk else [])) + "]"
+
+            def mk(kw=kw, c=c, explicit=explicit):
+                from gdn_jax.ops import _pallas_platform as plat
+
+                cap = plat.MAX_KERNEL_CHUNK
+                if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D cap
+                    plat.MAX_KERNEL_CHUNK = {}
+                try:
+                    with P.tuning(**kw):
+                        f, fb = jax_fns("pallas", x, c)
+                        jax.block_until_ready(f())  # trace + compile inside the settings
+                        jax.block_until_ready(fb())
+                finally:
+                    plat.MAX_KERNEL_CHUNK = cap
+                return f, fb
+
+            measure(label, mk)
 
     # ------------------------------------------------------------------ summary table (last output)
     log("\n" + "=" * 100)

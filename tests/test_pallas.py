@@ -145,6 +145,7 @@ FWD_CASES = [
     (F16, "strong", 1, 50, 2, 32, 128, 16, False),
     (F32, "weak", 1, 150, 1, 32, 32, 128, True),
     (F32, "strong", 1, 64, 2, 48, 80, 32, True),  # multiples of 16 that are not powers of 2
+    (BF16, "strong", 1, 40, 1, 256, 64, 32, True),  # K > 128: gradient kernel split over K blocks
 ]
 
 
@@ -313,7 +314,9 @@ def test_initial_state_gradient():
 @pytest.mark.parametrize("variant", [
     dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
     dict(u_dtype="mid", state_dot="mid", out_dot="mid", merge_state=True),
-], ids=["small-blocks-unfused", "all-bf16-merged"])
+    dict(bk_grad=16, bv_grad=32),
+    dict(bk_grad=32, save_t=False, num_stages=3),
+], ids=["small-blocks-unfused", "all-bf16-merged", "grad-k-blocks", "grad-k-blocks-no-t"])
 def test_tuning_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
     x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)
@@ -357,15 +360,18 @@ def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
     return (back(o), fin[:, None]), (W.reshape(BH, n * C, K), U.reshape(BH, n * C, V), back(vn), jnp.moveaxis(h, 0, 1))
 
 
-def test_kernel_pieces_vs_vjp():
+@pytest.mark.parametrize("K,bk", [(16, None), (64, 16), (32, 16)], ids=["whole-K", "4-K-blocks", "2-K-blocks"])
+def test_kernel_pieces_vs_vjp(K, bk):
     """Each kernel against the pure-JAX chunk math, and every cotangent of the custom_vjp
     (q, k, v, beta, gamma as column and as row, e^gamma, e^{gamma_C-gamma}, e^{gamma_C},
-    h0) against jax.vjp of that math -- before the plain-JAX chain rule mixes them."""
+    h0) against jax.vjp of that math -- before the plain-JAX chain rule mixes them. Also
+    with the gradient kernel split over K blocks (``bk_grad``)."""
     from gdn_jax.ops import pallas_kernels as K_
 
-    BH, n, C, K, V = 2, 3, 16, 16, 32
+    BH, n, C, V = 2, 3, 16, 64 if K == 64 else 32
     cfg = K_.Cfg(p="interpret", layout="hm", BH=BH, H=2, n=n, C=C, K=K, V=V, scale=0.3, in_dt="float32",
-                 mid_dt="float32", packed=False, nseq=1, tuning=K_.Tuning(bv_state=16, bv_grad=16))
+                 mid_dt="float32", packed=False, nseq=1, tuning=K_.Tuning(bv_state=16, bv_grad=16, bk_grad=bk))
+    assert cfg.grad_nk() == K // (bk or K)
     rng = np.random.default_rng(9)
     Tp = n * C
     f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
@@ -427,7 +433,7 @@ def test_gpu_kernel_chunk_policy():
     from gdn_jax.ops import _pallas_platform as plat
 
     assert plat.kernel_chunk("gpu", 64, 128) == 32
-    assert plat.kernel_chunk("gpu", 64, 256) == 16
+    assert plat.kernel_chunk("gpu", 64, 256) == 32
     assert plat.kernel_chunk("gpu", 16, 64) == 16
     assert plat.kernel_chunk("interpret", 64, 256) == 64
     assert plat.kernel_chunk("tpu", 128, 128) == 128

@@ -61,7 +61,7 @@ def platform() -> str:
 #   B4 T4096 H16 D128: C=64 fwd+bwd 6.44 ms (the gradient kernel's C x C tiles spill
 #   registers: 5.3 ms alone), C=32 3.05-3.30 ms; the forward ~1.0-1.1 ms either way.
 #   B2 T8192 H8 D256:  C=64 19.8 ms, C=16 6.96 ms.
-MAX_KERNEL_CHUNK = {"gpu": ((128, 32), (256, 16))}  # (largest max(K, V), largest chunk)
+MAX_KERNEL_CHUNK = {"gpu": ((128, 32), (256, 32))}  # (largest max(K, V), largest chunk)
 
 
 def kernel_chunk(p: str, chunk_size: int, head_dim: int = 128) -> int:

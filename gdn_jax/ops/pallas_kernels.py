@@ -96,11 +96,12 @@ class Tuning:
     bv_state: Optional[int] = None
     bv_out: Optional[int] = None
     bv_grad: Optional[int] = None
+    bk_grad: Optional[int] = None
     warps_intra: int = 4
     warps_state: int = 4
     warps_out: int = 4
     warps_grad: Optional[int] = None
-    num_stages: int = 2
+    num_stages: Optional[int] = None
     gpu_f32_inv: Optional[str] = None
     gpu_f32_mm: Optional[str] = None
     mid_dtype: str = "auto"
@@ -163,12 +164,28 @@ class Cfg:
             return V if V <= 128 or V % 128 else 128
         if kind == "state":  # sequential chains: want >= ~2 programs per SM (H200: 132 SMs)
             bv = min(V, 64)
-            while bv > 16 and self.BH * (V // bv) < 256:
+            # V > 128: at most halve to 32 (B2 T8192 H8 D256 C16 on an H200: bv 16 -> 32 cut the
+            # forward from ~3.0 to 2.0 ms; every program re-reads the whole K-wide W, k, q rows)
+            lo = 32 if V > 128 else 16
+            while bv > lo and self.BH * (V // bv) < 256:
                 bv //= 2
             return bv
         if kind == "out":
             return min(V, 128)
         return min(V, 64)
+
+    def grad_nk(self):
+        """Number of key-channel blocks of the gradient kernel (1: the whole-K kernel)."""
+        bk = self.tuning.bk_grad
+        if bk is None:
+            bk = self.K if (_plat.is_tpu_layout(self.p) or self.K <= 128) else 128
+        bk = min(bk, self.K)
+        if self.K % bk:
+            raise ValueError(f"bk_grad={bk} must divide K={self.K}")
+        nk = self.K // bk
+        if self.V % nk or self.V // nk < 16:  # the dv share of each program: >= 16 columns
+            return 1
+        return nk
 
     def bv(self, kind):
         v = getattr(self.tuning, "bv_" + kind) or self._bv_default(kind)
@@ -187,7 +204,8 @@ class Cfg:
             "grad": t.warps_grad or (8 if max(self.K, self.V) >= 128 else 4),
         }[kind]
         vmem = _plat.tpu_vmem_bytes(blocks) if (blocks and self.p == "tpu") else None
-        return _plat.pallas_call_kwargs(self.p, num_warps=warps, num_stages=t.num_stages, n_grid=n_grid,
+        stages = 2 if t.num_stages is None else t.num_stages
+        return _plat.pallas_call_kwargs(self.p, num_warps=warps, num_stages=stages, n_grid=n_grid,
                                         sequential_last=sequential_last, vmem_bytes=vmem)
 
 
@@ -540,6 +558,86 @@ def _grad_kernel(cfg: Cfg, *refs):
     deg_ref[...] = deg
 
 
+def _grad_kernel_ksplit(cfg: Cfg, *refs):
+    """:func:`_grad_kernel` for one block of bk key channels (grid (B*H, chunks, K/bk)).
+
+    Each program reads the chunk's q, k (all K: A and Aqk contract over K), its K rows of h_n
+    and dh_n, and vn, dvn, dO (all V); it writes dq, dk for its K columns, dv for its share of
+    the V columns (V/nk of them) and partial per-token scalar gradients (summed over the K
+    blocks by the caller). The only K-contraction of the whole-K kernel, dW X^T in dT, is
+    rewritten with X S = (I + A) W S = (I + A)(U - Vn) = beta V - (I + A) Vn (from Vn = U - W S,
+    W = T X, U = T beta V, T = (I + A)^-1): dT = dvn (beta v)^T + dW X^T = dvn Vn^T (I + A)^T,
+    which contracts over V only (and avoids the cancellation of the two O(|v|) terms)."""
+    if cfg.tuning.save_t:
+        (q_ref, k_ref, qs_ref, ks_ref, vs_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref,
+         dvn_ref, dvns_ref, t_ref, dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
+    else:
+        (q_ref, k_ref, qs_ref, ks_ref, vs_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref,
+         dvn_ref, dvns_ref, dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
+        t_ref = None
+    C = cfg.C
+    k = _f32(k_ref)
+    beta, gc, gr, eg = b_ref[...], gc_ref[...], gr_ref[...], eg_ref[...]
+    strict = _strict_mask(C)
+    Gs = _decay(gc, gr, incl=False)
+    A = _mm(cfg, k * beta, k, tb=True) * Gs
+    T = t_ref[...] if t_ref is not None else _inv_unit_lower(cfg, A)
+
+    # --- value-channel blocks: [C, bk] accumulators over all of V (rows of h_n / dh_n: this block's K)
+    bv = cfg.bv("grad")
+    dQg = dW = dKd = dAqk = dVV = ddec = None
+    acc = lambda a, b: b if a is None else a + b
+    for jb in range(cfg.V // bv):  # static loop
+        sl = slice(jb * bv, (jb + 1) * bv)
+        S, dS = h_ref[:, sl], dh_ref[:, sl]
+        vn, dvn, do = vn_ref[:, sl], dvn_ref[:, sl], do_ref[:, sl]
+        dQg = acc(dQg, _mm(cfg, do, S, tb=True))  # o = Qg S + Aqk vn
+        dAqk = acc(dAqk, _mm(cfg, do, vn, tb=True))
+        dW = acc(dW, -_mm(cfg, dvn, S, tb=True))  # vn = U - W S
+        dKd = acc(dKd, _mm(cfg, vn, dS, tb=True))  # S' = dec S + Kd^T vn
+        dVV = acc(dVV, _mm(cfg, dvn, vn, tb=True))
+        ddec = acc(ddec, _colsum(_rowsum(S.astype(F32) * dS.astype(F32))))
+    ddec_ref[...] = ddec
+
+    # --- this program's share of the value channels: dv, and dbeta through U = T (beta V)
+    dvb = _mm(cfg, T, dvns_ref[...], ta=True, dt=F32)
+    dv_ref[...] = (dvb * beta).astype(dv_ref.dtype)
+    dbeta = _rowsum(dvb * _f32(vs_ref))
+
+    ks = _f32(ks_ref)
+    dekd_ref[...] = _rowsum(dKd * ks)  # Kd = K e^{gamma_C - gamma}
+    dk = dKd * ekd_ref[...]
+
+    # --- W = T X with X = beta K e^gamma; T = (I + A)^-1; A = strict((beta K) K^T * Gamma)
+    kbs = ks * beta
+    dT = dVV + _mm(cfg, dVV, A, tb=True, dt=F32)  # dvn Vn^T (I + A)^T
+    dX = _mm(cfg, T, dW, ta=True, dt=F32)
+    dA = -_mm(cfg, _mm(cfg, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv") * strict
+    M = dA * A
+    dKK = dA * Gs
+    dkb = _mm(cfg, dKK, ks) + dX * eg
+    dk = dk + _mm(cfg, dKK, kbs, ta=True) + dkb * beta
+    dbeta = dbeta + _rowsum(dkb * ks)
+    deg = _rowsum(dX * kbs)
+
+    # --- o = (Q e^gamma) S + tril(Q K^T * Gamma) vn   (Q scaled)
+    Gi = _decay(gc, gr, incl=True)
+    Aqk = _mm(cfg, _f32(q_ref) * cfg.scale, k, tb=True) * Gi
+    M = M + dAqk * Aqk * strict
+    dQK = dAqk * Gi
+    qs = _f32(qs_ref) * cfg.scale
+    dqs = _mm(cfg, dQK, ks) + dQg * eg
+    dk = dk + _mm(cfg, dQK, qs, ta=True)
+    deg = deg + _rowsum(dQg * qs)
+
+    dq_ref[...] = (dqs * cfg.scale).astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    db_ref[...] = dbeta
+    dgc_ref[...] = _rowsum(M)
+    dgr_ref[...] = -_colsum(M)
+    deg_ref[...] = deg
+
+
 def _strict_mask(C):
     i, j = _iotas(C)
     return jnp.where(i > j, 1.0, 0.0).astype(F32)
@@ -745,7 +843,9 @@ def state_both(cfg: Cfg, w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin, info):
 def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t=None):
     """Per-chunk local gradients: (dq, dk, dv) in the token layout and cfg.in_dt;
     dbeta, dgamma_col, d e^gamma, d e^{gamma_C-gamma} as [BH,T,1]; dgamma_row [BH,n,1,C];
-    d e^{gamma_C} [BH,n,1,1]; all scalars f32."""
+    d e^{gamma_C} [BH,n,1,1]; all scalars f32. (K-blocked kernel when ``cfg.grad_nk() > 1``.)"""
+    if cfg.grad_nk() > 1:
+        return _grads_ksplit(cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t)
     C, K, V, BH, n, Tp = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n, cfg.Tp
     f = lambda b, c: (b, c)
     col, row = _scalar_specs(cfg, f)
@@ -769,3 +869,43 @@ def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t=None):
     )
     extra = (t,) if cfg.tuning.save_t else ()
     return _plat.call(cfg.p, fn, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *extra)
+
+
+def _grads_ksplit(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t=None):
+    """:func:`grads` on the grid (B*H, chunks, K/bk) (see :func:`_grad_kernel_ksplit`)."""
+    C, K, V, BH, n, Tp = cfg.C, cfg.K, cfg.V, cfg.BH, cfg.n, cfg.Tp
+    nk = cfg.grad_nk()
+    bk, bvs = K // nk, V // nk
+    f = lambda b, c, j: (b, c)
+    col, row = _scalar_specs(cfg, f)
+    tk = _tok_spec(cfg, C, K, lambda b, c, j: (b, c, 0))
+    tv = _tok_spec(cfg, C, V, lambda b, c, j: (b, c, 0))
+    tks = _tok_spec(cfg, C, bk, lambda b, c, j: (b, c, j))
+    tvs = _tok_spec(cfg, C, bvs, lambda b, c, j: (b, c, j))
+    hv = _hm_spec(C, V, lambda b, c, j: (b, c, 0))
+    hvs = _hm_spec(C, bvs, lambda b, c, j: (b, c, j))
+    hk = pl.BlockSpec((None, None, bk, V), lambda b, c, j: (b, c, j, 0))
+    pcol = pl.BlockSpec((None, None, C, 1), lambda b, c, j: (j, b, c, 0))
+    prow = pl.BlockSpec((None, None, None, 1, C), lambda b, c, j: (j, b, c, 0, 0))
+    pdec = pl.BlockSpec((None, None, None, 1, 1), lambda b, c, j: (j, b, c, 0, 0))
+    in_specs = [tk, tk, tks, tks, tvs, tv, col, col, row, col, col, hk, hk, hv, hv, hvs]
+    args = [q, k, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, dvn]
+    if cfg.tuning.save_t:
+        in_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c, j: (b, c, 0, 0)))
+        args.append(t)
+    fn = pl.pallas_call(
+        functools.partial(_grad_kernel_ksplit, cfg),
+        out_shape=[
+            _sds(_tok_shape(cfg, K), cfg.in_dt), _sds(_tok_shape(cfg, K), cfg.in_dt), _sds(_tok_shape(cfg, V), cfg.in_dt),
+            _sds((nk, BH, Tp, 1), F32), _sds((nk, BH, Tp, 1), F32), _sds((nk, BH, n, 1, C), F32),
+            _sds((nk, BH, Tp, 1), F32), _sds((nk, BH, Tp, 1), F32), _sds((nk, BH, n, 1, 1), F32),
+        ],
+        grid=(BH, n, nk),
+        in_specs=in_specs,
+        out_specs=[tks, tks, tvs, pcol, pcol, prow, pcol, pcol, pdec],
+        name="gdn_grads_ksplit",
+        **cfg.kw("grad", 3),
+    )
+    dq, dk, dv, db, dgc, dgr, deg, dekd, ddec = _plat.call(cfg.p, fn, *args)
+    # dgc / dgr are the same in every K block (C x C terms only); the rest are partial sums over K
+    return dq, dk, dv, db.sum(0), dgc[0], dgr[0], deg.sum(0), dekd.sum(0), ddec.sum(0)
