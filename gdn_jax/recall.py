@@ -108,6 +108,7 @@ class RecallConfig:
     # loop / output
     eval_every: int = 250
     target_accuracy: float = 0.99  # early stop once test accuracy reaches this
+    max_time_s: Optional[float] = None  # stop (then evaluate) once this run's wall time exceeds this
     log_every: int = 10  # steps between progress-bar / train-curve updates
     seed: int = 0  # data (MQAR seed) and model init
     out: Optional[str] = None  # output dir (default runs/<task>)
@@ -118,7 +119,7 @@ class RecallConfig:
 
 
 # Fields that may differ between a run and its resumption without changing the result.
-_RESUME_FREE = {"max_steps", "out", "ckpt_dir", "resume", "keep_checkpoints", "progress", "log_every",
+_RESUME_FREE = {"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints", "progress", "log_every",
                 "eval_every", "target_accuracy", "eval_batch_size", "backend", "chunk_size"}
 
 
@@ -275,6 +276,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
 
     t0 = time.perf_counter()
     first_step_s = None
+    stopped_by_time = False
     done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
     pending: List[Dict[str, jax.Array]] = []
     since_eval: List[float] = []
@@ -319,6 +321,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
             pending.append(metrics)
             step = s + 1
             bar.update(1)
+            out_of_time = cfg.max_time_s is not None and wall() > cfg.max_time_s
             is_eval = step % cfg.eval_every == 0
             if step % cfg.log_every == 0 or is_eval or step == stop:
                 la = flush(step)
@@ -332,6 +335,9 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
                 if rec["test_accuracy"] >= cfg.target_accuracy:
                     done = True
                     break
+            if out_of_time:
+                stopped_by_time = True
+                break
     finally:
         if hasattr(batches, "close"):
             batches.close()
@@ -363,6 +369,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         "final_scaled_accuracy": scaled_accuracy(final["test_accuracy"], task.chance),
         "best_scaled_accuracy": scaled_accuracy(max(e["test_accuracy"] for e in history["evals"]), task.chance),
         "reached_target": final["test_accuracy"] >= cfg.target_accuracy,
+        "stopped_by_time": stopped_by_time,
         "steps": step,
         "resumed_from": start if restored is not None else None,
         "wall_s": round(wall_before + train_wall, 3),

@@ -1,0 +1,42 @@
+"""Sweep mixers x d_model x sequence length x kv pairs x learning rate on a synthetic task.
+
+A thin script over :mod:`gdn_jax.sweep` (every flag is a field of :class:`gdn_jax.sweep.SweepConfig`;
+``--base field=value ...`` sets any :class:`gdn_jax.recall.RecallConfig` field for every run)::
+
+    python experiments/sweep.py --preset cpu_mqar --out runs/sweep_cpu          # ~5 min on 2 CPU cores
+    python experiments/sweep.py --preset h200_mqar --out runs/mqar_h200         # L 512, 64 pairs, d 64-256
+    python experiments/sweep.py --preset h200_parity --out runs/parity_h200     # beta (0,1) vs (0,2)
+    python experiments/sweep.py --task niah --mixers gdn attention --d_models 64 128 \\
+        --seq_lens 1024 2048 --lrs 1e-3 3e-3 --base vocab_size=128 steps=2000 --out runs/niah
+
+Re-running the same command resumes (finished runs are skipped). With several GPUs, one worker
+per GPU. Writes ``runs.csv``, ``summary.csv``, ``summary.json`` and ``accuracy_vs_dmodel.png`` in ``--out``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+from gdn_jax.cli import parse_dataclass
+from gdn_jax.sweep import SweepConfig, apply_preset, run_sweep
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Parse ``argv`` into a :class:`SweepConfig` (preset first, explicit flags win) and run it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py")
+    explicit = {f.name for f in dataclasses.fields(SweepConfig)
+                if f"--{f.name}" in argv or f"--no-{f.name}" in argv}
+    cfg = apply_preset(cfg, explicit)
+    summary = run_sweep(cfg, argv=argv, script=os.path.abspath(__file__))
+    for b in summary.get("cells", []):
+        print(f"{b['cell']:<44} lr {b['lr']:<7g} acc {b['best_test_accuracy']:.4f}"
+              + (f" scaled {b['scaled_accuracy']:.3f}" if cfg.task == "state_tracking" else "")
+              + f"  steps {b['steps']}  {b['wall_s']:.0f}s")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Grid sweeps of :func:`gdn_jax.recall.run`: (mixer, d_model, sequence length, kv pairs, learning
+rate[, beta range]) -> a table of the best learning rate per cell and Zoology-style plots.
+
+A *cell* is one (task, mixer, d_model, seq_len, num_kv_pairs, neg_eigval) point of the grid; each
+cell trains once per learning rate in ``lrs`` (in that order; with ``skip_lrs_after_target`` the
+remaining rates are skipped once one run reaches ``target_accuracy``) and keeps the run with the best
+test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints):
+
+* **resumable** -- a run whose ``results.json`` exists is skipped; an interrupted run resumes from its
+  last checkpoint (taken at every evaluation);
+* **several devices** -- with more than one local GPU/TPU (or ``workers > 1``) the sweep starts one
+  worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each);
+  workers claim cells through lock files, so cells are spread dynamically;
+* **progress** -- a tqdm bar over cells.
+
+At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
+``summary.json`` (the best learning rate of each cell) and ``accuracy_vs_dmodel.png`` (test accuracy,
+or scaled accuracy for state tracking, against d_model: one panel per (seq_len, num_kv_pairs), one
+line per mixer).
+
+Mixer names are those of :data:`gdn_jax.models.MIXERS` plus ``"hybrid"``: GDN layers with every 4th
+layer Qwen3-Next gated attention (3:1), at ``max(num_layers, 4)`` layers.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+__all__ = ["SweepConfig", "PRESETS", "Cell", "cells", "apply_preset", "run_config", "run_sweep", "summarize"]
+
+
+@dataclasses.dataclass
+class SweepConfig:
+    """A sweep: the grid axes, the shared run settings (``base``: ``RecallConfig`` field=value
+    overrides, e.g. ``("steps=2000", "batch_size=128")``), where to write, how to run.
+
+    ``preset`` fills every field the command line did not set from :data:`PRESETS`."""
+
+    preset: Optional[str] = None
+    task: str = "mqar"
+    mixers: Tuple[str, ...] = ("gdn", "deltanet", "mamba2", "gla", "attention")
+    d_models: Tuple[int, ...] = (64, 128)
+    seq_lens: Tuple[int, ...] = (64,)
+    num_kv_pairs: Tuple[int, ...] = (8,)
+    lrs: Tuple[float, ...] = (3e-3,)
+    neg_eigval: Tuple[bool, ...] = (False,)  # beta in (0,1) / (0,2); True only for gdn, deltanet, hybrid
+    base: Tuple[str, ...] = ()
+    skip_lrs_after_target: bool = True
+    out: str = "runs/sweep"
+    workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
+    progress: bool = True
+    worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
+
+
+# Presets: sweep fields + base run settings. The H200 ones are the reduced protocols of the README.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # CI smoke test: every mixer on one task for a few steps (tests/test_sweep.py runs each task)
+    "cpu_smoke": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid"),
+                      d_models=(16,), seq_lens=(32,), num_kv_pairs=(4,), lrs=(1e-2,),
+                      base=("vocab_size=32", "num_heads=2", "steps=24", "warmup=2", "batch_size=8",
+                            "eval_every=24", "test_examples=16", "eval_batch_size=16", "backend=chunk",
+                            "chunk_size=16", "train_min_len=3", "train_max_len=12", "test_min_len=12",
+                            "test_max_len=24", "log_every=1")),
+    # a short CPU recall comparison (~5-6 min on 2 cores): MQAR L 64, 8 pairs, d 64
+    "cpu_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64,), seq_lens=(64,),
+                     num_kv_pairs=(8,), lrs=(3e-3,),
+                     base=("vocab_size=256", "steps=3000", "max_steps=500", "warmup=200", "batch_size=64",
+                           "eval_every=100")),
+    # H200: the DeltaNet-paper MQAR setting (L 512, 64 pairs, d 64/128/256), reduced protocol
+    "h200_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256),
+                      seq_lens=(512,), num_kv_pairs=(64,), lrs=(1e-3, 3e-3),
+                      base=("vocab_size=8192", "num_heads=2", "steps=1500", "warmup=100", "batch_size=128",
+                            "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=150")),
+    # H200: parity, beta in (0,1) vs (0,2) for deltanet and gdn (Grazzi et al.), reduced protocol
+    "h200_parity": dict(task="state_tracking", mixers=("deltanet", "gdn"), d_models=(128,), seq_lens=(40,),
+                        num_kv_pairs=(0,), lrs=(1e-3,), neg_eigval=(False, True),
+                        base=("modulus=2", "num_heads=2", "steps=2000", "warmup=100", "batch_size=256",
+                              "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=120")),
+}
+
+
+def apply_preset(cfg: SweepConfig, explicit: Iterable[str] = ()) -> SweepConfig:
+    """``cfg`` with the fields of ``PRESETS[cfg.preset]`` except those named in ``explicit``; the
+    preset's ``base`` settings come first so that ``cfg.base`` overrides them."""
+    if cfg.preset is None:
+        return cfg
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got preset={cfg.preset!r}")
+    explicit = set(explicit)
+    p = dict(PRESETS[cfg.preset])
+    base = tuple(p.pop("base", ())) + tuple(cfg.base)
+    upd = {k: v for k, v in p.items() if k not in explicit}
+    return dataclasses.replace(cfg, **upd, base=base)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One grid point."""
+
+    task: str
+    mixer: str
+    d_model: int
+    seq_len: int
+    num_kv_pairs: int
+    neg_eigval: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.task == "state_tracking":
+            s = f"{self.task}_{self.mixer}_d{self.d_model}"
+        elif self.task == "niah":
+            s = f"{self.task}_{self.mixer}_d{self.d_model}_L{self.seq_len}"
+        else:
+            s = f"{self.task}_{self.mixer}_d{self.d_model}_L{self.seq_len}_N{self.num_kv_pairs}"
+        return s + ("_neg" if self.neg_eigval else "")
+
+    @property
+    def label(self) -> str:
+        """Line label in plots: the mixer, with the beta range where it was swept."""
+        return self.mixer + (" β∈(0,2)" if self.neg_eigval else "")
+
+
+_NEG_OK = ("gdn", "deltanet", "hybrid")
+
+
+def cells(cfg: SweepConfig) -> List[Cell]:
+    """The grid of ``cfg`` (``neg_eigval=True`` only for mixers with a delta rule)."""
+    from gdn_jax.models.lm import MIXERS
+
+    for m in cfg.mixers:
+        if m not in MIXERS and m != "hybrid":
+            raise ValueError(f"unknown mixer {m!r}; expected one of {sorted(MIXERS) + ['hybrid']}")
+    out = []
+    seq_lens = cfg.seq_lens if cfg.task != "state_tracking" else cfg.seq_lens[:1]
+    pairs = cfg.num_kv_pairs if cfg.task == "mqar" else cfg.num_kv_pairs[:1]
+    for L in seq_lens:
+        for n in pairs:
+            for d in cfg.d_models:
+                for m in cfg.mixers:
+                    for neg in cfg.neg_eigval:
+                        if neg and m not in _NEG_OK:
+                            continue
+                        out.append(Cell(cfg.task, m, int(d), int(L), int(n), bool(neg)))
+    return out
+
+
+def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
+    from gdn_jax.cli import make_parser
+    from gdn_jax.recall import RecallConfig
+
+    fields = {f.name for f in dataclasses.fields(RecallConfig)}
+    argv = []
+    for item in base:
+        if "=" not in item:
+            raise ValueError(f"base settings are field=value, got {item!r}")
+        k, v = item.split("=", 1)
+        if k not in fields:
+            raise ValueError(f"base setting {k!r} is not a RecallConfig field")
+        if v.lower() in ("true", "false") and isinstance(getattr(RecallConfig(), k), bool):
+            argv.append(f"--{k}" if v.lower() == "true" else f"--no-{k}")
+        else:
+            argv += [f"--{k}", v]
+    ns = make_parser(RecallConfig).parse_args(argv)
+    return {k: getattr(ns, k) for k in fields if f"--{k}" in argv or f"--no-{k}" in argv}
+
+
+def run_config(cfg: SweepConfig, cell: Cell, lr: float):
+    """The :class:`gdn_jax.recall.RecallConfig` of one run of ``cell`` at learning rate ``lr``."""
+    from gdn_jax.recall import RecallConfig
+
+    kw = _parse_base(cfg.base)
+    kw.update(task=cell.task, d_model=cell.d_model, lr=float(lr), allow_neg_eigval=cell.neg_eigval,
+              out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), resume=True, progress=False,
+              keep_checkpoints=1)
+    if cell.task != "state_tracking":
+        kw["seq_len"] = cell.seq_len
+    if cell.task == "mqar":
+        kw["num_kv_pairs"] = cell.num_kv_pairs
+    if cell.mixer == "hybrid":
+        kw.update(mixer="gdn", hybrid_every=4, num_layers=max(int(kw.get("num_layers", 2)), 4))
+    else:
+        kw["mixer"] = cell.mixer
+    return RecallConfig(**kw)
+
+
+def _results_path(cfg: SweepConfig, cell: Cell, lr: float) -> str:
+    return os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}", "results.json")
+
+
+def _load(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
+    """All of the cell's runs are finished (or skipped after one reached the target)."""
+    for lr in cfg.lrs:
+        r = _load(_results_path(cfg, cell, lr))
+        if r is None:
+            return False
+        if cfg.skip_lrs_after_target and r.get("reached_target"):
+            return True
+    return True
+
+
+def run_cell(cfg: SweepConfig, cell: Cell) -> None:
+    """Train ``cell`` at each learning rate (skipping finished runs) and write their results."""
+    from gdn_jax.recall import run
+
+    for lr in cfg.lrs:
+        r = _load(_results_path(cfg, cell, lr))
+        if r is None:
+            r = run(run_config(cfg, cell, lr))[0]
+            import shutil
+
+            shutil.rmtree(r["ckpt_dir"], ignore_errors=True)  # finished: checkpoints no longer needed
+        if cfg.skip_lrs_after_target and r.get("reached_target"):
+            break
+
+
+def _claim(cfg: SweepConfig, cell: Cell) -> bool:
+    path = os.path.join(cfg.out, "locks", cell.name + ".lock")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def _worker(cfg: SweepConfig) -> None:
+    for cell in cells(cfg):
+        if not cell_done(cfg, cell) and _claim(cfg, cell):
+            print(f"[worker {cfg.worker_index}] {cell.name}", flush=True)
+            run_cell(cfg, cell)
+
+
+def _accelerators() -> int:
+    import jax
+
+    return jax.local_device_count() if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else 1
+
+
+def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] = None) -> Dict[str, Any]:
+    """Run every unfinished cell of ``cfg`` (in this process, or in one worker per device), then
+    :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process."""
+    from tqdm.auto import tqdm
+
+    grid = cells(cfg)
+    os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
+    with open(os.path.join(cfg.out, "sweep_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    if cfg.worker_index is not None:
+        _worker(cfg)
+        return {}
+    for p in glob.glob(os.path.join(cfg.out, "locks", "*.lock")):  # locks of a dead earlier sweep
+        os.remove(p)
+    n_workers = cfg.workers or (_accelerators() if _accelerators() > 1 else 0)
+    bar = tqdm(total=len(grid), disable=not cfg.progress, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
+    bar.update(sum(cell_done(cfg, c) for c in grid))
+    if n_workers <= 1 or script is None:
+        for cell in grid:
+            if not cell_done(cfg, cell):
+                bar.set_postfix_str(cell.name)
+                run_cell(cfg, cell)
+                bar.update(1)
+    else:
+        env_key = "TPU_VISIBLE_CHIPS" if _backend() == "tpu" else "CUDA_VISIBLE_DEVICES"
+        procs = []
+        for i in range(n_workers):
+            env = dict(os.environ, **{env_key: str(i)})
+            log = open(os.path.join(cfg.out, f"worker{i}.log"), "a")
+            procs.append((subprocess.Popen([sys.executable, script, *argv, "--worker_index", str(i), "--no-progress"],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        done = bar.n
+        while any(p.poll() is None for p, _ in procs):
+            time.sleep(2.0)
+            now = sum(cell_done(cfg, c) for c in grid)
+            bar.update(now - done)
+            done = now
+        for p, log in procs:
+            log.close()
+        bar.update(sum(cell_done(cfg, c) for c in grid) - done)
+        bad = [i for i, (p, _) in enumerate(procs) if p.returncode]
+        if bad:
+            print(f"workers {bad} failed; see {cfg.out}/worker<i>.log", file=sys.stderr)
+    bar.close()
+    return summarize(cfg)
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def _metric(r: Dict[str, Any], scaled: bool) -> float:
+    return r["best_scaled_accuracy"] if scaled else r["best_test_accuracy"]
+
+
+def summarize(cfg: SweepConfig) -> Dict[str, Any]:
+    """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
+    learning rate per cell) and ``accuracy_vs_dmodel.png``. Returns the summary."""
+    scaled = cfg.task == "state_tracking"
+    rows, best = [], []
+    for cell in cells(cfg):
+        runs = []
+        for lr in cfg.lrs:
+            r = _load(_results_path(cfg, cell, lr))
+            if r is None:
+                continue
+            row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model, seq_len=cell.seq_len,
+                       num_kv_pairs=cell.num_kv_pairs, neg_eigval=cell.neg_eigval, lr=lr,
+                       test_accuracy=r["final_test_accuracy"], best_test_accuracy=r["best_test_accuracy"],
+                       scaled_accuracy=r.get("best_scaled_accuracy"), steps=r["steps"],
+                       reached_target=r["reached_target"], stopped_by_time=r.get("stopped_by_time", False),
+                       wall_s=r["wall_s"], num_params=r["num_params"], device=r["device_kind"],
+                       backend=",".join(r.get("backend_resolved") or []) or "-")
+            rows.append(row)
+            runs.append(row)
+        if runs:
+            b = max(runs, key=lambda x: (x["scaled_accuracy"] if scaled else x["best_test_accuracy"], -x["steps"]))
+            best.append(dict(b, lrs_tried=[x["lr"] for x in runs]))
+    for name, data in (("runs.csv", rows), ("summary.csv", best)):
+        if data:
+            with open(os.path.join(cfg.out, name), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(data[0].keys()))
+                w.writeheader()
+                w.writerows(data)
+    summary = {"task": cfg.task, "metric": "scaled_accuracy" if scaled else "best_test_accuracy",
+               "cells": best, "sweep": dataclasses.asdict(cfg)}
+    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if best:
+        plot(best, os.path.join(cfg.out, "accuracy_vs_dmodel.png"), scaled=scaled)
+    return summary
+
+
+def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:
+    """Zoology-style figure: accuracy against d_model, one panel per (seq_len, kv pairs), one line per mixer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "scaled_accuracy" if scaled else "best_test_accuracy"
+    panels = sorted({(b["seq_len"], b["num_kv_pairs"]) for b in best})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (L, n) in zip(axes[0], panels):
+        sel = [b for b in best if (b["seq_len"], b["num_kv_pairs"]) == (L, n)]
+        for label in sorted({b["mixer"] + (" β∈(0,2)" if b["neg_eigval"] else "") for b in sel}):
+            pts = sorted((b["d_model"], b[key]) for b in sel
+                         if b["mixer"] + (" β∈(0,2)" if b["neg_eigval"] else "") == label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        title = {"mqar": f"MQAR L={L}, {n} pairs", "niah": f"NIAH L={L}"}.get(sel[0]["task"], "state tracking")
+        ax.set(title=title, xlabel="d_model", ylabel="scaled accuracy" if scaled else "test accuracy",
+               ylim=(-0.05 if scaled else 0, 1.02))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({b["d_model"] for b in sel}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
