@@ -54,6 +54,7 @@ class SweepConfig:
     base: Tuple[str, ...] = ()
     skip_lrs_after_target: bool = True
     out: str = "runs/sweep"
+    ckpt_root: Optional[str] = None  # checkpoints under <ckpt_root>/<cell>/lr<lr> (default: inside each run's out)
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
     progress: bool = True
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
@@ -73,16 +74,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                      num_kv_pairs=(8,), lrs=(3e-3,),
                      base=("vocab_size=256", "steps=3000", "max_steps=500", "warmup=200", "batch_size=64",
                            "eval_every=100")),
-    # H200: the DeltaNet-paper MQAR setting (L 512, 64 pairs, d 64/128/256), reduced protocol
+    # H200: the DeltaNet-paper MQAR setting (L 512, 64 pairs, d 64/128/256), reduced protocol (README):
+    # stream data, one LR, <= 3000 steps and <= 40 s of training per cell, early stop at 0.99
     "h200_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256),
-                      seq_lens=(512,), num_kv_pairs=(64,), lrs=(1e-3, 3e-3),
-                      base=("vocab_size=8192", "num_heads=2", "steps=1500", "warmup=100", "batch_size=128",
-                            "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=150")),
+                      seq_lens=(512,), num_kv_pairs=(64,), lrs=(3e-3,),
+                      base=("vocab_size=8192", "num_heads=2", "steps=3000", "warmup=150", "batch_size=128",
+                            "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=40",
+                            "backend=chunk")),
     # H200: parity, beta in (0,1) vs (0,2) for deltanet and gdn (Grazzi et al.), reduced protocol
     "h200_parity": dict(task="state_tracking", mixers=("deltanet", "gdn"), d_models=(128,), seq_lens=(40,),
                         num_kv_pairs=(0,), lrs=(1e-3,), neg_eigval=(False, True),
                         base=("modulus=2", "num_heads=2", "steps=2000", "warmup=100", "batch_size=256",
-                              "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=120")),
+                              "eval_every=250", "test_examples=1000", "eval_batch_size=250", "max_time_s=50",
+                              "backend=chunk")),
 }
 
 
@@ -179,6 +183,8 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
     kw.update(task=cell.task, d_model=cell.d_model, lr=float(lr), allow_neg_eigval=cell.neg_eigval,
               out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), resume=True, progress=False,
               keep_checkpoints=1)
+    if cfg.ckpt_root:
+        kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, f"lr{lr:g}")
     if cell.task != "state_tracking":
         kw["seq_len"] = cell.seq_len
     if cell.task == "mqar":
@@ -214,13 +220,24 @@ def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
 
 
 def run_cell(cfg: SweepConfig, cell: Cell) -> None:
-    """Train ``cell`` at each learning rate (skipping finished runs) and write their results."""
+    """Train ``cell`` at each learning rate (skipping finished runs) and write their results. A run
+    that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on."""
+    import traceback
+
     from gdn_jax.recall import run
 
     for lr in cfg.lrs:
         r = _load(_results_path(cfg, cell, lr))
         if r is None:
-            r = run(run_config(cfg, cell, lr))[0]
+            rc = run_config(cfg, cell, lr)
+            try:
+                r = run(rc)[0]
+            except Exception as e:  # keep the other cells going; the error is kept with the run
+                os.makedirs(rc.out, exist_ok=True)
+                with open(os.path.join(rc.out, "error.txt"), "w") as f:
+                    f.write(traceback.format_exc())
+                print(f"{cell.name} lr {lr:g} FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+                continue
             import shutil
 
             shutil.rmtree(r["ckpt_dir"], ignore_errors=True)  # finished: checkpoints no longer needed
