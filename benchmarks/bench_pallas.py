@@ -5,7 +5,11 @@ One invocation does everything device minutes allow: for each REFERENCE §5 shap
 beta = sigmoid(N(0,1)); q ~ N(0,1), default scale D^-1/2):
 
 1. numerics: pallas vs chunk (rel. rms of o and of dq, dk, dv, dg, dbeta) and vs FLA's o;
-2. timings, forward and forward+backward (a scalar function of o: sum(o * do)), jitted,
+2. timings, forward and forward+backward (a scalar function of o: sum(o * do), through
+   ``jax.value_and_grad``: with ``jax.grad`` alone the loss value is dead, XLA drops the
+   custom_vjp's forward kernels and "fwd+bwd" times the backward only -- as the pallas and
+   jax-linear-attention rows of the results/bench_pallas_h200 files up to bench_d256_ksplit
+   did; FLA's row always ran its forward), jitted,
    ``block_until_ready``, warm-up, median of ``--reps`` (>= 20) runs, for pallas, chunk, and
    when importable FLA (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, torch,
    ``torch.cuda.synchronize``) and jax-linear-attention (``jla.ops.linear_attention``);
@@ -117,7 +121,7 @@ def jax_fns(backend, x, chunk):
         return jnp.sum(fwd(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
 
     f = jax.jit(fwd)
-    fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
     a = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     return (lambda: f(*a)), (lambda: fb(*a, x["do"]))
 
@@ -179,7 +183,7 @@ def jla_fns(x):
         return jnp.sum(fwd(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
 
     f = jax.jit(fwd)
-    fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
     a = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     return (lambda: f(*a)), (lambda: fb(*a, x["do"])), np.asarray(f(*a).astype(jnp.float32))
 
@@ -256,7 +260,7 @@ def _in_bytes(name, cfg, x):
         "bwd state pass (recompute h)": tok(K, m) + tok(V, u) + tok(K, i) + 2 * sc,
         "bwd reverse state pass": 2 * tok(K, i) + tok(K, m) + tok(V, m) + tok(V, i) + 3 * sc,
         "bwd local grads": 2 * tok(K, i) + 2 * tok(V, i) + 6 * sc + 2 * hb + 2 * tok(V, m)
-        + (BH * n * cfg.C * cfg.C * 4 if cfg.tuning.save_t else 0),
+        + (BH * n * cfg.C * cfg.C * 4 if cfg.save_t else 0),
     }[name]
 
 
@@ -351,8 +355,8 @@ def main(argv=None):
         try:
             fp, fbp = jax_fns("pallas", x, args.chunk)
             fc, fbc = jax_fns("chunk", x, args.chunk)
-            op, gp = fp(), fbp()
-            oc, gc = fc(), fbc()
+            op, (_, gp) = fp(), fbp()
+            oc, (_, gc) = fc(), fbc()
             errs = {"o": rel_rms(to_np(op), to_np(oc))}
             for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gp, gc):
                 errs[n] = rel_rms(to_np(a), to_np(b))

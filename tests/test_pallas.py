@@ -314,7 +314,7 @@ def test_initial_state_gradient():
 @pytest.mark.parametrize("variant", [
     dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
     dict(u_dtype="mid", state_dot="mid", out_dot="mid", merge_state=True),
-    dict(bk_grad=16, bv_grad=32),
+    dict(bk_grad=16, bv_grad=32, save_t=True),
     dict(bk_grad=32, save_t=False, num_stages=3),
 ], ids=["small-blocks-unfused", "all-bf16-merged", "grad-k-blocks", "grad-k-blocks-no-t"])
 def test_tuning_variants(variant):

@@ -88,9 +88,16 @@ class Tuning:
     the h_n and Vn round trips: ~0.4 GB at B4 T4096 H16 D128) instead of intra + state pass
     + output kernel. ``save_t``: the backward intra kernel writes T = (I+A)^-1 (f32, C^2 per
     chunk: 67 MB at B4 T4096 H16 C64) for the gradient kernel instead of a second inverse
-    (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs). ``merge_state``
+    (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs); None: on for the
+    whole-K gradient kernel, off for the K-split one (see ``Cfg.save_t``). ``merge_state``
     (GPU / CPU interpret; ignored on TPU): run the two backward state passes (forward
     recompute and reverse), which are independent, in one launch with twice the programs.
+    ``bk_grad``: key-channel block of the gradient kernel (None: K up to K = 128, 128 above,
+    on GPU / CPU interpret; K on TPU). Below K the gradient kernel runs on the grid
+    (B*H, chunks, K/bk_grad): each program reads only its K rows of h_n and dh_n and holds
+    [C, bk] accumulators (at D = 256 the whole-K kernel spills registers at C = 32: B2 T8192 H8
+    on an H200, backward ~20 ms with it, 5.1 ms split in two K blocks); the C x C terms are recomputed per program and the per-token scalar
+    gradients are summed over the K blocks outside. ``num_stages`` None: 2.
     """
 
     bv_state: Optional[int] = None
@@ -109,7 +116,7 @@ class Tuning:
     state_dot: str = "f32"
     out_dot: str = "f32"
     fuse_output: bool = True
-    save_t: bool = True
+    save_t: Optional[bool] = None
     merge_state: bool = False
 
 
@@ -164,15 +171,23 @@ class Cfg:
             return V if V <= 128 or V % 128 else 128
         if kind == "state":  # sequential chains: want >= ~2 programs per SM (H200: 132 SMs)
             bv = min(V, 64)
-            # V > 128: at most halve to 32 (B2 T8192 H8 D256 C16 on an H200: bv 16 -> 32 cut the
-            # forward from ~3.0 to 2.0 ms; every program re-reads the whole K-wide W, k, q rows)
-            lo = 32 if V > 128 else 16
+            # V > 128 at C = 16: at most halve to 32 (B2 T8192 H8 D256 C16 on an H200: bv 16 -> 32
+            # cut the forward from ~3.0 to 2.0 ms; every program re-reads the whole K-wide W, k, q)
+            # (at C = 32 the other way round: bv 16 forward 2.2 ms, bv 32 ~2.95 ms)
+            lo = 32 if (V > 128 and self.C <= 16) else 16
             while bv > lo and self.BH * (V // bv) < 256:
                 bv //= 2
             return bv
         if kind == "out":
             return min(V, 128)
         return min(V, 64)
+
+    @property
+    def save_t(self):
+        """``tuning.save_t``; None: True for the whole-K gradient kernel, False for the K-split
+        one (B2 T8192 H8 D256 C32 on an H200: backward 4.54 ms recomputing T vs 5.09 ms reading it)."""
+        s = self.tuning.save_t
+        return (self.grad_nk() == 1) if s is None else bool(s)
 
     def grad_nk(self):
         """Number of key-channel blocks of the gradient kernel (1: the whole-K kernel)."""
@@ -302,7 +317,7 @@ def _intra_kernel(cfg: Cfg, mode: str, *refs):
     """mode "wu": W, U.  "fwd": W, U, Aqk (for the fused state pass).  "bwd": W, U, dVl = Aqk^T dO."""
     t_ref = None
     if mode == "bwd":
-        if cfg.tuning.save_t:
+        if cfg.save_t:
             q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref, t_ref = refs
         else:
             q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, w_ref, u_ref, x_ref = refs
@@ -489,7 +504,7 @@ def _grad_kernel(cfg: Cfg, *refs):
     """Local gradients of one chunk. Ordered to keep few [C, K] / [C, C] f32 values live at
     once (register pressure on GPU): the V loop, then the T/A path, then the Q K^T path.
     T comes from the backward intra kernel (``tuning.save_t``) or is recomputed."""
-    if cfg.tuning.save_t:
+    if cfg.save_t:
         (q_ref, k_ref, v_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref, dvn_ref,
          t_ref, dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
     else:
@@ -501,7 +516,7 @@ def _grad_kernel(cfg: Cfg, *refs):
     kb = k * beta
     Gs = _decay(gc, gr, incl=False)
     A = _mm(cfg, kb, k, tb=True) * Gs
-    T = t_ref[...] if cfg.tuning.save_t else _inv_unit_lower(cfg, A)
+    T = t_ref[...] if cfg.save_t else _inv_unit_lower(cfg, A)
 
     # --- value-channel blocks: everything that contracts or runs over V
     bv = cfg.bv("grad")
@@ -564,11 +579,11 @@ def _grad_kernel_ksplit(cfg: Cfg, *refs):
     Each program reads the chunk's q, k (all K: A and Aqk contract over K), its K rows of h_n
     and dh_n, and vn, dvn, dO (all V); it writes dq, dk for its K columns, dv for its share of
     the V columns (V/nk of them) and partial per-token scalar gradients (summed over the K
-    blocks by the caller). The only K-contraction of the whole-K kernel, dW X^T in dT, is
+    blocks by the caller). T = (I + A)^-1 is recomputed per program unless ``cfg.save_t``. The only K-contraction of the whole-K kernel, dW X^T in dT, is
     rewritten with X S = (I + A) W S = (I + A)(U - Vn) = beta V - (I + A) Vn (from Vn = U - W S,
     W = T X, U = T beta V, T = (I + A)^-1): dT = dvn (beta v)^T + dW X^T = dvn Vn^T (I + A)^T,
     which contracts over V only (and avoids the cancellation of the two O(|v|) terms)."""
-    if cfg.tuning.save_t:
+    if cfg.save_t:
         (q_ref, k_ref, qs_ref, ks_ref, vs_ref, do_ref, b_ref, gc_ref, gr_ref, eg_ref, ekd_ref, h_ref, dh_ref, vn_ref,
          dvn_ref, dvns_ref, t_ref, dq_ref, dk_ref, dv_ref, db_ref, dgc_ref, dgr_ref, deg_ref, dekd_ref, ddec_ref) = refs
     else:
@@ -687,7 +702,7 @@ def intra(cfg: Cfg, k, v, beta, gc, gr, eg, q=None, do=None):
     elif mode == "fwd":
         out_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0)))
         out_shape.append(_sds((BH, n, C, C), cfg.out_dt))
-    if mode == "bwd" and cfg.tuning.save_t:
+    if mode == "bwd" and cfg.save_t:
         out_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0)))
         out_shape.append(_sds((BH, n, C, C), F32))
     fn = pl.pallas_call(
@@ -862,12 +877,12 @@ def grads(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, t=None):
         ],
         grid=(BH, n),
         in_specs=[tk, tk, tv, tv, col, col, row, col, col, hk, hk, hv, hv]
-        + ([pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))] if cfg.tuning.save_t else []),
+        + ([pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))] if cfg.save_t else []),
         out_specs=[tk, tk, tv, col, col, row, col, col, pl.BlockSpec((None, None, 1, 1), lambda b, c: (b, c, 0, 0))],
         name="gdn_grads",
         **cfg.kw("grad", 2),
     )
-    extra = (t,) if cfg.tuning.save_t else ()
+    extra = (t,) if cfg.save_t else ()
     return _plat.call(cfg.p, fn, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *extra)
 
 
@@ -890,7 +905,7 @@ def _grads_ksplit(cfg: Cfg, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, 
     pdec = pl.BlockSpec((None, None, None, 1, 1), lambda b, c, j: (j, b, c, 0, 0))
     in_specs = [tk, tk, tks, tks, tvs, tv, col, col, row, col, col, hk, hk, hv, hv, hvs]
     args = [q, k, q, k, v, do, beta, gc, gr, eg, ekd, h, dh, vn, dvn, dvn]
-    if cfg.tuning.save_t:
+    if cfg.save_t:
         in_specs.append(pl.BlockSpec((None, None, C, C), lambda b, c, j: (b, c, 0, 0)))
         args.append(t)
     fn = pl.pallas_call(
