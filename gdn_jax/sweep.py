@@ -263,10 +263,13 @@ def _worker(cfg: SweepConfig) -> None:
             run_cell(cfg, cell)
 
 
-def _accelerators() -> int:
-    import jax
-
-    return jax.local_device_count() if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else 1
+def _accelerators() -> Tuple[int, str]:
+    """(number of local accelerators, backend), asked in a subprocess: the parent of the workers
+    must not open the GPUs itself (JAX would preallocate 75% of every GPU's memory in it)."""
+    code = "import jax; print(jax.local_device_count(), jax.default_backend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    n, backend = int(out[-2]), out[-1]
+    return (n if backend in ("gpu", "cuda", "rocm", "tpu") else 1), backend
 
 
 def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] = None) -> Dict[str, Any]:
@@ -283,7 +286,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         return {}
     for p in glob.glob(os.path.join(cfg.out, "locks", "*.lock")):  # locks of a dead earlier sweep
         os.remove(p)
-    n_workers = cfg.workers or (_accelerators() if _accelerators() > 1 else 0)
+    n_acc, backend = _accelerators() if not cfg.workers else (0, "")
+    n_workers = cfg.workers or (n_acc if n_acc > 1 else 0)
     bar = tqdm(total=len(grid), disable=not cfg.progress, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
     bar.update(sum(cell_done(cfg, c) for c in grid))
     if n_workers <= 1 or script is None:
@@ -293,7 +297,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
                 run_cell(cfg, cell)
                 bar.update(1)
     else:
-        env_key = "TPU_VISIBLE_CHIPS" if _backend() == "tpu" else "CUDA_VISIBLE_DEVICES"
+        env_key = "TPU_VISIBLE_CHIPS" if backend == "tpu" else "CUDA_VISIBLE_DEVICES"
         procs = []
         for i in range(n_workers):
             env = dict(os.environ, **{env_key: str(i)})
@@ -314,12 +318,6 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             print(f"workers {bad} failed; see {cfg.out}/worker<i>.log", file=sys.stderr)
     bar.close()
     return summarize(cfg)
-
-
-def _backend() -> str:
-    import jax
-
-    return jax.default_backend()
 
 
 def _metric(r: Dict[str, Any], scaled: bool) -> float:
