@@ -58,9 +58,11 @@ def platform() -> str:
 # Largest chunk the kernels use per platform and head dim. The result does not depend on the
 # chunk size (the chunked form is exact), so the kernels may use a smaller chunk than
 # ``chunk_size`` asks for. Measured on one H200, JAX 0.11.2, bf16 (2026-11-30):
-#   B4 T4096 H16 D128: C=64 fwd+bwd 6.44 ms (the gradient kernel's C x C tiles spill
-#   registers: 5.3 ms alone), C=32 3.05-3.30 ms; the forward ~1.0-1.1 ms either way.
-#   B2 T8192 H8 D256:  C=64 19.8 ms, C=16 6.96 ms with the whole-K gradient kernel (it spills at C=32: ~20 ms);
+#   (the "backward" figures timed jax.grad, from which XLA drops the unused forward kernels)
+#   B4 T4096 H16 D128: C=64 backward 6.44 ms (the gradient kernel's C x C tiles spill
+#   registers: 5.3 ms alone), C=32 3.05-3.30 ms; the forward ~1.0-1.1 ms either way. With
+#   value_and_grad (true fwd+bwd): C=32 4.08 ms, C=16 4.98 ms (bench_value_and_grad_2026-11-30.txt).
+#   B2 T8192 H8 D256:  C=64 backward 19.8 ms, C=16 6.96 ms with the whole-K gradient kernel (it spills at C=32: ~20 ms);
 #   with that kernel split over two K blocks (pallas_kernels.Tuning.bk_grad) C=32 backward 5.1 ms vs 6.2-6.5
 #   ms at C=16 (backward-only timings: results/bench_pallas_h200/bench_d256_ksplit_2026-11-30.txt).
 MAX_KERNEL_CHUNK = {"gpu": ((128, 32), (256, 32))}  # (largest max(K, V), largest chunk)
