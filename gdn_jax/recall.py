@@ -25,17 +25,12 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import training as T
-from gdn_jax.data import MQARConfig, TaskLoader, make_test_set
+from gdn_jax.data import MQARConfig, TaskLoader, make_test_set, scaled_accuracy
 from gdn_jax.models import LM, LMConfig
 
 __all__ = ["RecallConfig", "TASKS", "build", "make_task", "run", "scaled_accuracy", "task_label"]
 
 TASKS = ("mqar", "niah", "state_tracking")
-
-
-def scaled_accuracy(acc: float, chance: float) -> float:
-    """(acc - chance) / (1 - chance): 0 at chance, 1 when perfect (Grazzi et al. 2025)."""
-    return (float(acc) - float(chance)) / (1.0 - float(chance))
 
 
 def task_label(cfg: "RecallConfig") -> str:
