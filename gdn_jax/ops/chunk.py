@@ -68,8 +68,7 @@ def _decay_gram_channel(a, b, gc, sub: int = 16):
     m = _tril_mask(s, strict=False)[..., None]
     d = gb[..., :, None, :] - gb[..., None, :, :]
     e = jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), 0.0)
-    # one fused multiply-reduce (a three-operand einsum becomes a batched mat-vec on GPU)
-    diag = jnp.sum(ab[..., :, None, :] * bb[..., None, :, :] * e, axis=-1)  # [..., nb, s, s]
+    diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=_HI)  # [..., nb, s, s]
     eye = jnp.eye(nb, dtype=diag.dtype)
     full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
     if nb == 1:
