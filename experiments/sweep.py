@@ -29,12 +29,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py")
     explicit = {f.name for f in dataclasses.fields(SweepConfig)
                 if f"--{f.name}" in argv or f"--no-{f.name}" in argv}
-    cfg = apply_preset(cfg, explicit)
-    summary = run_sweep(cfg, argv=argv, script=os.path.abspath(__file__))
+    try:
+        cfg = apply_preset(cfg, explicit)
+        summary = run_sweep(cfg, argv=argv, script=os.path.abspath(__file__))
+    except ValueError as e:
+        raise SystemExit(f"sweep.py: error: {e}") from None
     for b in summary.get("cells", []):
-        print(f"{b['cell']:<44} lr {b['lr']:<7g} acc {b['best_test_accuracy']:.4f}"
-              + (f" scaled {b['scaled_accuracy']:.3f}" if cfg.task == "state_tracking" else "")
-              + f"  steps {b['steps']}  {b['wall_s']:.0f}s")
+        print(f"{b['cell']:<44} lr {b['lr']:<7g} best acc {b['best_test_accuracy']:.4f}"
+              + (f" (scaled {b['best_scaled_accuracy']:.3f})" if cfg.task == "state_tracking" else "")
+              + f"  final {b['final_test_accuracy']:.4f}  steps {b['steps']}  {b['wall_s']:.0f}s"
+              + ("  DIVERGED" if b.get("diverged") else ""))
+    if summary.get("failed"):
+        raise SystemExit(f"sweep.py: {len(summary['failed'])} run(s) failed (see error.txt in their folders): "
+                         + ", ".join(summary["failed"][:10]))
     return summary
 
 

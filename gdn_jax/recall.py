@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -31,6 +32,22 @@ from gdn_jax.models import LM, LMConfig
 __all__ = ["RecallConfig", "TASKS", "build", "make_task", "run", "scaled_accuracy", "task_label"]
 
 TASKS = ("mqar", "niah", "state_tracking")
+
+
+def mixer_label(cfg: "RecallConfig") -> str:
+    """``cfg.mixer``, or e.g. ``gdn+gated_attention/4`` for a hybrid."""
+    return f"{cfg.mixer}+{cfg.hybrid_mixer}/{cfg.hybrid_every}" if cfg.hybrid_every else cfg.mixer
+
+
+def _finite_json(x):
+    """``x`` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_json(v) for v in x]
+    return x
 
 
 def task_label(cfg: "RecallConfig") -> str:
@@ -150,8 +167,25 @@ def build(cfg: RecallConfig):
             raise SystemExit(f"--{name} must be one of {sorted(MIXERS)}, got {getattr(cfg, name)!r}")
     if cfg.data_mode == "fixed" and cfg.task != "mqar":
         raise SystemExit(f"--data_mode fixed is the Zoology MQAR protocol; task {cfg.task!r} streams (--data_mode stream)")
-    task = make_task(cfg)
+    if cfg.task not in TASKS:
+        raise SystemExit(f"--task must be one of {TASKS}, got {cfg.task!r}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise SystemExit(f"--lr must be a positive finite number, got {cfg.lr!r}")
+    for name in ("d_model", "num_layers", "num_heads"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
+        raise SystemExit(f"--hybrid_every {cfg.hybrid_every} with --num_layers {cfg.num_layers}: no layer would be "
+                         f"{cfg.hybrid_mixer!r} (need 0 <= hybrid_every <= num_layers; 4 layers for 3:1)")
+    try:
+        task = make_task(cfg)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"task {cfg.task!r}: {e}") from None
     loader = TaskLoader(task, cfg.batch_size, mode=cfg.data_mode)
+    layer_mixers = LMConfig(num_layers=cfg.num_layers, mixer=cfg.mixer, hybrid_every=cfg.hybrid_every,
+                            hybrid_mixer=cfg.hybrid_mixer).layer_mixers()
+    if cfg.allow_neg_eigval and not set(layer_mixers) & {"gdn", "deltanet"}:
+        raise SystemExit(f"--allow_neg_eigval needs a delta-rule layer (gdn, deltanet); the layers are {layer_mixers}")
     lm_cfg = LMConfig(vocab_size=task.model_vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
                       num_heads=cfg.num_heads, mixer=cfg.mixer, hybrid_every=cfg.hybrid_every,
                       hybrid_mixer=cfg.hybrid_mixer, allow_neg_eigval=cfg.allow_neg_eigval,
@@ -271,7 +305,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
 
     t0 = time.perf_counter()
     first_step_s = None
-    stopped_by_time = False
+    stopped_by_time = diverged = False
     done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
     pending: List[Dict[str, jax.Array]] = []
     since_eval: List[float] = []
@@ -303,7 +337,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     from tqdm.auto import tqdm
 
     bar = tqdm(total=stop, initial=min(start, stop), disable=not cfg.progress, dynamic_ncols=True,
-               desc=f"{cfg.task} {cfg.mixer}")
+               desc=f"{cfg.task} {mixer_label(cfg)}")
     step = start
     batches = T.prefetch_batches(loader.batch, range(start, stop), mesh) if not done else iter(())
     try:
@@ -329,6 +363,11 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
                                 test=f"{rec['test_accuracy']:.3f}")
                 if rec["test_accuracy"] >= cfg.target_accuracy:
                     done = True
+                    break
+                if not (math.isfinite(rec["test_loss"]) and (rec["loss"] is None or math.isfinite(rec["loss"]))):
+                    diverged = True  # NaN/inf loss: further steps cannot recover
+                    print(f"{cfg.task} {mixer_label(cfg)} lr={cfg.lr:g}: loss is not finite at step {step}; "
+                          f"stopping (diverged)", file=sys.stderr)
                     break
             if out_of_time:
                 stopped_by_time = True
@@ -365,6 +404,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         "best_scaled_accuracy": scaled_accuracy(max(e["test_accuracy"] for e in history["evals"]), task.chance),
         "reached_target": final["test_accuracy"] >= cfg.target_accuracy,
         "stopped_by_time": stopped_by_time,
+        "diverged": diverged,
         "steps": step,
         "resumed_from": start if restored is not None else None,
         "wall_s": round(wall_before + train_wall, 3),
@@ -378,9 +418,9 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         "ckpt_dir": ckpt.directory,
     }
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(_finite_json(results), f, indent=1, allow_nan=False)  # NaN/inf -> null: strict JSON
     plot_curves(os.path.join(out, "curves.png"), history, cfg.target_accuracy)
-    print(f"{cfg.task} {cfg.mixer} d={cfg.d_model} {task_label(cfg)} lr={cfg.lr:g}: "
+    print(f"{cfg.task} {mixer_label(cfg)} d={cfg.d_model} {task_label(cfg)} lr={cfg.lr:g}: "
           f"test_acc={final['test_accuracy']:.4f} (best {results['best_test_accuracy']:.4f}) at step {step}"
           f"{' [target reached]' if results['reached_target'] else ''}, wall {results['wall_s']:.1f}s, "
           f"backend={','.join(results['backend_resolved'] or ['-'])} on {n_dev}x {dev.device_kind} "

@@ -162,6 +162,9 @@ def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
     from gdn_jax.recall import RecallConfig
 
     fields = {f.name for f in dataclasses.fields(RecallConfig)}
+    grid = {"task": "--task", "mixer": "--mixers", "d_model": "--d_models", "seq_len": "--seq_lens",
+            "num_kv_pairs": "--num_kv_pairs", "lr": "--lrs", "allow_neg_eigval": "--neg_eigval", "out": "--out",
+            "ckpt_dir": "--ckpt_root", "resume": None, "hybrid_every": "--mixers hybrid"}
     argv = []
     for item in base:
         if "=" not in item:
@@ -169,6 +172,8 @@ def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
         k, v = item.split("=", 1)
         if k not in fields:
             raise ValueError(f"base setting {k!r} is not a RecallConfig field")
+        if k in grid:
+            raise ValueError(f"base setting {k!r} is set by the sweep" + (f"; use {grid[k]}" if grid[k] else ""))
         if v.lower() in ("true", "false") and isinstance(getattr(RecallConfig(), k), bool):
             argv.append(f"--{k}" if v.lower() == "true" else f"--no-{k}")
         else:
@@ -183,10 +188,11 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
 
     kw = _parse_base(cfg.base)
     kw.update(task=cell.task, d_model=cell.d_model, lr=float(lr), allow_neg_eigval=cell.neg_eigval,
-              out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), resume=True, progress=False,
-              keep_checkpoints=1)
+              out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), progress=False, keep_checkpoints=1)
     if cfg.ckpt_root:
         kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, f"lr{lr:g}")
+    ckpt = kw.get("ckpt_dir") or os.path.join(kw["out"], "ckpt")
+    kw["resume"] = os.path.isdir(ckpt) and bool(os.listdir(ckpt))  # an interrupted run continues
     if cell.task != "state_tracking":
         kw["seq_len"] = cell.seq_len
     if cell.task == "mqar":
@@ -208,6 +214,43 @@ def _load(path: str) -> Optional[Dict[str, Any]]:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def validate(cfg: SweepConfig) -> List[Cell]:
+    """Check the whole sweep before training anything: its own fields, then every run's settings
+    (task, model, optimizer; the model is built abstractly). Returns the grid; raises ValueError
+    listing every problem."""
+    from flax import nnx
+
+    from gdn_jax.recall import TASKS, build
+
+    errors = []
+    if cfg.task not in TASKS:
+        errors.append(f"task must be one of {TASKS}, got {cfg.task!r}")
+    if not cfg.lrs:
+        errors.append("lrs is empty")
+    if cfg.workers < 0:
+        errors.append(f"workers must be >= 0, got {cfg.workers}")
+    for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval"):
+        if not getattr(cfg, name):
+            errors.append(f"{name} is empty")
+    if errors:
+        raise ValueError("; ".join(errors))
+    grid = cells(cfg)
+    for cell in grid:
+        for lr in cfg.lrs:
+            try:
+                model_fn = build(run_config(cfg, cell, lr))[3]
+                if lr == cfg.lrs[0]:
+                    nnx.eval_shape(model_fn)
+            except SystemExit as e:
+                errors.append(f"{cell.name} lr {lr:g}: {e}")
+            except (TypeError, ValueError) as e:
+                errors.append(f"{cell.name} lr {lr:g}: {type(e).__name__}: {e}")
+    if errors:
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise ValueError("invalid sweep: " + "; ".join(errors[:5]) + more)
+    return grid
 
 
 def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
@@ -279,7 +322,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process."""
     from tqdm.auto import tqdm
 
-    grid = cells(cfg)
+    grid = cells(cfg) if cfg.worker_index is not None else validate(cfg)
     os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
     with open(os.path.join(cfg.out, "sweep_config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -322,32 +365,33 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     return summarize(cfg)
 
 
-def _metric(r: Dict[str, Any], scaled: bool) -> float:
-    return r["best_scaled_accuracy"] if scaled else r["best_test_accuracy"]
-
-
 def summarize(cfg: SweepConfig) -> Dict[str, Any]:
     """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
     learning rate per cell) and ``accuracy_vs_dmodel.png``. Returns the summary."""
     scaled = cfg.task == "state_tracking"
-    rows, best = [], []
+    rows, best, failed = [], [], []
     for cell in cells(cfg):
         runs = []
         for lr in cfg.lrs:
             r = _load(_results_path(cfg, cell, lr))
             if r is None:
+                if os.path.exists(os.path.join(os.path.dirname(_results_path(cfg, cell, lr)), "error.txt")):
+                    failed.append(f"{cell.name} lr {lr:g}")
                 continue
             row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model, seq_len=cell.seq_len,
                        num_kv_pairs=cell.num_kv_pairs, neg_eigval=cell.neg_eigval, lr=lr,
-                       test_accuracy=r["final_test_accuracy"], best_test_accuracy=r["best_test_accuracy"],
-                       scaled_accuracy=r.get("best_scaled_accuracy"), steps=r["steps"],
+                       best_test_accuracy=r["best_test_accuracy"], final_test_accuracy=r["final_test_accuracy"],
+                       best_scaled_accuracy=r.get("best_scaled_accuracy"),
+                       final_scaled_accuracy=r.get("final_scaled_accuracy"), steps=r["steps"],
                        reached_target=r["reached_target"], stopped_by_time=r.get("stopped_by_time", False),
+                       diverged=r.get("diverged", False),
                        wall_s=r["wall_s"], num_params=r["num_params"], device=r["device_kind"],
                        backend=",".join(r.get("backend_resolved") or []) or "-")
             rows.append(row)
             runs.append(row)
         if runs:
-            b = max(runs, key=lambda x: (x["scaled_accuracy"] if scaled else x["best_test_accuracy"], -x["steps"]))
+            # best LR: highest best-over-evaluations test accuracy, then highest final accuracy, then fewest steps
+            b = max(runs, key=lambda x: (x["best_test_accuracy"], x["final_test_accuracy"], -x["steps"]))
             best.append(dict(b, lrs_tried=[x["lr"] for x in runs]))
     for name, data in (("runs.csv", rows), ("summary.csv", best)):
         if data:
@@ -355,7 +399,8 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                 w = csv.DictWriter(f, fieldnames=list(data[0].keys()))
                 w.writeheader()
                 w.writerows(data)
-    summary = {"task": cfg.task, "metric": "scaled_accuracy" if scaled else "best_test_accuracy",
+    summary = {"task": cfg.task, "metric": "best_scaled_accuracy" if scaled else "best_test_accuracy",
+               "failed": failed,
                "cells": best, "sweep": dataclasses.asdict(cfg)}
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -371,7 +416,7 @@ def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = "scaled_accuracy" if scaled else "best_test_accuracy"
+    key = "best_scaled_accuracy" if scaled else "best_test_accuracy"
     panels = sorted({(b["seq_len"], b["num_kv_pairs"]) for b in best})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (L, n) in zip(axes[0], panels):

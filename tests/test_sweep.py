@@ -37,7 +37,7 @@ def test_every_mixer_trains(task, tmp_path):
     for name in ("runs.csv", "summary.csv", "summary.json", "accuracy_vs_dmodel.png"):
         assert os.path.getsize(tmp_path / name) > 0
     if task == "state_tracking":
-        assert all(c["scaled_accuracy"] is not None for c in summary["cells"])
+        assert all(c["best_scaled_accuracy"] is not None for c in summary["cells"])
 
 
 def test_resume_best_lr_and_neg_eigval(tmp_path):
@@ -50,7 +50,7 @@ def test_resume_best_lr_and_neg_eigval(tmp_path):
     assert neg["config"]["allow_neg_eigval"] is True
     for c in summary["cells"]:  # the best LR is the one with the best (scaled) accuracy
         runs = [json.load(open(tmp_path / "runs" / c["cell"] / f"lr{lr:g}" / "results.json")) for lr in cfg.lrs]
-        assert c["scaled_accuracy"] == max(r["best_scaled_accuracy"] for r in runs)
+        assert c["best_scaled_accuracy"] == max(r["best_scaled_accuracy"] for r in runs)
         assert c["lrs_tried"] == [1e-4, 1e-2]
     # a second sweep over the same folder trains nothing
     mtimes = {p: os.path.getmtime(p) for p in (tmp_path / "runs").rglob("results.json")}
@@ -84,3 +84,36 @@ def test_bad_arguments(tmp_path):
         S.run_config(S.SweepConfig(base=("steps",)), S.cells(S.SweepConfig())[0], 1e-3)
     with pytest.raises(SystemExit):  # argparse: a bad value for a typed field
         S.run_config(S.SweepConfig(base=("steps=many",)), S.cells(S.SweepConfig())[0], 1e-3)
+    with pytest.raises(ValueError, match="set by the sweep.*--d_models"):
+        S.run_config(S.SweepConfig(base=("d_model=32",)), S.cells(S.SweepConfig())[0], 1e-3)
+    # the whole grid is checked before anything trains; nothing is written
+    bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
+           dict(workers=-1), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),))]
+    for kw in bad:
+        out = tmp_path / "never"
+        with pytest.raises(ValueError):
+            S.run_sweep(S.SweepConfig(out=str(out), progress=False, mixers=("gdn",), **kw))
+        assert not out.exists(), kw
+
+
+def test_recall_rejects_bad_settings(tmp_path):
+    from gdn_jax.recall import RecallConfig, build
+
+    for kw, msg in [(dict(mixer="mamba2", allow_neg_eigval=True), "delta-rule"),
+                    (dict(hybrid_every=4, num_layers=2), "hybrid_every"),
+                    (dict(lr=-1.0), "--lr"), (dict(d_model=-16), "--d_model"), (dict(num_layers=0), "--num_layers"),
+                    (dict(task="niah", value_len=100, seq_len=64), "niah")]:
+        with pytest.raises(SystemExit, match=msg):
+            build(RecallConfig(out=str(tmp_path), **kw))
+
+
+def test_divergence_is_reported(tmp_path):
+    """A NaN loss stops the run; results.json stays strict JSON (NaN -> null)."""
+    from gdn_jax.recall import RecallConfig, run
+
+    res, _ = run(RecallConfig(vocab_size=32, seq_len=32, num_kv_pairs=4, d_model=16, batch_size=8, lr=1e4,
+                              grad_clip=0.0, warmup=1, steps=40, eval_every=5, test_examples=16,
+                              eval_batch_size=16, backend="chunk", chunk_size=16, progress=False, out=str(tmp_path)))
+    assert res["diverged"] and res["steps"] < 40
+    text = open(tmp_path / "results.json").read()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
