@@ -137,7 +137,9 @@ _NEG_OK = ("gdn", "deltanet", "hybrid")
 
 
 def cells(cfg: SweepConfig) -> List[Cell]:
-    """The grid of ``cfg`` (``neg_eigval=True`` only for mixers with a delta rule)."""
+    """The grid of ``cfg``. ``neg_eigval=True`` only for mixers with a delta rule (gdn, deltanet,
+    hybrid); ``niah`` ignores ``num_kv_pairs`` and ``state_tracking`` ignores ``seq_lens`` and
+    ``num_kv_pairs`` (its lengths are the task fields train/test_min/max_len, set with ``--base``)."""
     from gdn_jax.models.lm import MIXERS
 
     for m in cfg.mixers:
