@@ -34,6 +34,18 @@ __all__ = ["RecallConfig", "TASKS", "build", "make_task", "run", "scaled_accurac
 TASKS = ("mqar", "niah", "state_tracking")
 
 
+def max_labels(task) -> Optional[int]:
+    """Most labelled positions in one example of ``task`` (MQAR: the pairs; NIAH: the value tokens),
+    or None where most positions are labelled (state tracking): the loss then uses the dense head."""
+    from gdn_jax.data import NIAHConfig
+
+    if isinstance(task, MQARConfig):
+        return task.num_kv_pairs
+    if isinstance(task, NIAHConfig):
+        return task.value_len
+    return None
+
+
 def mixer_label(cfg: "RecallConfig") -> str:
     """``cfg.mixer``, or e.g. ``gdn+gated_attention/4`` for a hybrid."""
     return f"{cfg.mixer}+{cfg.hybrid_mixer}/{cfg.hybrid_every}" if cfg.hybrid_every else cfg.mixer
@@ -299,8 +311,9 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     if restored is not None:
         print(f"resumed from step {start} ({ckpt_dir})", file=sys.stderr)
 
-    train_step = T.make_train_step(graphdef, tx, mesh)
-    eval_step = T.make_eval_step(graphdef, mesh)
+    n_labels = max_labels(task)  # sparse LM head: logits only where something is scored
+    train_step = T.make_train_step(graphdef, tx, mesh, loss_fn=T.make_lm_loss(n_labels))
+    eval_step = T.make_eval_step(graphdef, mesh, max_scored=n_labels)
     test_set = make_test_set(task)
 
     t0 = time.perf_counter()
@@ -318,6 +331,8 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
             return None
         vals = jax.device_get(pending)
         pending.clear()
+        if any(int(v.get("unscored", 0)) for v in vals):
+            raise RuntimeError(f"training batches have more labels per row than max_labels={n_labels}")
         loss = float(np.mean([v["loss"] for v in vals]))
         acc = float(np.mean([v["accuracy"] for v in vals]))
         history["train"].append([step, loss, acc])

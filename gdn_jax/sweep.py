@@ -64,7 +64,7 @@ class SweepConfig:
 PRESETS: Dict[str, Dict[str, Any]] = {
     # CI smoke test: every mixer on one task for a few steps (tests/test_sweep.py runs each task)
     "cpu_smoke": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid"),
-                      d_models=(16,), seq_lens=(32,), num_kv_pairs=(4,), lrs=(1e-2,),
+                      d_models=(16,), seq_lens=(32,), num_kv_pairs=(4,), lrs=(3e-2,),
                       base=("vocab_size=32", "num_heads=2", "steps=24", "warmup=2", "batch_size=8",
                             "eval_every=24", "test_examples=16", "eval_batch_size=16", "backend=chunk",
                             "chunk_size=16", "train_min_len=3", "train_max_len=12", "test_min_len=12",

@@ -143,6 +143,39 @@ def masked_accuracy(logits, targets, ignore_index: int = IGNORE_INDEX):
     return correct.sum() / jnp.maximum(mask.sum(), 1)
 
 
+def scored_logits(model, inputs, targets, max_scored: int, ignore_index: int = IGNORE_INDEX):
+    """``(logits [B, M, V], targets [B, M])`` at the first ``M = max_scored`` labelled positions of
+    each row (in order; rows with fewer are padded with ``ignore_index``), computing the LM head only
+    there (:meth:`gdn_jax.models.LM.features` + :meth:`~gdn_jax.models.LM.logits`). Scored against
+    each other they give exactly the dense loss and accuracy when no row has more than ``M`` labels
+    (MQAR: ``num_kv_pairs`` of ``seq_len``; at vocab 8192 the head is most of a small model's step).
+    Also returns the number of labels beyond ``M`` (0 unless ``max_scored`` is too small)."""
+    mask = targets != ignore_index
+    M = min(int(max_scored), targets.shape[1])
+    idx = jnp.argsort(~mask, axis=1, stable=True)[:, :M]  # labelled positions first, in order
+    valid = jnp.take_along_axis(mask, idx, axis=1)
+    tgt = jnp.where(valid, jnp.take_along_axis(targets, idx, axis=1), ignore_index)
+    h = jnp.take_along_axis(model.features(inputs), idx[..., None], axis=1)
+    dropped = mask.sum() - valid.sum()
+    return model.logits(h), tgt, dropped
+
+
+def make_lm_loss(max_scored: Optional[int] = None, ignore_index: int = IGNORE_INDEX) -> "LossFn":
+    """:func:`lm_loss`, or with ``max_scored`` its sparse-head equivalent (:func:`scored_logits`):
+    same loss and accuracy, the head computed only at labelled positions; the aux metric
+    ``unscored`` counts labels beyond ``max_scored`` (must stay 0)."""
+    if max_scored is None:
+        return lm_loss
+
+    def loss(model, batch, key):
+        inputs, targets = batch
+        logits, tgt, dropped = scored_logits(model, inputs, targets, max_scored, ignore_index)
+        return (masked_cross_entropy(logits, tgt, ignore_index),
+                {"accuracy": masked_accuracy(logits, tgt, ignore_index), "unscored": dropped})
+
+    return loss
+
+
 def lm_loss(model, batch, key) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """Default loss: ``model(inputs)`` scored against ``targets`` (no shift), masked CE + accuracy.
 
@@ -330,18 +363,24 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Optional[Mesh] = None, *,
-                   ignore_index: int = IGNORE_INDEX):
-    """Return ``eval_step(state, batch) -> {"loss_sum", "correct", "count"}`` (jit-compiled).
+                   ignore_index: int = IGNORE_INDEX, max_scored: Optional[int] = None):
+    """Return ``eval_step(state, batch) -> {"loss_sum", "correct", "count", "unscored"}`` (jit-compiled).
 
     Sums (not means) over the labelled positions of an ``(inputs, targets)`` batch, so batches
-    can be accumulated exactly; used by :func:`evaluate`.
+    can be accumulated exactly; used by :func:`evaluate`. ``max_scored``: compute the LM head only
+    at the first ``max_scored`` labelled positions of each row (:func:`scored_logits`); labels
+    beyond it are counted in ``unscored``.
     """
 
     def step(state: TrainState, batch):
         inputs, targets = batch
-        logits = merge_model(graphdef, state)(inputs)
+        model = merge_model(graphdef, state)
+        if max_scored is None:
+            logits, dropped = model(inputs), jnp.zeros((), jnp.int32)
+        else:
+            logits, targets, dropped = scored_logits(model, inputs, targets, max_scored, ignore_index)
         ce, correct, mask = _ce_terms(logits, targets, ignore_index)
-        return {"loss_sum": ce.sum(), "correct": correct.sum(), "count": mask.sum()}
+        return {"loss_sum": ce.sum(), "correct": correct.sum(), "count": mask.sum(), "unscored": dropped}
 
     kw = {}
     if mesh is not None:
@@ -373,6 +412,9 @@ def evaluate(eval_step, state: TrainState, dataset, *, batch_size: int, mesh: Op
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
     count = int(totals["count"])
+    if int(totals.get("unscored", 0)):
+        raise ValueError(f"{int(totals['unscored'])} labelled positions were beyond the eval step's max_scored: "
+                         f"raise max_scored to the largest number of labels in a row")
     return {"loss": float(totals["loss_sum"]) / max(count, 1),
             "accuracy": float(totals["correct"]) / max(count, 1), "count": count}
 

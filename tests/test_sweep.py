@@ -26,7 +26,7 @@ def test_every_mixer_trains(task, tmp_path):
     assert cfg.mixers == ALL_MIXERS
     assert sorted(c["mixer"] for c in summary["cells"]) == sorted(ALL_MIXERS)
     for c in summary["cells"]:
-        r = json.load(open(os.path.join(tmp_path, "runs", c["cell"], "lr0.01", "results.json")))
+        r = json.load(open(os.path.join(tmp_path, "runs", c["cell"], f"lr{cfg.lrs[0]:g}", "results.json")))
         curve = r["train_curve"]
         first = sum(x[1] for x in curve[:3]) / 3
         last = sum(x[1] for x in curve[-3:]) / 3
@@ -46,7 +46,7 @@ def test_resume_best_lr_and_neg_eigval(tmp_path):
     names = sorted(c["cell"] for c in summary["cells"])
     # beta in (0, 2) only where there is a delta rule
     assert names == ["state_tracking_deltanet_d16", "state_tracking_deltanet_d16_neg", "state_tracking_mamba2_d16"]
-    neg = json.load(open(tmp_path / "runs" / "state_tracking_deltanet_d16_neg" / "lr0.01" / "results.json"))
+    neg = json.load(open(tmp_path / "runs" / "state_tracking_deltanet_d16_neg" / "lr0.0001" / "results.json"))
     assert neg["config"]["allow_neg_eigval"] is True
     for c in summary["cells"]:  # the best LR is the one with the best (scaled) accuracy
         runs = [json.load(open(tmp_path / "runs" / c["cell"] / f"lr{lr:g}" / "results.json")) for lr in cfg.lrs]

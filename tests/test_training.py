@@ -264,3 +264,36 @@ def test_script_sharded_subprocess(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "OK 4" in p.stdout
     assert json.load(open(tmp_path / "results.json"))["num_devices"] == 2
+
+
+@pytest.mark.parametrize("task", ["mqar", "niah"])
+def test_sparse_head_equals_dense(task):
+    """The LM head at the labelled positions only gives the dense loss, accuracy and gradients."""
+    from gdn_jax.data import NIAHConfig
+    from gdn_jax.models import LM, LMConfig
+    from gdn_jax.recall import max_labels
+    from gdn_jax.training import lm_loss, make_lm_loss
+
+    cfg = (MQARConfig(vocab_size=32, seq_len=32, num_kv_pairs=4) if task == "mqar"
+           else NIAHConfig(vocab_size=32, seq_len=48, value_len=3))
+    batch = cfg.generate(6, 3)
+    model = LM(LMConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, backend="chunk", chunk_size=16),
+               rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def f(loss_fn):
+        def g(p):
+            return loss_fn(nnx.merge(graphdef, p), batch, None)
+        (l, aux), grads = jax.value_and_grad(g, has_aux=True)(params)
+        return l, aux, grads
+
+    l0, a0, g0 = f(lm_loss)
+    l1, a1, g1 = f(make_lm_loss(max_labels(cfg)))
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(a1["accuracy"], a0["accuracy"], rtol=1e-6)
+    assert int(a1["unscored"]) == 0
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    # too small a max_scored is reported, never silently used
+    _, a2, _ = f(make_lm_loss(max_labels(cfg) - 1))
+    assert int(a2["unscored"]) == 6

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -225,14 +225,23 @@ class LM(nnx.Module):
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
 
     def __call__(self, tokens, *, cu_seqlens=None):
+        return self.logits(self.features(tokens, cu_seqlens=cu_seqlens))
+
+    def features(self, tokens, *, cu_seqlens=None):
+        """``tokens [B, T] int -> [B, T, d_model]``: the final-normed hidden states that the tied
+        head turns into logits (``self(tokens) == self.logits(self.features(tokens))``)."""
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         _check_token_range(tokens, self.cfg.vocab_size)
         x = self.embed(tokens)
         for blk in self.blocks:
             x = blk(x, cu_seqlens=cu_seqlens)
-        x = self.norm(x)
-        return self.embed.attend(x).astype(jnp.float32)
+        return self.norm(x)
+
+    def logits(self, h):
+        """The tied LM head: ``h [..., d_model] -> logits [..., vocab_size]`` (float32). Applying it
+        to a gathered subset of positions saves the head's cost where only those are scored."""
+        return self.embed.attend(h).astype(jnp.float32)
 
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> tuple:
