@@ -1,0 +1,80 @@
+"""Training-step speed of every mixer at one task shape: steps/s and compile time, one table.
+
+Run this before a long sweep to see which mixers are slow on the device (the first H200 MQAR sweep,
+L 512 / 64 pairs / vocab 8192 / batch 128, ran deltanet and gla at d >= 128 at 5-8 steps/s against
+22-95 for the others). Each cell builds the LM of :func:`gdn_jax.recall.build` with the loss that
+:func:`gdn_jax.recall.run` uses (sparse head for MQAR), compiles the jitted step, then times ``--reps``
+steps on one fixed batch (synchronised)::
+
+    python benchmarks/bench_train_step.py                                   # the H200 MQAR shape
+    python benchmarks/bench_train_step.py --mixers gla --d_models 128 --env GDN_JAX_DIAG_GRAM=fused
+    python benchmarks/bench_train_step.py --quick                           # tiny CPU smoke test
+
+``--env K=V`` sets environment switches before anything is traced (e.g. ``GDN_JAX_DIAG_GRAM=fused``:
+the per-key-channel diagonal Gram of ``gdn_jax.ops.chunk`` as one multiply-reduce instead of an einsum).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mixers", nargs="+", default=["gdn", "deltanet", "mamba2", "gla", "linear", "attention"])
+    ap.add_argument("--d_models", nargs="+", type=int, default=[64, 128, 256])
+    ap.add_argument("--seq_len", type=int, default=512)
+    ap.add_argument("--num_kv_pairs", type=int, default=64)
+    ap.add_argument("--vocab_size", type=int, default=8192)
+    ap.add_argument("--batch_size", type=int, default=128)
+    ap.add_argument("--num_heads", type=int, default=2)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--env", nargs="*", default=[], help="KEY=VALUE switches set before tracing")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    args = ap.parse_args(argv)
+    for kv in args.env:
+        k, _, v = kv.partition("=")
+        os.environ[k] = v
+    if args.quick:
+        args.d_models, args.seq_len, args.num_kv_pairs, args.vocab_size, args.batch_size, args.reps = \
+            [16], 32, 4, 64, 4, 2
+
+    import jax
+
+    from gdn_jax import training as T
+    from gdn_jax.recall import RecallConfig, build, max_labels
+
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; L {args.seq_len}, pairs {args.num_kv_pairs}, "
+          f"vocab {args.vocab_size}, batch {args.batch_size}, backend {args.backend}, env {args.env or '-'}", flush=True)
+    rows = []
+    for d in args.d_models:
+        for m in args.mixers:
+            cfg = RecallConfig(mixer=m, d_model=d, num_heads=args.num_heads, seq_len=args.seq_len,
+                               num_kv_pairs=args.num_kv_pairs, vocab_size=args.vocab_size,
+                               batch_size=args.batch_size, backend=args.backend)
+            task, loader, _, model_fn, tx = build(cfg)
+            mesh = T.make_mesh()
+            graphdef, state = T.create_train_state(model_fn(), tx, seed=0, mesh=mesh)
+            step = T.make_train_step(graphdef, tx, mesh, loss_fn=T.make_lm_loss(max_labels(task)))
+            batch = T.shard_batch(loader.batch(0), mesh)
+            t0 = time.perf_counter()
+            state, met = step(state, batch)
+            jax.block_until_ready(met)
+            compile_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                state, met = step(state, batch)
+            jax.block_until_ready(met)
+            ms = (time.perf_counter() - t0) / args.reps * 1e3
+            rows.append((m, d, ms, compile_s))
+            print(f"  {m:<10} d {d:<4} {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  first step {compile_s:5.1f} s",
+                  flush=True)
+    print("\nmixer       d     ms/step  steps/s  first-step s")
+    for m, d, ms, c in rows:
+        print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {c:13.1f}")
+
+
+if __name__ == "__main__":
+    main()
