@@ -117,3 +117,13 @@ def test_divergence_is_reported(tmp_path):
     assert res["diverged"] and res["steps"] < 40
     text = open(tmp_path / "results.json").read()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+
+def test_bench_train_step_runs():
+    """benchmarks/bench_train_step.py --quick prints a table row per mixer."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_train_step.py"), "--quick",
+                        "--mixers", "gdn", "gla"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    table = p.stdout.split("first-step s")[-1].split("\n")
+    assert [r.split()[0] for r in table if r.strip()] == ["gdn", "gla"]
