@@ -555,15 +555,23 @@ def _grad_kernel(cfg: Cfg, *refs):
     dbeta = dbeta + _rowsum(dkb * k)
     deg = _rowsum(dX * kb)
 
-    # --- o = (Q e^gamma) S + tril(Q K^T * Gamma) vn   (Q scaled)
     q = _f32(q_ref) * cfg.scale
+    _qk_grads_and_write(cfg, q, k, q, k, gc, gr, eg, dAqk, dQg, M, strict, dk, dbeta, deg,
+                        dq_ref, dk_ref, db_ref, dgc_ref, dgr_ref, deg_ref)
+
+
+def _qk_grads_and_write(cfg: Cfg, q, k, qs, ks, gc, gr, eg, dAqk, dQg, M, strict, dk, dbeta, deg,
+                        dq_ref, dk_ref, db_ref, dgc_ref, dgr_ref, deg_ref):
+    """The gradient kernels' last step, o = (Q e^gamma) S + tril(Q K^T * Gamma) vn (Q scaled), and
+    their output writes. ``q, k``: all K channels (Aqk contracts over K); ``qs, ks``: the program's
+    K columns (the same arrays in the whole-K kernel); ``q``, ``qs`` already scaled."""
     Gi = _decay(gc, gr, incl=True)
     Aqk = _mm(cfg, q, k, tb=True) * Gi
     M = M + dAqk * Aqk * strict
     dQK = dAqk * Gi
-    dqs = _mm(cfg, dQK, k) + dQg * eg
-    dk = dk + _mm(cfg, dQK, q, ta=True)
-    deg = deg + _rowsum(dQg * q)
+    dqs = _mm(cfg, dQK, ks) + dQg * eg
+    dk = dk + _mm(cfg, dQK, qs, ta=True)
+    deg = deg + _rowsum(dQg * qs)
 
     dq_ref[...] = (dqs * cfg.scale).astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -635,22 +643,8 @@ def _grad_kernel_ksplit(cfg: Cfg, *refs):
     dbeta = dbeta + _rowsum(dkb * ks)
     deg = _rowsum(dX * kbs)
 
-    # --- o = (Q e^gamma) S + tril(Q K^T * Gamma) vn   (Q scaled)
-    Gi = _decay(gc, gr, incl=True)
-    Aqk = _mm(cfg, _f32(q_ref) * cfg.scale, k, tb=True) * Gi
-    M = M + dAqk * Aqk * strict
-    dQK = dAqk * Gi
-    qs = _f32(qs_ref) * cfg.scale
-    dqs = _mm(cfg, dQK, ks) + dQg * eg
-    dk = dk + _mm(cfg, dQK, qs, ta=True)
-    deg = deg + _rowsum(dQg * qs)
-
-    dq_ref[...] = (dqs * cfg.scale).astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    db_ref[...] = dbeta
-    dgc_ref[...] = _rowsum(M)
-    dgr_ref[...] = -_colsum(M)
-    deg_ref[...] = deg
+    _qk_grads_and_write(cfg, _f32(q_ref) * cfg.scale, k, _f32(qs_ref) * cfg.scale, ks, gc, gr, eg, dAqk, dQg, M,
+                        strict, dk, dbeta, deg, dq_ref, dk_ref, db_ref, dgc_ref, dgr_ref, deg_ref)
 
 
 def _strict_mask(C):
