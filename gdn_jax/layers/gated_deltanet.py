@@ -20,6 +20,18 @@ def inverse_softplus(x):
     return x + jnp.log(-jnp.expm1(-x))
 
 
+def head_dims(hidden_size: int, num_heads: int, head_dim: Optional[int], value_head_dim: Optional[int]):
+    """``(H, K, V)`` of a linear-attention layer: K defaults to ``hidden_size // num_heads`` and V to K.
+    ``ValueError`` for non-positive sizes or an indivisible ``hidden_size`` without ``head_dim``."""
+    if hidden_size <= 0 or num_heads <= 0:
+        raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
+        head_dim = hidden_size // num_heads
+    return num_heads, head_dim, head_dim if value_head_dim is None else value_head_dim
+
+
 def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: float = 1e-3,
                       dt_max: float = 0.1, A_init_range=(0.0, 16.0), param_dtype=jnp.float32):
     """``(A_log [num_heads], dt_bias [n_dt])`` Params of the decay ``-exp(A_log) softplus(W x + dt_bias)``:
@@ -80,14 +92,7 @@ class GatedDeltaNet(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if decay not in DECAY_KINDS:
             raise ValueError(f"decay must be one of {DECAY_KINDS}, got {decay!r}")
-        if hidden_size <= 0 or num_heads <= 0:
-            raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
-            head_dim = hidden_size // num_heads
-        value_head_dim = head_dim if value_head_dim is None else value_head_dim
-        H, K, V = num_heads, head_dim, value_head_dim
+        H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.decay_per_channel = decay, decay_per_channel
         self.beta_per_channel, self.allow_neg_eigval = beta_per_channel, allow_neg_eigval

@@ -11,7 +11,7 @@ from flax import nnx
 from ..inference.cache import GDNCache
 from ..ops import gated_linear_attention
 from .conv import ShortConv
-from .gated_deltanet import mamba2_decay_init
+from .gated_deltanet import head_dims, mamba2_decay_init
 
 LA_DECAY_KINDS = ("mamba2", "gla", "none")
 
@@ -44,14 +44,7 @@ class GatedLinearAttention(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if decay not in LA_DECAY_KINDS:
             raise ValueError(f"decay must be one of {LA_DECAY_KINDS}, got {decay!r}")
-        if hidden_size <= 0 or num_heads <= 0:
-            raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
-            head_dim = hidden_size // num_heads
-        value_head_dim = head_dim if value_head_dim is None else value_head_dim
-        H, K, V = num_heads, head_dim, value_head_dim
+        H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
         self.gate_logit_normalizer = gate_logit_normalizer
