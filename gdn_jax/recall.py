@@ -79,7 +79,8 @@ class RecallConfig:
     in ~500 steps on 2 CPU cores). ``task`` selects the generator; the task fields that do not
     belong to it are ignored:
 
-    * ``"mqar"`` (:class:`gdn_jax.data.MQARConfig`): vocab_size, seq_len, num_kv_pairs, power_a;
+    * ``"mqar"`` (:class:`gdn_jax.data.MQARConfig`): vocab_size, seq_len, num_kv_pairs, power_a,
+      random_non_queries;
     * ``"niah"`` (:class:`gdn_jax.data.NIAHConfig`): vocab_size, seq_len, key_len, value_len, depth;
     * ``"state_tracking"`` (:class:`gdn_jax.data.StateTrackingConfig`; parity is modulus 2):
       modulus, train_min_len, train_max_len, test_min_len, test_max_len.
@@ -91,6 +92,7 @@ class RecallConfig:
     seq_len: int = 64
     num_kv_pairs: int = 8
     power_a: float = 0.01
+    random_non_queries: bool = True  # MQAR: non-query tokens of the query region random (True) or 0 (False)
     # task: NIAH
     key_len: int = 1
     value_len: int = 1
@@ -151,7 +153,8 @@ def make_task(cfg: RecallConfig):
     """The task config (:mod:`gdn_jax.data`) that ``cfg`` describes."""
     if cfg.task == "mqar":
         return MQARConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs,
-                          power_a=cfg.power_a, train_examples=cfg.train_examples,
+                          power_a=cfg.power_a, random_non_queries=cfg.random_non_queries,
+                          train_examples=cfg.train_examples,
                           test_examples=cfg.test_examples, seed=cfg.seed)
     if cfg.task == "niah":
         from gdn_jax.data import NIAHConfig

@@ -9,8 +9,10 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
 * **resumable** -- a run whose ``results.json`` exists is skipped; an interrupted run resumes from its
   last checkpoint (taken at every evaluation);
 * **several devices** -- with more than one local GPU/TPU (or ``workers > 1``) the sweep starts one
-  worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each);
-  workers claim cells through lock files, so cells are spread dynamically;
+  worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each;
+  ``workers_per_device > 1``: that many per device, each with its share of the device memory -- small
+  models leave an H200 mostly idle, so several runs at once raise the throughput); workers claim
+  cells through lock files, so cells are spread dynamically;
 * **progress** -- a tqdm bar over cells.
 
 At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
@@ -56,6 +58,7 @@ class SweepConfig:
     out: str = "runs/sweep"
     ckpt_root: Optional[str] = None  # checkpoints under <ckpt_root>/<cell>/lr<lr> (default: inside each run's out)
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
+    workers_per_device: int = 1  # >1: that many worker processes share each accelerator (small models)
     progress: bool = True
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
 
@@ -78,11 +81,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # stream data, lr 3e-3 then 1e-3 (the second only if the first misses 0.99), <= 10k steps and
     # <= 240 s of training per run, early stop at 0.99. (The first attempt, results/mqar_h200, used
     # one lr, 3000 steps and 40 s: its sweep_config.json has the exact settings.)
+    # (Zoology's DeltaNet-paper MQAR configs fill the query region's other tokens with 0:
+    # random_non_queries=false; two runs share each GPU: these models leave an H200 mostly idle)
     "h200_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256),
-                      seq_lens=(512,), num_kv_pairs=(64,), lrs=(3e-3, 1e-3),
+                      seq_lens=(512,), num_kv_pairs=(64,), lrs=(3e-3, 1e-3), workers_per_device=2,
                       base=("vocab_size=8192", "num_heads=2", "steps=10000", "warmup=300", "batch_size=128",
-                            "eval_every=500", "test_examples=1000", "eval_batch_size=250", "max_time_s=240",
-                            "backend=auto")),
+                            "eval_every=500", "test_examples=1000", "eval_batch_size=250", "max_time_s=100",
+                            "random_non_queries=false", "backend=auto")),
     # H200: parity, beta in (0,1) vs (0,2) for deltanet and gdn (Grazzi et al.), reduced protocol
     "h200_parity": dict(task="state_tracking", mixers=("deltanet", "gdn"), d_models=(128,), seq_lens=(40,),
                         num_kv_pairs=(0,), lrs=(1e-3,), neg_eigval=(False, True),
@@ -233,6 +238,8 @@ def validate(cfg: SweepConfig) -> List[Cell]:
         errors.append("lrs is empty")
     if cfg.workers < 0:
         errors.append(f"workers must be >= 0, got {cfg.workers}")
+    if cfg.workers_per_device < 1:
+        errors.append(f"workers_per_device must be >= 1, got {cfg.workers_per_device}")
     for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval"):
         if not getattr(cfg, name):
             errors.append(f"{name} is empty")
@@ -334,7 +341,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     for p in glob.glob(os.path.join(cfg.out, "locks", "*.lock")):  # locks of a dead earlier sweep
         os.remove(p)
     n_acc, backend = _accelerators() if not cfg.workers else (0, "")
-    n_workers = cfg.workers or (n_acc if n_acc > 1 else 0)
+    wpd = cfg.workers_per_device
+    n_workers = cfg.workers or (n_acc * wpd if n_acc > 1 or wpd > 1 else 0)
     bar = tqdm(total=len(grid), disable=not cfg.progress, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
     bar.update(sum(cell_done(cfg, c) for c in grid))
     if n_workers <= 1 or script is None:
@@ -347,7 +355,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         env_key = "TPU_VISIBLE_CHIPS" if backend == "tpu" else "CUDA_VISIBLE_DEVICES"
         procs = []
         for i in range(n_workers):
-            env = dict(os.environ, **{env_key: str(i)})
+            env = dict(os.environ, **{env_key: str(i % n_acc if n_acc else i)})
+            if wpd > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / wpd:.3f}"  # each its share of the device
             log = open(os.path.join(cfg.out, f"worker{i}.log"), "a")
             procs.append((subprocess.Popen([sys.executable, script, *argv, "--worker_index", str(i), "--no-progress"],
                                            env=env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -59,9 +59,10 @@ def test_resume_best_lr_and_neg_eigval(tmp_path):
 
 
 def test_workers_split_cells(tmp_path):
-    """Two worker processes (one per device on a multi-GPU host; forced here on CPU) share the grid."""
+    """Two worker processes (here two on the one CPU device: ``workers_per_device``; on a multi-GPU
+    host one or more per device) share the grid."""
     argv = ["--preset", "cpu_smoke", "--mixers", "linear", "attention", "mamba2", "--d_models", "8",
-            "--out", str(tmp_path), "--workers", "2", "--no-progress"]
+            "--out", str(tmp_path), "--workers_per_device", "2", "--no-progress"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
     p = subprocess.run([sys.executable, SCRIPT, *argv], cwd=str(tmp_path), env=env, capture_output=True,
                        text=True, timeout=600)
@@ -88,7 +89,7 @@ def test_bad_arguments(tmp_path):
         S.run_config(S.SweepConfig(base=("d_model=32",)), S.cells(S.SweepConfig())[0], 1e-3)
     # the whole grid is checked before anything trains; nothing is written
     bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
-           dict(workers=-1), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),))]
+           dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),))]
     for kw in bad:
         out = tmp_path / "never"
         with pytest.raises(ValueError):
@@ -127,3 +128,19 @@ def test_bench_train_step_runs():
     assert p.returncode == 0, p.stderr[-2000:]
     table = p.stdout.split("first-step s")[-1].split("\n")
     assert [r.split()[0] for r in table if r.strip()] == ["gdn", "gla"]
+
+
+def test_mqar_filler_switch():
+    """``random_non_queries`` reaches the MQAR generator: 0-filled query region when False."""
+    import numpy as np
+
+    from gdn_jax.recall import RecallConfig, make_task
+
+    for flag in (True, False):
+        task = make_task(RecallConfig(vocab_size=64, seq_len=64, num_kv_pairs=4, random_non_queries=flag))
+        assert task.random_non_queries is flag
+        b = task.generate(8, seed=0)
+        region = np.asarray(b.inputs)[:, 8:]  # after the 4 key-value pairs
+        queries = np.asarray(b.targets)[:, 8:] != -100
+        zero_frac = float((region[~queries] == 0).mean())  # the query region's other tokens
+        assert (zero_frac > 0.8) if not flag else (zero_frac < 0.1), (flag, zero_frac)
