@@ -144,3 +144,23 @@ def test_mqar_filler_switch():
         queries = np.asarray(b.targets)[:, 8:] != -100
         zero_frac = float((region[~queries] == 0).mean())  # the query region's other tokens
         assert (zero_frac > 0.8) if not flag else (zero_frac < 0.1), (flag, zero_frac)
+
+
+def test_mqar_compare_on_committed_results(tmp_path):
+    """experiments/mqar_compare.py puts the committed H200 sweep beside the published numbers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mqar_compare", os.path.join(REPO, "experiments", "mqar_compare.py"))
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    res = os.path.join(REPO, "results")
+    out = str(tmp_path / "cmp")
+    mc.main([os.path.join(res, "mqar_h200_v2"), "--extra", "300 s=" + os.path.join(res, "mqar_h200_long", "gla"),
+             "--out", out])
+    md = open(out + ".md").read()
+    assert "| deltanet |" in md and "/ 100" in md and "300 s: 99.2" in md
+    assert os.path.getsize(out + ".png") > 10_000
+    with pytest.raises(SystemExit):
+        mc.main([os.path.join(res, "mqar_h200_v2"), "--extra", "no-label", "--out", out])
+    with pytest.raises(ValueError, match="not an MQAR sweep"):
+        mc.load(os.path.join(res, "parity_h200"))

@@ -1,0 +1,121 @@
+"""Put MQAR sweep results beside the published L = 512, 64-pair numbers: one Markdown table, one plot.
+
+Reads the ``summary.json`` of one or more sweeps (``experiments/sweep.py``); the first sweep is the
+main protocol, later ones (``--extra``) are re-runs of some cells under another setting (a longer time
+cap, another filler) and appear as extra lines and as "(extra: ...)" in the table. Published values
+(read off the DeltaNet paper's MQAR figure, Yang et al. 2024; attention from Zoology, Arora et al.
+2023; REFERENCE §6) are accuracy in percent at d_model 64 / 128 / 256::
+
+    python experiments/mqar_compare.py results/mqar_h200_v2 \\
+        --extra "300 s=results/mqar_h200_long/gla" "300 s=results/mqar_h200_long/d64" \\
+        --out results/mqar_h200_v2/compare
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, List, Tuple
+
+# (mixer -> {d_model: published accuracy %}); "mamba2" is compared with the paper's "Mamba" row
+PUBLISHED: Dict[str, Dict[int, Tuple[float, float]]] = {
+    "deltanet": {64: (100, 100), 128: (100, 100), 256: (100, 100)},
+    "mamba2": {64: (81, 81), 128: (100, 100), 256: (100, 100)},
+    "gla": {64: (22, 22), 128: (95, 95), 256: (100, 100)},
+    "attention": {64: (97, 100), 128: (97, 100), 256: (97, 100)},  # Zoology: ~97-100 at every d
+}
+
+
+def load(path: str) -> Dict[Tuple[str, int], dict]:
+    """``{(mixer, d_model): cell summary}`` of the sweep written under ``path``."""
+    with open(os.path.join(path, "summary.json")) as f:
+        s = json.load(f)
+    if s.get("task") != "mqar":
+        raise ValueError(f"{path}: not an MQAR sweep (task={s.get('task')!r})")
+    return {(c["mixer"], int(c["d_model"])): c for c in s["cells"]}
+
+
+def _pct(c: dict) -> str:
+    return f"{100 * c['best_test_accuracy']:.1f}"
+
+
+def table(main: Dict, extras: List[Tuple[str, Dict]]) -> str:
+    ds = sorted({d for _, d in main})
+    mixers = list(dict.fromkeys(m for m, _ in main))
+    lines = ["| mixer | " + " | ".join(f"d {d}" for d in ds) + " |", "|---" * (len(ds) + 1) + "|"]
+    for m in mixers:
+        row = []
+        for d in ds:
+            c = main.get((m, d))
+            s = "—" if c is None else f"{_pct(c)} ({c['steps']} steps, lr {c['lr']:g})"
+            for label, ex in extras:
+                e = ex.get((m, d))
+                if e is not None:
+                    s += f"; {label}: {_pct(e)} ({e['steps']} steps, lr {e['lr']:g})"
+            pub = PUBLISHED.get(m, {}).get(d)
+            s += " / " + ("—" if pub is None else (f"{pub[0]:g}" if pub[0] == pub[1] else f"≈{pub[0]:g}–{pub[1]:g}"))
+            row.append(s)
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixers = list(dict.fromkeys(m for m, _ in main))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    colors = {m: f"C{i}" for i, m in enumerate(mixers)}
+    for m in mixers:
+        ds = sorted(d for mm, d in main if mm == m)
+        axes[0].plot(ds, [main[(m, d)]["best_test_accuracy"] for d in ds], "o-", color=colors[m], label=m)
+        for j, (label, ex) in enumerate(extras):
+            eds = sorted(d for mm, d in ex if mm == m)
+            if eds:
+                pts = {d: main[(m, d)]["best_test_accuracy"] for d in ds}
+                pts.update({d: ex[(m, d)]["best_test_accuracy"] for d in eds})
+                axes[0].plot(sorted(pts), [pts[d] for d in sorted(pts)], "s--", color=colors[m], alpha=0.6,
+                             label=f"{m} ({label})")
+        if m in PUBLISHED:
+            pds = sorted(PUBLISHED[m])
+            axes[1].plot(pds, [PUBLISHED[m][d][0] / 100 for d in pds], "o-", color=colors[m], label=m)
+    for ax, title in zip(axes, ("ours (H200, reduced protocol)", "published (DeltaNet paper; Zoology)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([64, 128, 256], ["64", "128", "256"])
+        ax.set_xlabel("d_model")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("test accuracy (MQAR L 512, 64 pairs)")
+    axes[0].set_ylim(-0.02, 1.02)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("sweep", help="folder of the main sweep (with summary.json)")
+    ap.add_argument("--extra", nargs="*", default=[], metavar="LABEL=FOLDER",
+                    help="re-runs of some cells under another setting, as label=folder")
+    ap.add_argument("--out", required=True, help="output prefix: <out>.md and <out>.png")
+    args = ap.parse_args(argv)
+    extras = []
+    for e in args.extra:
+        label, sep, folder = e.partition("=")
+        if not sep or not label or not folder:
+            ap.error(f"--extra takes LABEL=FOLDER, got {e!r}")
+        extras.append((label, load(folder)))
+    main_ = load(args.sweep)
+    md = table(main_, extras)
+    with open(args.out + ".md", "w") as f:
+        f.write("MQAR, L = 512, 64 pairs: best test accuracy % (steps, lr) ours / published\n\n" + md + "\n")
+    plot(main_, extras, args.out + ".png")
+    print(md)
+    print(f"wrote {args.out}.md and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()
