@@ -420,10 +420,14 @@ def main(argv=None):
                 try:
                     with P.tuning(**kw):
                         f, fb = jax_fns("pallas", x, c)
-                        jax.block_until_ready(f())  # trace + compile inside the settings
-                        jax.block_until_ready(fb())
+                        ov = jax.block_until_ready(f())  # trace + compile inside the settings
+                        _, gv = jax.block_until_ready(fb())
                 finally:
                     plat.MAX_KERNEL_CHUNK = cap
+                if shape in numerics:  # the variant's own numerics against chunk, as for pallas
+                    e = {"o": rel_rms(to_np(ov), to_np(oc))}
+                    e.update({n: rel_rms(to_np(a), to_np(b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gv, gc)})
+                    log(f"  {label} vs chunk rel_rms: " + "  ".join(f"{k} {v:.1e}" for k, v in e.items()))
                 return f, fb
 
             measure(label, mk)
