@@ -315,6 +315,9 @@ def main(argv=None):
     ap.add_argument("--no-jla", action="store_true")
     ap.add_argument("--no-chunk", action="store_true", help="skip timing backend='chunk' (still used for numerics)")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--variants-first", action="store_true",
+                    help="time the variants right after pallas, before FLA / jla / breakdown (FLA's first "
+                         "Triton compile can take minutes on a fresh machine)")
     args = ap.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -367,7 +370,37 @@ def main(argv=None):
             traceback.print_exc(limit=5)
             op = None
 
+        def time_variants():
+            for kw in variants:
+                kw = dict(kw)
+                explicit = "chunk" in kw
+                c = kw.pop("chunk", args.chunk)
+                label = "pallas[" + ",".join([f"{k}={v}" for k, v in kw.items()] + ([f"C={c}"] if c != args.chunk else [])) + "]"
+
+                def mk(kw=kw, c=c, explicit=explicit):
+                    from gdn_jax.ops import _pallas_platform as plat
+
+                    cap = plat.MAX_KERNEL_CHUNK
+                    if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D cap
+                        plat.MAX_KERNEL_CHUNK = {}
+                    try:
+                        with P.tuning(**kw):
+                            f, fb = jax_fns("pallas", x, c)
+                            ov = jax.block_until_ready(f())  # trace + compile inside the settings
+                            _, gv = jax.block_until_ready(fb())
+                    finally:
+                        plat.MAX_KERNEL_CHUNK = cap
+                    if shape in numerics:  # the variant's own numerics against chunk, as for pallas
+                        e = {"o": rel_rms(to_np(ov), to_np(oc))}
+                        e.update({n: rel_rms(to_np(a), to_np(b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gv, gc)})
+                        log(f"  {label} vs chunk rel_rms: " + "  ".join(f"{k} {v:.1e}" for k, v in e.items()))
+                    return f, fb
+
+                measure(label, mk)
+
         measure("pallas", lambda: jax_fns("pallas", x, args.chunk))
+        if args.variants_first:
+            time_variants()
         if not args.no_chunk:
             measure("chunk (XLA)", lambda: jax_fns("chunk", x, args.chunk))
         if not args.no_fla:
@@ -405,32 +438,8 @@ def main(argv=None):
                 log(f"  breakdown FAILED: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=5)
 
-        for kw in variants:
-            kw = dict(kw)
-            explicit = "chunk" in kw
-            c = kw.pop("chunk", args.chunk)
-            label = "pallas[" + ",".join([f"{k}={v}" for k, v in kw.items()] + ([f"C={c}"] if c != args.chunk else [])) + "]"
-
-            def mk(kw=kw, c=c, explicit=explicit):
-                from gdn_jax.ops import _pallas_platform as plat
-
-                cap = plat.MAX_KERNEL_CHUNK
-                if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D cap
-                    plat.MAX_KERNEL_CHUNK = {}
-                try:
-                    with P.tuning(**kw):
-                        f, fb = jax_fns("pallas", x, c)
-                        ov = jax.block_until_ready(f())  # trace + compile inside the settings
-                        _, gv = jax.block_until_ready(fb())
-                finally:
-                    plat.MAX_KERNEL_CHUNK = cap
-                if shape in numerics:  # the variant's own numerics against chunk, as for pallas
-                    e = {"o": rel_rms(to_np(ov), to_np(oc))}
-                    e.update({n: rel_rms(to_np(a), to_np(b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gv, gc)})
-                    log(f"  {label} vs chunk rel_rms: " + "  ".join(f"{k} {v:.1e}" for k, v in e.items()))
-                return f, fb
-
-            measure(label, mk)
+        if not args.variants_first:
+            time_variants()
 
     # ------------------------------------------------------------------ summary table (last output)
     log("\n" + "=" * 100)
