@@ -3,7 +3,7 @@
 The same script as ``experiments/recall.py`` (whose default task is MQAR), kept under this name for
 the README's default run::
 
-    python experiments/mqar.py --steps 50 --eval_every 25
+    python experiments/mqar.py --steps 50 --warmup 5 --eval_every 25
     python experiments/mqar.py --mixer attention --lr 1e-3 --out runs/mqar_attn
     python experiments/mqar.py --out runs/mqar_attn --resume          # continue from the latest ckpt
 

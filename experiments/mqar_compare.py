@@ -26,20 +26,43 @@ PUBLISHED: Dict[str, Dict[int, Tuple[float, float]]] = {
 }
 
 
-def load(path: str) -> Dict[Tuple[str, int], dict]:
-    """``{(mixer, d_model): cell summary}`` of the sweep written under ``path``."""
-    with open(os.path.join(path, "summary.json")) as f:
-        s = json.load(f)
+PUBLISHED_SETTING = (512, 64, 8192)  # (seq_len, num_kv_pairs, vocab_size) of the published figure
+
+
+def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
+    """``((seq_len, num_kv_pairs, vocab_size), {(mixer, d_model): cell summary})`` of the MQAR sweep
+    written under ``path``.
+
+    Raises:
+      FileNotFoundError: no ``summary.json`` under ``path``.
+      ValueError: not an MQAR sweep, or its cells mix several (seq_len, num_kv_pairs).
+    """
+    f = os.path.join(path, "summary.json")
+    if not os.path.isfile(f):
+        raise FileNotFoundError(f"{path}: no summary.json (the folder of a finished experiments/sweep.py run)")
+    with open(f) as fh:
+        s = json.load(fh)
     if s.get("task") != "mqar":
         raise ValueError(f"{path}: not an MQAR sweep (task={s.get('task')!r})")
-    return {(c["mixer"], int(c["d_model"])): c for c in s["cells"]}
+    lengths = {(int(c["seq_len"]), int(c["num_kv_pairs"])) for c in s["cells"]}
+    if len(lengths) != 1:
+        raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; compare one at a time")
+    base = dict(b.split("=", 1) for b in (s.get("sweep") or {}).get("base", []) if "=" in b)
+    vocab = int(base.get("vocab_size", 256))  # RecallConfig's default vocab
+    return (*lengths.pop(), vocab), {(c["mixer"], int(c["d_model"])): c for c in s["cells"]}
 
 
 def _pct(c: dict) -> str:
     return f"{100 * c['best_test_accuracy']:.1f}"
 
 
-def table(main: Dict, extras: List[Tuple[str, Dict]]) -> str:
+def _run(c: dict) -> str:
+    """accuracy (steps[, capped: stopped by the time limit], lr)"""
+    capped = ", capped" if c.get("stopped_by_time") else ""
+    return f"{_pct(c)} ({c['steps']} steps{capped}, lr {c['lr']:g})"
+
+
+def table(main: Dict, extras: List[Tuple[str, Dict]], published: bool = True) -> str:
     ds = sorted({d for _, d in main})
     mixers = list(dict.fromkeys(m for m, _ in main))
     lines = ["| mixer | " + " | ".join(f"d {d}" for d in ds) + " |", "|---" * (len(ds) + 1) + "|"]
@@ -47,26 +70,30 @@ def table(main: Dict, extras: List[Tuple[str, Dict]]) -> str:
         row = []
         for d in ds:
             c = main.get((m, d))
-            s = "—" if c is None else f"{_pct(c)} ({c['steps']} steps, lr {c['lr']:g})"
+            s = "—" if c is None else _run(c)
             for label, ex in extras:
                 e = ex.get((m, d))
                 if e is not None:
-                    s += f"; {label}: {_pct(e)} ({e['steps']} steps, lr {e['lr']:g})"
+                    s += f"; {label}: {_run(e)}"
             pub = PUBLISHED.get(m, {}).get(d)
-            s += " / " + ("—" if pub is None else (f"{pub[0]:g}" if pub[0] == pub[1] else f"≈{pub[0]:g}–{pub[1]:g}"))
+            if published:
+                s += " / " + ("—" if pub is None else (f"{pub[0]:g}" if pub[0] == pub[1] else f"≈{pub[0]:g}–{pub[1]:g}"))
             row.append(s)
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str) -> None:
+def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str, published: bool = True,
+         title: str = "MQAR") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     mixers = list(dict.fromkeys(m for m, _ in main))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2 if published else 1, figsize=(9 if published else 4.8, 3.6), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     colors = {m: f"C{i}" for i, m in enumerate(mixers)}
     for m in mixers:
         ds = sorted(d for mm, d in main if mm == m)
@@ -78,17 +105,18 @@ def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str) -> None:
                 pts.update({d: ex[(m, d)]["best_test_accuracy"] for d in eds})
                 axes[0].plot(sorted(pts), [pts[d] for d in sorted(pts)], "s--", color=colors[m], alpha=0.6,
                              label=f"{m} ({label})")
-        if m in PUBLISHED:
+        if published and m in PUBLISHED:
             pds = sorted(PUBLISHED[m])
             axes[1].plot(pds, [PUBLISHED[m][d][0] / 100 for d in pds], "o-", color=colors[m], label=m)
-    for ax, title in zip(axes, ("ours (H200, reduced protocol)", "published (DeltaNet paper; Zoology)")):
+    ds_all = sorted({d for _, d in main} | {d for _, ex in extras for _, d in ex})
+    for ax, t in zip(axes, (f"ours: {title}", "published (DeltaNet paper; Zoology)")):
         ax.set_xscale("log", base=2)
-        ax.set_xticks([64, 128, 256], ["64", "128", "256"])
+        ax.set_xticks(ds_all, [str(d) for d in ds_all])
         ax.set_xlabel("d_model")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(t, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("test accuracy (MQAR L 512, 64 pairs)")
+    axes[0].set_ylabel("test accuracy")
     axes[0].set_ylim(-0.02, 1.02)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -102,17 +130,36 @@ def main(argv=None):
                     help="re-runs of some cells under another setting, as label=folder")
     ap.add_argument("--out", required=True, help="output prefix: <out>.md and <out>.png")
     args = ap.parse_args(argv)
+    def read(folder):
+        try:
+            return load(folder)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+
+    setting, main_ = read(args.sweep)
     extras = []
     for e in args.extra:
         label, sep, folder = e.partition("=")
         if not sep or not label or not folder:
             ap.error(f"--extra takes LABEL=FOLDER, got {e!r}")
-        extras.append((label, load(folder)))
-    main_ = load(args.sweep)
-    md = table(main_, extras)
+        s2, cells = read(folder)
+        if s2 != setting:
+            ap.error(f"--extra {label}: its (seq_len, num_kv_pairs, vocab) {s2} differ from the main sweep's {setting}")
+        extras.append((label, cells))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        ap.error(f"--out {args.out!r}: folder {out_dir} does not exist")
+    published = setting == PUBLISHED_SETTING
+    if not published:
+        print(f"note: published numbers exist for (seq_len, num_kv_pairs, vocab) = {PUBLISHED_SETTING} only; "
+              f"this sweep is {setting}: no published column")
+    md = table(main_, extras, published=published)
+    L, N, V = setting
     with open(args.out + ".md", "w") as f:
-        f.write("MQAR, L = 512, 64 pairs: best test accuracy % (steps, lr) ours / published\n\n" + md + "\n")
-    plot(main_, extras, args.out + ".png")
+        f.write(f"MQAR, L = {L}, {N} pairs, vocab {V}: best test accuracy % (steps [capped = stopped by the time "
+                f"limit], lr)"
+                + (" ours / published" if published else "") + "\n\n" + md + "\n")
+    plot(main_, extras, args.out + ".png", published=published, title=f"MQAR L={L}, {N} pairs, vocab {V}")
     print(md)
     print(f"wrote {args.out}.md and {args.out}.png")
 

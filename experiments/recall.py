@@ -4,7 +4,7 @@ and report test accuracy.
 A thin script over :func:`gdn_jax.recall.run`. Every setting is a field of
 :class:`gdn_jax.recall.RecallConfig` (the one place for defaults) and a command-line flag::
 
-    python experiments/recall.py --steps 50 --eval_every 25                     # MQAR, 2-layer GDN
+    python experiments/recall.py --steps 50 --warmup 5 --eval_every 25                   # MQAR, 2-layer GDN
     python experiments/recall.py --mixer attention --lr 1e-3 --out runs/mqar_attn
     python experiments/recall.py --task niah --seq_len 1024 --vocab_size 128
     python experiments/recall.py --task state_tracking --mixer deltanet --allow_neg_eigval

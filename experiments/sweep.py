@@ -20,13 +20,15 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from gdn_jax.cli import parse_dataclass
-from gdn_jax.sweep import SweepConfig, apply_preset, run_sweep
+from gdn_jax.sweep import PRESETS, SweepConfig, apply_preset, run_sweep
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Parse ``argv`` into a :class:`SweepConfig` (preset first, explicit flags win) and run it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py")
+    desc = (__doc__.split("\n")[0] + f" Presets (--preset): {', '.join(sorted(PRESETS))}; "
+            "--base field=value sets any gdn_jax.recall.RecallConfig field for every run; see README.md.")
+    cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py", description=desc)
     explicit = {f.name for f in dataclasses.fields(SweepConfig)
                 if f"--{f.name}" in argv or f"--no-{f.name}" in argv}
     try:

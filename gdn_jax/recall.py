@@ -186,9 +186,22 @@ def build(cfg: RecallConfig):
         raise SystemExit(f"--task must be one of {TASKS}, got {cfg.task!r}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise SystemExit(f"--lr must be a positive finite number, got {cfg.lr!r}")
-    for name in ("d_model", "num_layers", "num_heads"):
+    for name in ("d_model", "num_layers", "num_heads", "steps", "batch_size", "eval_every", "eval_batch_size",
+                 "test_examples", "log_every", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.d_model % cfg.num_heads:
+        raise SystemExit(f"--d_model {cfg.d_model} must be divisible by --num_heads {cfg.num_heads} "
+                         f"(head dim = d_model / num_heads)")
+    if not 0 <= cfg.warmup < cfg.steps:
+        raise SystemExit(f"--warmup must be in [0, --steps) = [0, {cfg.steps}), got {cfg.warmup} "
+                         f"(the default warmup is 200 steps: pass a smaller --warmup with a short --steps)")
+    if cfg.max_steps is not None and cfg.max_steps < 0:
+        raise SystemExit(f"--max_steps must be >= 0, got {cfg.max_steps}")
+    if cfg.max_time_s is not None and not cfg.max_time_s > 0:
+        raise SystemExit(f"--max_time_s must be > 0 (seconds), got {cfg.max_time_s}")
+    if not 0 < cfg.target_accuracy <= 1:
+        raise SystemExit(f"--target_accuracy must be in (0, 1], got {cfg.target_accuracy}")
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         raise SystemExit(f"--hybrid_every {cfg.hybrid_every} with --num_layers {cfg.num_layers}: no layer would be "
                          f"{cfg.hybrid_mixer!r} (need 0 <= hybrid_every <= num_layers; 4 layers for 3:1)")
@@ -268,8 +281,6 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     ckpt_dir = cfg.ckpt_dir or os.path.join(out, "ckpt")
     os.makedirs(out, exist_ok=True)
     stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
-    if cfg.eval_every < 1 or stop < 0:
-        raise ValueError(f"need eval_every >= 1 and a non-negative step count, got {cfg.eval_every}, {stop}")
 
     task, loader, lm_cfg, model_fn, tx = build(cfg)
     mesh = T.make_mesh()

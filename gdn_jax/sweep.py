@@ -185,7 +185,13 @@ def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
             argv.append(f"--{k}" if v.lower() == "true" else f"--no-{k}")
         else:
             argv += [f"--{k}", v]
-    ns = make_parser(RecallConfig).parse_args(argv)
+    parser = make_parser(RecallConfig)
+
+    def error(msg):  # argparse would print usage and exit 2; say which base setting is wrong instead
+        raise ValueError(f"bad base setting: {msg}")
+
+    parser.error = error
+    ns = parser.parse_args(argv)
     return {k: getattr(ns, k) for k in fields if f"--{k}" in argv or f"--no-{k}" in argv}
 
 
@@ -256,10 +262,35 @@ def validate(cfg: SweepConfig) -> List[Cell]:
                 errors.append(f"{cell.name} lr {lr:g}: {e}")
             except (TypeError, ValueError) as e:
                 errors.append(f"{cell.name} lr {lr:g}: {type(e).__name__}: {e}")
+    if not errors:
+        errors += _changed_settings(cfg, grid)
     if errors:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise ValueError("invalid sweep: " + "; ".join(errors[:5]) + more)
     return grid
+
+
+def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
+    """Finished runs under ``cfg.out`` whose settings differ from what ``cfg`` would run now (a
+    changed ``--base``, say): resuming would skip them and report their old results as the new
+    sweep's. Fields that may change between a run and its resumption (``max_steps``, ``max_time_s``,
+    ``eval_every``, ``backend``, ...) are not compared."""
+    from gdn_jax.recall import _RESUME_FREE
+
+    ignore = set(_RESUME_FREE) | {"progress"}
+    errors = []
+    for cell in grid:
+        for lr in cfg.lrs:
+            r = _load(_results_path(cfg, cell, lr))
+            if r is None or "config" not in r:
+                continue
+            now = dataclasses.asdict(run_config(cfg, cell, lr))
+            diff = [f"{k}: {r['config'].get(k)!r} -> {v!r}" for k, v in now.items()
+                    if k not in ignore and r["config"].get(k, v) != v]
+            if diff:
+                errors.append(f"{cell.name} lr {lr:g} already finished in {cfg.out} with other settings "
+                              f"({', '.join(diff)}); use a new --out, or the settings it was run with")
+    return errors
 
 
 def cell_done(cfg: SweepConfig, cell: Cell) -> bool:

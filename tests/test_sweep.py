@@ -1,5 +1,6 @@
 """Smoke tests of the recall suite: every task x mixer trains from the sweep runner (the loss must
 fall; no accuracy asserted), resumption, best-LR selection, worker processes, bad arguments."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -83,7 +84,7 @@ def test_bad_arguments(tmp_path):
         S.run_config(S.SweepConfig(base=("stepz=3",)), S.cells(S.SweepConfig())[0], 1e-3)
     with pytest.raises(ValueError, match="field=value"):
         S.run_config(S.SweepConfig(base=("steps",)), S.cells(S.SweepConfig())[0], 1e-3)
-    with pytest.raises(SystemExit):  # argparse: a bad value for a typed field
+    with pytest.raises(ValueError, match="bad base setting: argument --steps: invalid int value"):
         S.run_config(S.SweepConfig(base=("steps=many",)), S.cells(S.SweepConfig())[0], 1e-3)
     with pytest.raises(ValueError, match="set by the sweep.*--d_models"):
         S.run_config(S.SweepConfig(base=("d_model=32",)), S.cells(S.SweepConfig())[0], 1e-3)
@@ -103,7 +104,11 @@ def test_recall_rejects_bad_settings(tmp_path):
     for kw, msg in [(dict(mixer="mamba2", allow_neg_eigval=True), "delta-rule"),
                     (dict(hybrid_every=4, num_layers=2), "hybrid_every"),
                     (dict(lr=-1.0), "--lr"), (dict(d_model=-16), "--d_model"), (dict(num_layers=0), "--num_layers"),
-                    (dict(task="niah", value_len=100, seq_len=64), "niah")]:
+                    (dict(task="niah", value_len=100, seq_len=64), "niah"), (dict(steps=0), "--steps"),
+                    (dict(batch_size=0), "--batch_size"), (dict(eval_every=0), "--eval_every"),
+                    (dict(num_heads=3), "divisible by --num_heads"), (dict(max_time_s=-1.0), "--max_time_s"),
+                    (dict(steps=20, warmup=5000), "--warmup"), (dict(target_accuracy=2.0), "--target_accuracy"),
+                    (dict(max_steps=-1), "--max_steps")]:
         with pytest.raises(SystemExit, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
 
@@ -175,9 +180,30 @@ def test_mqar_compare_on_committed_results(tmp_path):
     mc.main([os.path.join(res, "mqar_h200_v2"), "--extra", "300 s=" + os.path.join(res, "mqar_h200_long", "gla"),
              "--out", out])
     md = open(out + ".md").read()
-    assert "| deltanet |" in md and "/ 100" in md and "300 s: 99.2" in md
+    assert "L = 512, 64 pairs, vocab 8192" in md and "| deltanet |" in md and "/ 100" in md
+    assert "92.3 (2948 steps, capped, lr 0.003); 300 s: 99.2 (7000 steps, lr 0.003) / 95" in md
     assert os.path.getsize(out + ".png") > 10_000
-    with pytest.raises(SystemExit):
-        mc.main([os.path.join(res, "mqar_h200_v2"), "--extra", "no-label", "--out", out])
+    # another setting: no published column; mixing settings, bad folders and arguments are refused
+    mc.main([os.path.join(res, "sweep_cpu_mqar"), "--out", out])
+    md = open(out + ".md").read()
+    assert "L = 64, 8 pairs, vocab 256" in md and "/ 100" not in md and "/ 81" not in md
+    for argv in (["--extra", "no-label"], ["--extra", "cpu=" + os.path.join(res, "sweep_cpu_mqar")],
+                 ["--out", str(tmp_path / "missing" / "x")]):
+        with pytest.raises(SystemExit):
+            mc.main([os.path.join(res, "mqar_h200_v2"), "--out", out, *argv])
+    for folder in (os.path.join(res, "parity_h200"), str(tmp_path / "nothing")):
+        with pytest.raises(SystemExit):
+            mc.main([folder, "--out", out])
     with pytest.raises(ValueError, match="not an MQAR sweep"):
         mc.load(os.path.join(res, "parity_h200"))
+
+
+def test_changed_settings_refused(tmp_path):
+    """A finished run is not silently reused when the sweep's settings have changed since."""
+    kw = dict(preset="cpu_smoke", mixers=("linear",), d_models=(8,), out=str(tmp_path), progress=False)
+    cfg = S.apply_preset(S.SweepConfig(**kw), explicit=["mixers", "d_models"])
+    S.run_sweep(cfg)
+    S.run_sweep(dataclasses.replace(cfg, base=cfg.base + ("max_steps=5", "eval_every=5")))  # resume-free: fine
+    changed = dataclasses.replace(cfg, base=cfg.base + ("vocab_size=64",))
+    with pytest.raises(ValueError, match=r"already finished .* \(vocab_size: 32 -> 64\); use a new --out"):
+        S.run_sweep(changed)
