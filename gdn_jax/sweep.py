@@ -79,10 +79,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                            "eval_every=100")),
     # H200: the DeltaNet-paper MQAR setting (L 512, 64 pairs, d 64/128/256), reduced protocol (README):
     # stream data, lr 3e-3 then 1e-3 (the second only if the first misses 0.99), <= 10k steps and
-    # <= 240 s of training per run, early stop at 0.99. (The first attempt, results/mqar_h200, used
-    # one lr, 3000 steps and 40 s: its sweep_config.json has the exact settings.)
-    # (Zoology's DeltaNet-paper MQAR configs fill the query region's other tokens with 0:
-    # random_non_queries=false; two runs share each GPU: these models leave an H200 mostly idle)
+    # <= 100 s of training per run, early stop at 0.99; the query region's other tokens are 0 as in
+    # Zoology's configs for this figure; two runs share each GPU (these models leave an H200 mostly
+    # idle). results/mqar_h200_v2 is this preset's run; the first attempt, results/mqar_h200, used
+    # one lr, 3000 steps, 40 s and random fillers (its sweep_config.json has the exact settings).
     "h200_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256),
                       seq_lens=(512,), num_kv_pairs=(64,), lrs=(3e-3, 1e-3), workers_per_device=2,
                       base=("vocab_size=8192", "num_heads=2", "steps=10000", "warmup=300", "batch_size=128",
