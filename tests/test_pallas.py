@@ -284,6 +284,23 @@ def test_packed_merged_state_passes():
     check(got, ref(x, cu_seqlens=cu))
 
 
+@pytest.mark.parametrize("packed,chunk,fwd_chunk", [(False, 16, 32), (True, 16, 64), (True, 32, 16)],
+                         ids=["fwd32-bwd16", "packed-fwd64-bwd16", "packed-fwd16-bwd32"])
+def test_forward_chunk_differs_from_backward(packed, chunk, fwd_chunk):
+    """The forward kernels at their own chunk (``tuning(fwd_chunk=...)``; on GPU the forward runs
+    at C=64 and the backward at C=32): forward, final state and all gradients vs the reference,
+    with cu_seqlens too (sequences that end inside a forward chunk, one empty sequence)."""
+    cu = [0, 21, 21, 70, 83] if packed else None
+    x = make(_seed("fwdchunk", packed, chunk, fwd_chunk), 1 if packed else 2, 83, 2, 32, 16, init=True,
+             N=4 if packed else None)
+    with P.tuning(fwd_chunk=fwd_chunk):
+        (q, k, v, g, b), _ = _jx(x)
+        prep = P.prepare(q, k, v, g, b, chunk_size=chunk, cu_seqlens=None if cu is None else jnp.asarray(cu))
+        assert (prep.cfg.C, prep.cfg_bwd.C) == (fwd_chunk, chunk)
+        got = run(x, chunk_size=chunk, cu_seqlens=cu)
+    check(got, ref(x, cu_seqlens=cu))
+
+
 @pytest.mark.parametrize("dt", [F16, BF16])
 def test_extreme_gates_odd_T_no_nan(dt):
     """REFERENCE §7.1: T not a multiple of the chunk, very strong gates (logsigmoid(x)/0.01),
@@ -437,6 +454,11 @@ def test_gpu_kernel_chunk_policy():
     assert plat.kernel_chunk("gpu", 16, 64) == 16
     assert plat.kernel_chunk("interpret", 64, 256) == 64
     assert plat.kernel_chunk("tpu", 128, 128) == 128
+    # the forward kernels have their own cap (no C x C gradient tiles to spill)
+    assert plat.kernel_chunk("gpu", 64, 128, "fwd") == 64
+    assert plat.kernel_chunk("gpu", 64, 256, "fwd") == 32
+    assert plat.kernel_chunk("gpu", 16, 128, "fwd") == 16
+    assert plat.kernel_chunk("interpret", 64, 256, "fwd") == 64
 
 
 def test_auto_backend_policy():

@@ -169,6 +169,53 @@ def _core_bwd(cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def gates(cfg, bhm, ghm):
+    """Per-token kernel scalars of a chunking (plain JAX; differentiable): beta column, gamma
+    column, gamma row, e^gamma, e^{gamma_C - gamma}, e^{gamma_C} (see :func:`_core`), from
+    head-major beta and log decay g [BH, Tp] f32."""
+    BH, n, C = cfg.BH, cfg.n, cfg.C
+    gh = ghm.reshape(BH, n, C)
+    gam = jnp.cumsum(gh, axis=-1)  # in-chunk cumulative log decay gamma
+    gc = gam.reshape(BH, n * C, 1)
+    gr = gam.reshape(BH, n, 1, C)
+    eg = jnp.exp(gc)
+    # gamma_C - gamma_i = sum_{j>i} g_j, summed directly (a reverse cumsum of g shifted by one)
+    # rather than as a difference of two large cumulative sums (|gamma| reaches thousands under
+    # strong decay, and f32 differences of such numbers lose ~1e-4 absolute).
+    gnext = jnp.concatenate([gh[..., 1:], jnp.zeros_like(gh[..., :1])], axis=-1)
+    ekd = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(gnext, -1), axis=-1), -1)).reshape(BH, n * C, 1)
+    dec = jnp.exp(gam[..., -1:]).reshape(BH, n, 1, 1)
+    return bhm.reshape(BH, n * C, 1), gc, gr, eg, ekd, dec
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core2(cfgs, q, k, v, bhm, ghm, h0, info_f, info_b):
+    """:func:`_core` with the forward and the backward at their own chunk sizes: ``cfgs`` =
+    (forward Cfg, backward Cfg); beta and g head-major [BH, Tp] f32; ``info_f`` / ``info_b``
+    the chunk flags of each chunking. The gamma terms of each chunking are plain JAX
+    (:func:`gates`); the backward pulls their cotangents back to g with ``jax.vjp``. Saves
+    only the inputs, like :func:`_core`."""
+    o, fin, _ = _core_fwd_impl(cfgs[0], q, k, v, *gates(cfgs[0], bhm, ghm), h0, info_f)
+    return o, fin
+
+
+def _core2_fwd(cfgs, q, k, v, bhm, ghm, h0, info_f, info_b):
+    o, fin, _ = _core_fwd_impl(cfgs[0], q, k, v, *gates(cfgs[0], bhm, ghm), h0, info_f)
+    return (o, fin), (q, k, v, bhm, ghm, h0, info_f, info_b)
+
+
+def _core2_bwd(cfgs, res, cts):
+    q, k, v, bhm, ghm, h0, info_f, info_b = res
+    cb = cfgs[1]
+    gts, gvjp = jax.vjp(lambda b, g: gates(cb, b, g), bhm, ghm)
+    dq, dk, dv, *dgts, dh0, _ = _core_bwd(cb, (q, k, v, *gts, h0, info_b), cts)
+    dbhm, dghm = gvjp(tuple(dgts))
+    return dq, dk, dv, dbhm, dghm, dh0, None, None
+
+
+_core2.defvjp(_core2_fwd, _core2_bwd)
+
+
 # ---------------------------------------------------------------------------
 # public entry point
 # ---------------------------------------------------------------------------
@@ -210,22 +257,42 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
         raise NotImplementedError(f"backend='pallas' {reason}")
     prep = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                    use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
-    o, fin = _core(prep.cfg, *prep.args)
+    o, fin = _core2((prep.cfg, prep.cfg_bwd), *prep.args)
     o, fin = prep.finish(o, fin)
     return o, fin, prep.valid
 
 
 @dataclasses.dataclass
 class Prepared:
-    """Kernel-ready inputs of one call: ``cfg`` (static), ``args`` for :func:`_core`
-    (q, k, v, beta, gamma column, gamma row, e^gamma, e^{gamma_C-gamma}, e^{gamma_C}, h0,
-    chunk flags), ``valid`` and ``finish(o, fin)`` mapping the core's outputs back to
-    [B,T,H,V] / [B|N,H,K,V]. (Also used by benchmarks/bench_pallas.py to time kernels.)"""
+    """Kernel-ready inputs of one call: ``cfg`` / ``cfg_bwd`` (static; the forward's and the
+    backward's chunking), ``args`` for :func:`_core2` (q, k, v, head-major beta and g, h0,
+    the chunk flags of each chunking), ``valid`` and ``finish(o, fin)`` mapping the core's
+    outputs back to [B,T,H,V] / [B|N,H,K,V]. (Also used by benchmarks/bench_pallas.py to time
+    kernels: :meth:`kernel_args`.)"""
 
     cfg: _k.Cfg
+    cfg_bwd: _k.Cfg
     args: tuple
     valid: jax.Array
     finish: object
+
+    def kernel_args(self, which="fwd"):
+        """(cfg, (q, k, v, beta col, gamma col, gamma row, e^gamma, e^{gamma_C-gamma},
+        e^{gamma_C}, h0, flags)) of the forward or the backward chunking, as :func:`_core` takes."""
+        cfg = self.cfg if which == "fwd" else self.cfg_bwd
+        q, k, v, bhm, ghm, h0, info_f, info_b = self.args
+        return cfg, (q, k, v, *gates(cfg, bhm, ghm), h0, info_f if which == "fwd" else info_b)
+
+
+def _split_flags(info, r):
+    """Chunk flags (seq id * 4 + first + 2 * last) of a chunking split r ways: seq ids repeat,
+    ``first`` stays on the first piece, ``last`` on the last."""
+    if r == 1:
+        return info
+    sub = jnp.arange(r, dtype=jnp.int32)[None, :]
+    i = info[:, None]
+    out = (i >> 2) * 4 + (i & 1) * (sub == 0) + (i & 2) * (sub == r - 1)
+    return out.reshape(-1).astype(jnp.int32)
 
 
 def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -237,9 +304,14 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
         _plat.silence_triton_deprecation_at_lowering()
     B, T, H, K0 = q.shape
     V0 = v.shape[-1]
-    C = _plat.kernel_chunk(p, chunk_size, max(K0, V0))  # GPU: at most 32 (see _pallas_platform.MAX_KERNEL_CHUNK)
-    in_dt = _in_dtype(q, k, v)
     tun = _TUNING
+    # backward chunk (GPU: at most 32, see _pallas_platform.MAX_KERNEL_CHUNK) and forward chunk
+    Cb = _plat.kernel_chunk(p, chunk_size, max(K0, V0), "bwd")
+    Cf = int(tun.fwd_chunk) if tun.fwd_chunk else _plat.kernel_chunk(p, chunk_size, max(K0, V0), "fwd")
+    if Cf not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"fwd_chunk must be one of {SUPPORTED_CHUNK_SIZES}, got {Cf}")
+    C = max(Cf, Cb)  # the time layout is built for the larger chunk (the smaller one divides it)
+    in_dt = _in_dtype(q, k, v)
     if tun.mid_dtype == "auto":
         mid_dt = jnp.dtype(jnp.bfloat16) if in_dt == jnp.bfloat16 else jnp.dtype(F32)
     else:
@@ -284,25 +356,11 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
             q, k, v, g, beta = map(padt, (q, k, v, g, beta))
         info = jnp.zeros((1,), jnp.int32)
         nseq = 1
-    n = Tp // C
     BH = B * H
     layout = "hm" if _plat.is_tpu_layout(p) else "bthd"
-
-    # --- per-token scalars, head-major (tiny arrays; XLA)
     hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
-    gam = jnp.cumsum(hm(g).reshape(BH, n, C), axis=-1)  # in-chunk cumulative log decay gamma
-    glast = gam[..., -1:]
-    gc = gam.reshape(BH, Tp, 1)
-    gr = gam.reshape(BH, n, 1, C)
-    eg = jnp.exp(gc)
-    # gamma_C - gamma_i = sum_{j>i} g_j, summed directly (a reverse cumsum of g shifted by one)
-    # rather than as a difference of two large cumulative sums (|gamma| reaches thousands under
-    # strong decay, and f32 differences of such numbers lose ~1e-4 absolute).
-    gh = hm(g).reshape(BH, n, C)
-    gnext = jnp.concatenate([gh[..., 1:], jnp.zeros_like(gh[..., :1])], axis=-1)
-    ekd = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(gnext, -1), axis=-1), -1)).reshape(BH, Tp, 1)
-    dec = jnp.exp(glast).reshape(BH, n, 1, 1)
-    bcol = hm(beta).reshape(BH, Tp, 1)
+    ghm, bhm = hm(g), hm(beta)  # per-token scalars, head-major (tiny arrays; XLA)
+    info_f, info_b = (_split_flags(info, C // Cf), _split_flags(info, C // Cb)) if packed else (info, info)
 
     if layout == "hm":
         tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp, x.shape[-1])
@@ -317,8 +375,9 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
             h0 = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)])
         h0 = h0.reshape(BH, 1, K, V) if not packed else jnp.swapaxes(h0, 0, 1)
 
-    cfg = _k.Cfg(p=p, layout=layout, BH=BH, H=H, n=n, C=C, K=K, V=V, scale=float(sc), in_dt=in_dt.name,
-                 mid_dt=mid_dt.name, packed=packed, nseq=nseq, tuning=tun)
+    mk = lambda c: _k.Cfg(p=p, layout=layout, BH=BH, H=H, n=Tp // c, C=c, K=K, V=V, scale=float(sc),
+                          in_dt=in_dt.name, mid_dt=mid_dt.name, packed=packed, nseq=nseq, tuning=tun)
+    cfg, cfg_b = mk(Cf), mk(Cb)
 
     def finish(o, fin):
         if layout == "hm":
@@ -331,4 +390,4 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
             fin = fin[:, :, :K0, :V0]
         return o, fin
 
-    return Prepared(cfg, (q, k, v, bcol, gc, gr, eg, ekd, dec, h0, info), valid, finish)
+    return Prepared(cfg, cfg_b, (q, k, v, bhm, ghm, h0, info_f, info_b), valid, finish)

@@ -89,7 +89,10 @@ class Tuning:
     + output kernel. ``save_t``: the backward intra kernel writes T = (I+A)^-1 (f32, C^2 per
     chunk: 67 MB at B4 T4096 H16 C64) for the gradient kernel instead of a second inverse
     (2 log2(C) - 2 C^3 matmuls per chunk, ~20% of that kernel's FLOPs); None: on for the
-    whole-K gradient kernel, off for the K-split one (see ``Cfg.save_t``). ``merge_state``
+    whole-K gradient kernel, off for the K-split one (see ``Cfg.save_t``). ``fwd_chunk``: chunk
+    of the forward kernels (None: ``_pallas_platform.FWD_MAX_KERNEL_CHUNK``); the backward runs
+    at the chunk of ``_pallas_platform.MAX_KERNEL_CHUNK`` and recomputes what it needs from the
+    inputs, so the two may differ (one must divide the other). ``merge_state``
     (GPU / CPU interpret; ignored on TPU): run the two backward state passes (forward
     recompute and reverse), which are independent, in one launch with twice the programs.
     ``bk_grad``: key-channel block of the gradient kernel (None: K up to K = 128, 128 above,
@@ -118,6 +121,7 @@ class Tuning:
     fuse_output: bool = True
     save_t: Optional[bool] = None
     merge_state: bool = False
+    fwd_chunk: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
