@@ -197,51 +197,69 @@ def _nbytes(*xs):
 
 
 def kernel_breakdown(x, chunk, reps):
-    """Time each pallas_call of forward and backward alone. Returns rows (name, ms, MB, GB/s)."""
+    """Time each pallas_call of forward and backward alone. Returns ((forward cfg, backward cfg),
+    rows (name, ms, MB, GB/s), number of forward rows)."""
     prep = P.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk)
-    cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
-    do_l = x["do"] if cfg.layout == "bthd" else jnp.moveaxis(x["do"], 2, 1).reshape(cfg.BH, -1, cfg.V)
-    pad = cfg.Tp - x["do"].shape[1]
+    do_l = x["do"] if prep.cfg.layout == "bthd" else jnp.moveaxis(x["do"], 2, 1).reshape(prep.cfg.BH, -1, prep.cfg.V)
+    pad = prep.cfg.Tp - x["do"].shape[1]
     if pad:
         do_l = jnp.pad(do_l, [(0, 0), (0, pad)] + [(0, 0)] * (do_l.ndim - 2))
-    dfin = jnp.zeros(h0.shape, jnp.float32)
-    w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
-    vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
+    return (prep.cfg, prep.cfg_bwd), _fwd_steps(prep) + _bwd_steps(prep, do_l), len(_fwd_steps(prep, names_only=True))
+
+
+def _fwd_steps(prep, names_only=False):
+    """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
+    cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
     if cfg.tuning.fuse_output:
-        _, _, aqk = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q))()
-        steps = [
-            ("fwd intra (W, U, Aqk)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q)),
-            ("fwd state pass + output", lambda: PK.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)),
-        ]
+        names = ["fwd intra (W, U, Aqk)", "fwd state pass + output"]
+        if names_only:
+            return names
+        w, u, aqk = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q))()
+        fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q),
+               lambda: PK.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)]
     else:
-        steps = [
-            ("fwd intra (A, T, W, U)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg)),
-            ("fwd state pass", lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info)),
-            ("fwd output", lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)),
-        ]
-    nfwd = len(steps)
-    # the backward runs at its own chunk (GPU: 32 where the forward runs at 64)
+        names = ["fwd intra (A, T, W, U)", "fwd state pass", "fwd output"]
+        if names_only:
+            return names
+        w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
+        vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
+        fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg), lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info),
+               lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)]
+    return _time_steps(cfg, list(zip(names, fns)), prep)
+
+
+def _bwd_steps(prep, do_l):
+    """Backward kernels at the backward chunking."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
-    w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
+    dfin = jnp.zeros(h0.shape, jnp.float32)
+    w, u, dvl, *t = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
     vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
-    steps.append(("bwd intra (+dVl)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)))
-    w2, u2, dvl, *t = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
-    steps.append(("bwd state pass (recompute h)", lambda: PK.state_fwd(cfg, w2, u2, k, ekd, dec, h0, info)))
-    steps.append(("bwd reverse state pass", lambda: PK.state_bwd(cfg, q, k, w2, dvl, do_l, eg, ekd, dec, dfin, info)))
-    dh, dvn, _ = jax.jit(lambda: PK.state_bwd(cfg, q, k, w2, dvl, do_l, eg, ekd, dec, dfin, info))()
-    steps.append(("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *t)))
+    dh, dvn, _ = jax.jit(lambda: PK.state_bwd(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info))()
+    steps = [
+        ("bwd intra (+dVl)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)),
+        ("bwd state pass (recompute h)", lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info)),
+        ("bwd reverse state pass", lambda: PK.state_bwd(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info)),
+        ("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *t)),
+    ]
+    return _time_steps(cfg, steps, prep)
+
+
+def _time_steps(cfg, steps, prep):
     rows = []
     for name, fn in steps:
         jf = jax.jit(fn)
         out = jf()
-        ms = time_fn(jf, reps)
+        ms = time_fn(jf, _REPS[0])
         # bytes: inputs as closed over + outputs (state passes re-read K-wide inputs per V block: not counted)
-        mb = (_nbytes(out) + _in_bytes(name, cfg, x)) / 1e6
+        mb = (_nbytes(out) + _in_bytes(name, cfg)) / 1e6
         rows.append((name, ms, mb, mb / ms if ms > 0 else float("nan")))
-    return (prep.cfg, cfg), rows, nfwd
+    return rows
 
 
-def _in_bytes(name, cfg, x):
+_REPS = [20]
+
+
+def _in_bytes(name, cfg):
     """Rough HBM bytes read by each kernel (token arrays at their dtypes, scalars f32)."""
     BH, Tp, K, V, n = cfg.BH, cfg.Tp, cfg.K, cfg.V, cfg.n
     i = jnp.dtype(cfg.in_dt).itemsize
@@ -427,6 +445,7 @@ def main(argv=None):
                 log(f"  jax-linear-attention FAILED: {type(e).__name__}: {str(e)[:300]}")
         if not args.no_breakdown and not args.quick:
             try:
+                _REPS[0] = reps
                 (cfgf, cfg), brows, nfwd = kernel_breakdown(x, args.chunk, reps)
                 breakdowns[shape] = brows
                 log(f"  per-kernel (cfg: layout {cfg.layout}, C fwd {cfgf.C} / bwd {cfg.C}, bv state/out/grad "

@@ -330,10 +330,10 @@ def test_initial_state_gradient():
 
 @pytest.mark.parametrize("variant", [
     dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
-    dict(u_dtype="mid", state_dot="mid", out_dot="mid", merge_state=True),
+    dict(u_dtype="f32", state_dot="f32", out_dot="f32", merge_state=True),
     dict(bk_grad=16, bv_grad=32, save_t=True),
     dict(bk_grad=32, save_t=False, num_stages=3),
-], ids=["small-blocks-unfused", "all-bf16-merged", "grad-k-blocks", "grad-k-blocks-no-t"])
+], ids=["small-blocks-unfused", "f32-U-and-state-dots-merged", "grad-k-blocks", "grad-k-blocks-no-t"])
 def test_tuning_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
     x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)
@@ -459,6 +459,22 @@ def test_gpu_kernel_chunk_policy():
     assert plat.kernel_chunk("gpu", 64, 256, "fwd") == 32
     assert plat.kernel_chunk("gpu", 16, 128, "fwd") == 16
     assert plat.kernel_chunk("interpret", 64, 256, "fwd") == 64
+
+
+def test_merge_state_policy():
+    """Both backward state passes share one launch on GPU only when they would have <= 128
+    programs (fewer than an H200's 132 SMs); explicit settings win; never on TPU."""
+    from gdn_jax.ops import pallas_kernels as K_
+
+    mk = lambda p, BH, V, **t: K_.Cfg(p=p, layout="bthd", BH=BH, H=16, n=8, C=32, K=128, V=V, scale=1.0,
+                                      in_dt="bfloat16", mid_dt="bfloat16", packed=False, nseq=1,
+                                      tuning=K_.Tuning(**t))
+    assert mk("gpu", 16, 128).merge_state  # B1 H16 D128: bv 16 -> 128 programs
+    assert not mk("gpu", 64, 128).merge_state  # B4 H16: 256 programs
+    assert not mk("interpret", 16, 128).merge_state
+    assert mk("interpret", 16, 128, merge_state=True).merge_state
+    assert not mk("gpu", 16, 128, merge_state=False).merge_state
+    assert not mk("tpu", 16, 128, merge_state=True).merge_state
 
 
 def test_auto_backend_policy():

@@ -154,7 +154,7 @@ def _core_bwd(cfg, res, cts):
     do = do.astype(cfg.in_dt)
     dfin = dfin.astype(F32)
     w, u, dvl, *t = _k.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do)
-    if cfg.tuning.merge_state and not _plat.is_tpu_layout(cfg.p):
+    if cfg.merge_state:
         vn, h, dh, dvn, dh0 = _k.state_both(cfg, w, u, k, ekd, dec, h0, q, dvl, do, eg, dfin, info)
     else:
         vn, h, _ = _k.state_fwd(cfg, w, u, k, ekd, dec, h0, info)

@@ -81,9 +81,14 @@ class Tuning:
     or "bf16". ``u_dtype``: dtype of U in HBM ("f32" or "mid"). ``state_dot`` /
     ``out_dot``: operand dtype of the dots of the two state passes / of the output kernel
     ("f32": TF32-class on GPU, no rounding of S, Vn, h to bf16 before the dot; "mid").
-    Defaults keep bf16 errors at about 60% of the all-bf16 variant (measured rel. rms of o
-    2.8e-3 vs 4.2e-3, final state 0.9e-3 vs 3.5e-3 at T=300, weak gates, D=128): U = W S +
-    Vn cancels (Vn is a small residual of two O(|v|) terms), so U and S are kept wider.
+    Defaults "mid" (with bf16 inputs: bf16 U and bf16 operands for the state/output dots,
+    f32 accumulation; with f32 inputs nothing changes). On an H200 (2026-11-30) "mid" made
+    fwd+bwd 5-11% faster at every REFERENCE §5 shape (B1 T16384 H16 D128 5.85 -> 5.21 ms,
+    D=256 6.93 -> 6.18 ms) for rel. rms of o vs the f32 chunk backend 3.8e-3 instead of
+    2.6e-3 (FLA's bf16 o differs from ours by 4.2e-3); the gradients barely move (dq 3.2 ->
+    3.5e-3, dg 2.3 -> 2.8e-3). "f32" keeps U and S wider where U = W S + Vn cancels (Vn is a
+    small residual of two O(|v|) terms): rel. rms of o 2.8e-3 vs 4.2e-3, final state 0.9e-3 vs
+    3.5e-3 at T=300, weak gates, D=128, against the all-bf16 variant.
     ``fuse_output``: forward as intra (W, U, Aqk) + a state pass that also writes o (saves
     the h_n and Vn round trips: ~0.4 GB at B4 T4096 H16 D128) instead of intra + state pass
     + output kernel. ``save_t``: the backward intra kernel writes T = (I+A)^-1 (f32, C^2 per
@@ -94,7 +99,10 @@ class Tuning:
     at the chunk of ``_pallas_platform.MAX_KERNEL_CHUNK`` and recomputes what it needs from the
     inputs, so the two may differ (one must divide the other). ``merge_state``
     (GPU / CPU interpret; ignored on TPU): run the two backward state passes (forward
-    recompute and reverse), which are independent, in one launch with twice the programs.
+    recompute and reverse), which are independent, in one launch with twice the programs;
+    None: on GPU when the state passes have at most 128 programs (B*H*V/bv_state; an H200 has
+    132 SMs), else off (B1 T16384 H16 D128, 128 programs: fwd+bwd 5.85 -> 5.11 ms merged;
+    B4 T4096 H16 D128, 256 programs: 3.89 -> 3.96 ms).
     ``bk_grad``: key-channel block of the gradient kernel (None: K up to K = 128, 128 above,
     on GPU / CPU interpret; K on TPU). Below K the gradient kernel runs on the grid
     (B*H, chunks, K/bk_grad): each program reads only its K rows of h_n and dh_n and holds
@@ -115,12 +123,12 @@ class Tuning:
     gpu_f32_inv: Optional[str] = None
     gpu_f32_mm: Optional[str] = None
     mid_dtype: str = "auto"
-    u_dtype: str = "f32"
-    state_dot: str = "f32"
-    out_dot: str = "f32"
+    u_dtype: str = "mid"
+    state_dot: str = "mid"
+    out_dot: str = "mid"
     fuse_output: bool = True
     save_t: Optional[bool] = None
-    merge_state: bool = False
+    merge_state: Optional[bool] = None
     fwd_chunk: Optional[int] = None
 
 
@@ -185,6 +193,16 @@ class Cfg:
         if kind == "out":
             return min(V, 128)
         return min(V, 64)
+
+    @property
+    def merge_state(self):
+        """``tuning.merge_state``; None: on GPU when the state passes have <= 128 programs."""
+        m = self.tuning.merge_state
+        if _plat.is_tpu_layout(self.p):
+            return False
+        if m is None:
+            return self.p == "gpu" and self.BH * (self.V // self.bv("state")) <= 128
+        return bool(m)
 
     @property
     def save_t(self):
