@@ -12,6 +12,7 @@ Tolerances (rel_rms = rms(x - ref) / rms(ref)): 5e-3 for o and the final state,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -475,6 +476,9 @@ def test_merge_state_policy():
     assert mk("interpret", 16, 128, merge_state=True).merge_state
     assert not mk("gpu", 16, 128, merge_state=False).merge_state
     assert not mk("tpu", 16, 128, merge_state=True).merge_state
+    # D = 256 with bf16 state dots: value blocks of 32 (B2 H8 on an H200: 128 programs, merged)
+    c256 = dataclasses.replace(mk("gpu", 16, 256), K=256)
+    assert c256.bv("state") == 32 and c256.merge_state
 
 
 def test_auto_backend_policy():

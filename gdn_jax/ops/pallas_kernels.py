@@ -185,8 +185,9 @@ class Cfg:
             bv = min(V, 64)
             # V > 128 at C = 16: at most halve to 32 (B2 T8192 H8 D256 C16 on an H200: bv 16 -> 32
             # cut the forward from ~3.0 to 2.0 ms; every program re-reads the whole K-wide W, k, q)
-            # (at C = 32 the other way round: bv 16 forward 2.2 ms, bv 32 ~2.95 ms)
-            lo = 32 if (V > 128 and self.C <= 16) else 16
+            # (at C = 32 with f32 state dots the other way round: bv 16 forward 2.2 ms, bv 32 ~2.95 ms;
+            # with bf16 state dots bv 32 wins: fwd+bwd 5.37 ms vs 6.24 ms, 2026-11-30)
+            lo = 32 if (V > 128 and (self.C <= 16 or self.state_dt != F32)) else 16
             while bv > lo and self.BH * (V // bv) < 256:
                 bv //= 2
             return bv
