@@ -12,7 +12,11 @@ starts every sequence on a chunk boundary; the in-chunk cumulative log decay
 gamma and the factors e^gamma, e^{gamma_C - gamma}, e^{gamma_C} (TPU Pallas has
 no in-kernel cumsum; the reverse cumsum of the gradient also happens here).
 
-Pallas (one ``jax.custom_vjp``, :func:`_core`): forward = intra-chunk kernel
+Pallas (one ``jax.custom_vjp``, :func:`_core2`, whose forward and backward each run
+:func:`_core`'s kernels at their own chunk size -- the backward recomputes everything from
+the inputs, so on GPU the forward runs at C=64 and the backward at C=32 for D <= 128; the
+gamma terms of each chunking are built in plain JAX by :func:`gates` and their cotangents
+pulled back to g with ``jax.vjp``): forward = intra-chunk kernel
 (A, T = (I+A)^-1, W, U, Aqk) -> state pass that also writes o (fori_loop over
 chunks, S on chip; no h_n in HBM). Backward = intra kernel again (W, U, and
 dVl = Aqk^T dO) -> forward state pass again (h_n, Vn) -> reverse state pass (dS on
