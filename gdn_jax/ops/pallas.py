@@ -30,10 +30,12 @@ zero-padded to the next power of two), chunk_size 16/32/64/128, float32 / bfloat
 per-key-channel g, per-value-channel beta, float64.
 
 Precision: kernels read q, k, v, dO in the input dtype and accumulate in float32.
-With bf16 inputs the intermediates written to HBM (W, Vn, h_n, dVl, dVn, dh_n) are
-bf16, U stays float32 and the state/output dots take float32 operands (TF32 on
-GPU), because Vn = U - W S is a small difference of O(|v|) terms (see
-``pallas_kernels.Tuning``). The in-chunk triangular inverse is the recursive block
+With bf16 inputs the intermediates written to HBM (W, U, Vn, h_n, dVl, dVn, dh_n) are
+bf16 and the state/output dots take bf16 operands (rel. rms of o vs the float32 chunk
+backend 3.8e-3 at the REFERENCE §5 shapes; ``Tuning(u_dtype="f32", state_dot="f32",
+out_dot="f32")`` keeps U and the state dots in float32, 2.6e-3, ~5-11% slower on an
+H200: Vn = U - W S is a small difference of O(|v|) terms; see ``pallas_kernels.Tuning``).
+The intra-chunk inverse and T-products stay float32. Float32 inputs keep everything float32. The in-chunk triangular inverse is the recursive block
 formula (stable; the doubling product is not). e^{gamma_C - gamma} is built from a
 reverse cumsum of g, not as a difference of large cumulative sums, which keeps gate
 gradients accurate under very strong decay.
