@@ -313,9 +313,7 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
     tun = _TUNING
     # backward chunk (GPU: at most 32, see _pallas_platform.MAX_KERNEL_CHUNK) and forward chunk
     Cb = _plat.kernel_chunk(p, chunk_size, max(K0, V0), "bwd")
-    Cf = int(tun.fwd_chunk) if tun.fwd_chunk else _plat.kernel_chunk(p, chunk_size, max(K0, V0), "fwd")
-    if Cf not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(f"fwd_chunk must be one of {SUPPORTED_CHUNK_SIZES}, got {Cf}")
+    Cf = tun.fwd_chunk if tun.fwd_chunk is not None else _plat.kernel_chunk(p, chunk_size, max(K0, V0), "fwd")
     C = max(Cf, Cb)  # the time layout is built for the larger chunk (the smaller one divides it)
     in_dt = _in_dtype(q, k, v)
     if tun.mid_dtype == "auto":

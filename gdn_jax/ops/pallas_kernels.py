@@ -131,6 +131,31 @@ class Tuning:
     merge_state: Optional[bool] = None
     fwd_chunk: Optional[int] = None
 
+    def __post_init__(self):
+        """Reject bad settings when they are made (``tuning(...)``), not deep inside a trace."""
+        choices = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "state_dot": ("f32", "mid"),
+                   "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
+                   "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee")}
+        for name, ok in choices.items():
+            if getattr(self, name) not in ok:
+                raise ValueError(f"Tuning.{name} must be one of {ok}, got {getattr(self, name)!r}")
+        for name in ("fuse_output", "save_t", "merge_state"):
+            val = getattr(self, name)
+            if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
+                raise TypeError(f"Tuning.{name} must be {'True/False' if name == 'fuse_output' else 'None, True or False'}"
+                                f", got {val!r}")
+        pos = ("bv_state", "bv_out", "bv_grad", "bk_grad", "warps_intra", "warps_state", "warps_out", "warps_grad",
+               "num_stages", "fwd_chunk")
+        for name in pos:
+            val = getattr(self, name)
+            if val is None and name not in ("warps_intra", "warps_state", "warps_out"):
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"Tuning.{name} must be a positive int{'' if name.startswith('warps_') else ' or None'}"
+                                 f", got {val!r}")
+        if self.fwd_chunk is not None and self.fwd_chunk not in (16, 32, 64, 128):
+            raise ValueError(f"Tuning.fwd_chunk must be one of (16, 32, 64, 128) or None, got {self.fwd_chunk!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Cfg:
