@@ -275,7 +275,11 @@ def plot_curves(path: str, history: Dict[str, Any], target: float) -> None:
 def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     """Train (or resume) according to ``cfg``; write results.json, curves.png and checkpoints.
 
-    Returns ``(results, final TrainState)``.
+    Returns ``(results, final TrainState)``. Timing fields of ``results`` (this session):
+    ``first_step_s`` (the first step, compile included), ``steps_per_s`` (the other steps over
+    the rest of the wall time, evaluations and checkpoint saves included), ``eval_s`` (time in
+    evaluations, their compile included, and checkpoint saves) and ``train_steps_per_s`` (the
+    same steps over the wall time without ``eval_s``).
     """
     out = cfg.out or os.path.join("runs", cfg.task)
     ckpt_dir = cfg.ckpt_dir or os.path.join(out, "ckpt")
@@ -336,6 +340,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
     pending: List[Dict[str, jax.Array]] = []
     since_eval: List[float] = []
+    eval_s = [0.0]  # time spent in do_eval (evaluation incl. its compile, checkpoint save) this session
 
     def wall() -> float:
         return wall_before + time.perf_counter() - t0
@@ -354,6 +359,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         return loss, acc
 
     def do_eval(step: int) -> Dict[str, Any]:
+        t_eval = time.perf_counter()
         ev = T.evaluate(eval_step, state, test_set, batch_size=cfg.eval_batch_size, mesh=mesh)
         rec = {"step": step, "loss": float(np.mean(since_eval)) if since_eval else None,
                "test_loss": ev["loss"], "test_accuracy": ev["accuracy"], "wall_s": round(wall(), 3)}
@@ -361,6 +367,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         history["evals"].append(rec)
         ckpt.save(state, {"config": dataclasses.asdict(cfg), "history": history, "wall_s": wall(),
                           "loader_step": step, "data_mode": cfg.data_mode}, step=step)
+        eval_s[0] += time.perf_counter() - t_eval
         return rec
 
     from tqdm.auto import tqdm
@@ -441,6 +448,9 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         "first_step_s": None if first_step_s is None else round(first_step_s, 3),
         "steps_per_s": round((ran - 1) / (train_wall - first_step_s), 2)
         if first_step_s is not None and ran > 1 and train_wall > first_step_s else None,
+        "eval_s": round(eval_s[0], 3),
+        "train_steps_per_s": round((ran - 1) / (train_wall - first_step_s - eval_s[0]), 2)
+        if first_step_s is not None and ran > 1 and train_wall > first_step_s + eval_s[0] else None,
         "num_params": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
         "train_curve": history["train"],
         "out": os.path.abspath(out),

@@ -218,6 +218,8 @@ def test_script_end_to_end_and_resume(tmp_path):
     assert saved["backend_resolved"] == ["chunk"] and saved["config"]["lr"] == 1e-2
     for k in ("jax_version", "device_kind", "wall_s", "train_curve"):
         assert k in saved
+    # evaluations (2 here, compile included) are timed apart from the training steps
+    assert saved["eval_s"] > 0 and saved["train_steps_per_s"] > saved["steps_per_s"] > 0
 
     # interrupted at 6 (a copy of the step-6 checkpoint), resumed to 12: bit-identical to the
     # uninterrupted run
