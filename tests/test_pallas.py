@@ -476,6 +476,12 @@ def test_gpu_kernel_chunk_policy():
     assert plat.kernel_chunk("gpu", 64, 256, "fwd") == 32
     assert plat.kernel_chunk("gpu", 16, 128, "fwd") == 16
     assert plat.kernel_chunk("interpret", 64, 256, "fwd") == 64
+    # as prepare() applies it: the forward's cap for 16-bit inputs only
+    with plat.force_platform("gpu"):
+        for dt, want in ((BF16, (64, 32)), (F16, (64, 32)), (F32, (32, 32))):
+            x = jnp.zeros((1, 70, 2, 128), dt)
+            prep = P.prepare(x, x, x, jnp.zeros((1, 70, 2)), jnp.ones((1, 70, 2)), chunk_size=64)
+            assert (prep.cfg.C, prep.cfg_bwd.C) == want, dt
 
 
 @pytest.mark.parametrize("kw,err", [(dict(fwd_chunk=0), ValueError), (dict(fwd_chunk=48), ValueError),

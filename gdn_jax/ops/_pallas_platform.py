@@ -69,7 +69,8 @@ MAX_KERNEL_CHUNK = {"gpu": ((128, 32), (256, 32))}  # (largest max(K, V), larges
 # The forward kernels (intra + fused state pass/output) have no C x C gradient tiles, and the
 # backward recomputes everything it needs from the inputs, so the forward may run at its own,
 # larger chunk: half the sequential steps of the state pass. (B4 T4096 H16 D128 on an H200:
-# forward 1.02 ms at C=64 vs 1.18 ms at C=32.)
+# forward 1.02 ms at C=64 vs 1.18 ms at C=32.) Applied to 16-bit inputs only (float32 inputs, with
+# 3-pass TF32 dots, were not measured at C=64 and keep the backward's chunk; see pallas.prepare).
 FWD_MAX_KERNEL_CHUNK = {"gpu": ((128, 64), (256, 32))}
 
 

@@ -312,10 +312,13 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
     V0 = v.shape[-1]
     tun = _TUNING
     # backward chunk (GPU: at most 32, see _pallas_platform.MAX_KERNEL_CHUNK) and forward chunk
-    Cb = _plat.kernel_chunk(p, chunk_size, max(K0, V0), "bwd")
-    Cf = tun.fwd_chunk if tun.fwd_chunk is not None else _plat.kernel_chunk(p, chunk_size, max(K0, V0), "fwd")
-    C = max(Cf, Cb)  # the time layout is built for the larger chunk (the smaller one divides it)
     in_dt = _in_dtype(q, k, v)
+    Cb = _plat.kernel_chunk(p, chunk_size, max(K0, V0), "bwd")
+    # the forward's own cap was measured with 16-bit inputs; float32 (3-pass TF32 dots on GPU) keeps
+    # the backward's chunk
+    fdir = "bwd" if in_dt == jnp.dtype(F32) else "fwd"
+    Cf = tun.fwd_chunk if tun.fwd_chunk is not None else _plat.kernel_chunk(p, chunk_size, max(K0, V0), fdir)
+    C = max(Cf, Cb)  # the time layout is built for the larger chunk (the smaller one divides it)
     if tun.mid_dtype == "auto":
         mid_dt = jnp.dtype(jnp.bfloat16) if in_dt == jnp.bfloat16 else jnp.dtype(F32)
     else:
