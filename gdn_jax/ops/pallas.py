@@ -93,10 +93,12 @@ def supports(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> Opt
     if forms.g_per_channel:
         return "does not take per-key-channel g [B,T,H,K] (Kimi Delta Attention; use backend='chunk')"
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
-        return f"does not take chunk_size={chunk_size} (supported: {', '.join(map(str, SUPPORTED_CHUNK_SIZES))})"
+        return (f"does not take chunk_size={chunk_size} (supported: {', '.join(map(str, SUPPORTED_CHUNK_SIZES))}; "
+                f"backend='chunk' takes any chunk_size)")
     for name, d in (("K", K), ("V", V)):
         if d % 16 or d < 16 or d > MAX_DIM:
-            return f"does not take head dim {name}={d} (needs a multiple of 16 from 16 to {MAX_DIM})"
+            return (f"does not take head dim {name}={d} (needs a multiple of 16 from 16 to {MAX_DIM}; "
+                    f"use backend='chunk')")
     dt = jnp.dtype(dtype)
     if dt == jnp.float64:
         return "does not take float64 inputs (kernels accumulate in float32; use backend='chunk')"
