@@ -362,6 +362,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process."""
     from tqdm.auto import tqdm
 
+    if cfg.worker_index is not None and cfg.worker_index < 0:
+        raise ValueError(f"worker_index (internal: set by the parent sweep for its workers) must be >= 0, "
+                         f"got {cfg.worker_index}")
     grid = cells(cfg) if cfg.worker_index is not None else validate(cfg)
     os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
     with open(os.path.join(cfg.out, "sweep_config.json"), "w") as f:

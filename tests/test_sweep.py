@@ -90,7 +90,8 @@ def test_bad_arguments(tmp_path):
         S.run_config(S.SweepConfig(base=("d_model=32",)), S.cells(S.SweepConfig())[0], 1e-3)
     # the whole grid is checked before anything trains; nothing is written
     bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
-           dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),))]
+           dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),)),
+           dict(worker_index=-1)]
     for kw in bad:
         out = tmp_path / "never"
         with pytest.raises(ValueError):
