@@ -204,31 +204,28 @@ def kernel_breakdown(x, chunk, reps):
     pad = prep.cfg.Tp - x["do"].shape[1]
     if pad:
         do_l = jnp.pad(do_l, [(0, 0), (0, pad)] + [(0, 0)] * (do_l.ndim - 2))
-    return (prep.cfg, prep.cfg_bwd), _fwd_steps(prep) + _bwd_steps(prep, do_l), len(_fwd_steps(prep, names_only=True))
+    fwd = _fwd_steps(prep, reps)
+    return (prep.cfg, prep.cfg_bwd), fwd + _bwd_steps(prep, do_l, reps), len(fwd)
 
 
-def _fwd_steps(prep, names_only=False):
+def _fwd_steps(prep, reps):
     """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
     if cfg.tuning.fuse_output:
         names = ["fwd intra (W, U, Aqk)", "fwd state pass + output"]
-        if names_only:
-            return names
         w, u, aqk = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q))()
         fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q),
                lambda: PK.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)]
     else:
         names = ["fwd intra (A, T, W, U)", "fwd state pass", "fwd output"]
-        if names_only:
-            return names
         w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
         vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
         fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg), lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info),
                lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)]
-    return _time_steps(cfg, list(zip(names, fns)), prep)
+    return _time_steps(cfg, list(zip(names, fns)), reps)
 
 
-def _bwd_steps(prep, do_l):
+def _bwd_steps(prep, do_l, reps):
     """Backward kernels at the backward chunking."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
@@ -241,22 +238,19 @@ def _bwd_steps(prep, do_l):
         ("bwd reverse state pass", lambda: PK.state_bwd(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info)),
         ("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *t)),
     ]
-    return _time_steps(cfg, steps, prep)
+    return _time_steps(cfg, steps, reps)
 
 
-def _time_steps(cfg, steps, prep):
+def _time_steps(cfg, steps, reps):
     rows = []
     for name, fn in steps:
         jf = jax.jit(fn)
         out = jf()
-        ms = time_fn(jf, _REPS[0])
+        ms = time_fn(jf, reps)
         # bytes: inputs as closed over + outputs (state passes re-read K-wide inputs per V block: not counted)
         mb = (_nbytes(out) + _in_bytes(name, cfg)) / 1e6
         rows.append((name, ms, mb, mb / ms if ms > 0 else float("nan")))
     return rows
-
-
-_REPS = [20]
 
 
 def _in_bytes(name, cfg):
@@ -445,7 +439,6 @@ def main(argv=None):
                 log(f"  jax-linear-attention FAILED: {type(e).__name__}: {str(e)[:300]}")
         if not args.no_breakdown and not args.quick:
             try:
-                _REPS[0] = reps
                 (cfgf, cfg), brows, nfwd = kernel_breakdown(x, args.chunk, reps)
                 breakdowns[shape] = brows
                 log(f"  per-kernel (cfg: layout {cfg.layout}, C fwd {cfgf.C} / bwd {cfg.C}, bv state/out/grad "

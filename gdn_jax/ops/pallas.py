@@ -35,8 +35,8 @@ bf16 and the state/output dots take bf16 operands (rel. rms of o vs the float32 
 backend 3.8e-3 at the REFERENCE §5 shapes; ``Tuning(u_dtype="f32", state_dot="f32",
 out_dot="f32")`` keeps U and the state dots in float32, 2.6e-3, ~5-11% slower on an
 H200: Vn = U - W S is a small difference of O(|v|) terms; see ``pallas_kernels.Tuning``).
-The intra-chunk inverse and T-products stay float32. Float32 inputs keep everything float32. The in-chunk triangular inverse is the recursive block
-formula (stable; the doubling product is not). e^{gamma_C - gamma} is built from a
+Float32 inputs keep everything float32. The in-chunk triangular inverse (float32 in every
+case) is the recursive block formula (stable; the doubling product is not). e^{gamma_C - gamma} is built from a
 reverse cumsum of g, not as a difference of large cumulative sums, which keeps gate
 gradients accurate under very strong decay.
 
@@ -63,7 +63,7 @@ from .pallas_kernels import Tuning
 
 __all__ = ["supports", "pallas_gated_delta_rule", "prepare", "Tuning", "tuning", "SUPPORTED_CHUNK_SIZES", "MAX_DIM"]
 
-SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
+SUPPORTED_CHUNK_SIZES = _k.SUPPORTED_CHUNK_SIZES
 MAX_DIM = 256
 F32 = jnp.float32
 
@@ -203,8 +203,7 @@ def _core2(cfgs, q, k, v, bhm, ghm, h0, info_f, info_b):
     the chunk flags of each chunking. The gamma terms of each chunking are plain JAX
     (:func:`gates`); the backward pulls their cotangents back to g with ``jax.vjp``. Saves
     only the inputs, like :func:`_core`."""
-    o, fin, _ = _core_fwd_impl(cfgs[0], q, k, v, *gates(cfgs[0], bhm, ghm), h0, info_f)
-    return o, fin
+    return _core2_fwd(cfgs, q, k, v, bhm, ghm, h0, info_f, info_b)[0]
 
 
 def _core2_fwd(cfgs, q, k, v, bhm, ghm, h0, info_f, info_b):
@@ -313,8 +312,8 @@ def prepare(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
     B, T, H, K0 = q.shape
     V0 = v.shape[-1]
     tun = _TUNING
-    # backward chunk (GPU: at most 32, see _pallas_platform.MAX_KERNEL_CHUNK) and forward chunk
     in_dt = _in_dtype(q, k, v)
+    # backward chunk (GPU: at most 32, see _pallas_platform.MAX_KERNEL_CHUNK) and forward chunk
     Cb = _plat.kernel_chunk(p, chunk_size, max(K0, V0), "bwd")
     # the forward's own cap was measured with 16-bit inputs; float32 (3-pass TF32 dots on GPU) keeps
     # the backward's chunk

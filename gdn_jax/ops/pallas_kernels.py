@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from . import _pallas_platform as _plat
 
 F32 = jnp.float32
+SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)  # chunk sizes the kernels take (forward and backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +154,8 @@ class Tuning:
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"Tuning.{name} must be a positive int{'' if name.startswith('warps_') else ' or None'}"
                                  f", got {val!r}")
-        if self.fwd_chunk is not None and self.fwd_chunk not in (16, 32, 64, 128):
-            raise ValueError(f"Tuning.fwd_chunk must be one of (16, 32, 64, 128) or None, got {self.fwd_chunk!r}")
+        if self.fwd_chunk is not None and self.fwd_chunk not in SUPPORTED_CHUNK_SIZES:
+            raise ValueError(f"Tuning.fwd_chunk must be one of {SUPPORTED_CHUNK_SIZES} or None, got {self.fwd_chunk!r}")
 
 
 @dataclasses.dataclass(frozen=True)
