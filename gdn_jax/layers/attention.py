@@ -9,6 +9,7 @@ from flax import nnx
 
 from ..inference.cache import KVCache
 from ..ops._common import seq_info
+from . import _checks
 
 
 def rope(x, positions, *, rot_dim: int, theta: float = 10000.0):
@@ -51,10 +52,17 @@ class Attention(nnx.Module):
                  rope_theta: float = 10000.0, rope_fraction: float = 1.0, qk_norm: bool = False,
                  output_gate: bool = False, norm_eps: float = 1e-6, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
+        _checks.positive_int("hidden_size", hidden_size)
+        _checks.positive_int("num_heads", num_heads)
+        _checks.positive_float("norm_eps", norm_eps)
+        _checks.positive_float("rope_theta", rope_theta)
+        if not (isinstance(rope_fraction, (int, float)) and 0.0 <= rope_fraction <= 1.0):
+            raise ValueError(f"rope_fraction must be a number in [0, 1], got {rope_fraction!r}")
         if head_dim is None:
             if hidden_size % num_heads:
                 raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
             head_dim = hidden_size // num_heads
+        _checks.positive_int("head_dim", head_dim)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.rot_dim = int(head_dim * rope_fraction) // 2 * 2
         self.rope_theta, self.dtype = rope_theta, dtype
@@ -90,14 +98,11 @@ class Attention(nnx.Module):
         return self.o_proj(o)
 
     def __call__(self, x, *, cu_seqlens=None):
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
         B, T, _ = x.shape
         mask = None
         positions = jnp.arange(T)
         if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"cu_seqlens needs batch size 1, got x of shape {tuple(x.shape)}")
             seq_id, _, _, _ = seq_info(cu_seqlens, T)
             positions = positions - jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id]
             mask = (seq_id[:, None] == seq_id[None, :])[None, None]
@@ -118,8 +123,7 @@ class Attention(nnx.Module):
         keys/values into a new cache of static length ``max_len``. Returns ``(y, cache)``.
 
         Raises ValueError if T > max_len (the prompt does not fit the cache)."""
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size)
         B, T, _ = x.shape
         if max_len is None or T > max_len:
             raise ValueError(f"prompt of {T} tokens does not fit an attention KV cache of max_len = {max_len}")
@@ -135,7 +139,8 @@ class Attention(nnx.Module):
         """One token ``x_t [B, 1, hidden_size]`` at position ``cache.pos``: write its key/value at
         that slot (``dynamic_update_slice``), attend over slots ``<= pos`` and advance ``pos``.
         Jit-able. A step past ``max_len`` cannot raise under jit: it returns NaN instead."""
-        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
+        if x_t.shape[1] != 1:
             raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
         pos = cache.pos
         q, k, v = self.qkv(x_t, pos[None])

@@ -10,6 +10,8 @@ from flax import nnx
 
 from ..inference.cache import GDNCache
 from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops.gated_delta_rule import BACKENDS
+from . import _checks
 from .conv import ShortConv
 
 DECAY_KINDS = ("mamba2", "sigmoid", "none")
@@ -20,11 +22,42 @@ def inverse_softplus(x):
     return x + jnp.log(-jnp.expm1(-x))
 
 
+# Cap on the per-token decay rate -g of the mamba2 parameterisation: exp(-1e4) is 0 in every float
+# dtype and the ops floor g far above it anyway, while the cap keeps exp(A_log) * softplus(.)
+# from overflowing to inf (whose gradient through the floor is 0 * inf = NaN).
+MAX_DECAY_RATE = 1e4
+
+
+def mamba2_log_decay(A_log, z):
+    """Log decay ``g = -exp(A_log) * softplus(z)`` (Mamba2 / GDN paper / FLA / Qwen3-Next), float32.
+
+    Computed in log space, ``-g = exp(min(A_log + log softplus(z), log 1e4))`` with
+    ``log softplus(z) = z`` for ``z < -20`` (exact to float32 there), so that a huge ``A_log``
+    (``exp`` overflows from 89 on) or a very negative ``z`` (softplus underflows to 0, and
+    ``inf * 0 = NaN``) give a finite g and finite gradients. ``-g`` is capped at
+    :data:`MAX_DECAY_RATE` = 1e4 (a full reset; the gradient through the cap is 0).
+
+    Args:
+      A_log: ``[H]`` (per head) or ``[H, 1]`` (broadcast over key channels), any float dtype.
+      z: ``W_a x + dt_bias``, ``[..., H]`` or ``[..., H, K]``.
+    Returns: g, z's shape, float32, in [-1e4, 0].
+    """
+    z = jnp.asarray(z, jnp.float32)
+    small = z < -20.0
+    log_sp = jnp.where(small, z, jnp.log(jax.nn.softplus(jnp.where(small, 0.0, z))))
+    return -jnp.exp(jnp.minimum(jnp.asarray(A_log, jnp.float32) + log_sp, math.log(MAX_DECAY_RATE)))
+
+
 def head_dims(hidden_size: int, num_heads: int, head_dim: Optional[int], value_head_dim: Optional[int]):
     """``(H, K, V)`` of a linear-attention layer: K defaults to ``hidden_size // num_heads`` and V to K.
-    ``ValueError`` for non-positive sizes or an indivisible ``hidden_size`` without ``head_dim``."""
-    if hidden_size <= 0 or num_heads <= 0:
-        raise ValueError(f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}")
+    ``TypeError`` for non-integer sizes, ``ValueError`` for non-positive sizes or an indivisible
+    ``hidden_size`` without ``head_dim``."""
+    _checks.positive_int("hidden_size", hidden_size)
+    _checks.positive_int("num_heads", num_heads)
+    if head_dim is not None:
+        _checks.positive_int("head_dim", head_dim)
+    if value_head_dim is not None:
+        _checks.positive_int("value_head_dim", value_head_dim)
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
@@ -51,7 +84,8 @@ class GatedDeltaNet(nnx.Module):
     ``x [B, T, hidden_size] -> [B, T, hidden_size]``::
 
         q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # short conv, optional
-        g       = -exp(A_log) * softplus(W_a x + dt_bias)    # log decay, per head  (decay="mamba2")
+        g       = -exp(A_log) * softplus(W_a x + dt_bias)    # log decay, per head  (decay="mamba2";
+                                                              # see mamba2_log_decay)
                   log sigmoid(W_a x)                          # seed 000's gate      (decay="sigmoid")
                   0                                           # DeltaNet, no decay   (decay="none")
         beta    = sigmoid(W_b x)  (x2 with allow_neg_eigval)  # per head, or per value channel
@@ -90,8 +124,11 @@ class GatedDeltaNet(nnx.Module):
                  backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if decay not in DECAY_KINDS:
-            raise ValueError(f"decay must be one of {DECAY_KINDS}, got {decay!r}")
+        _checks.one_of("decay", decay, DECAY_KINDS)
+        _checks.one_of("backend", backend, BACKENDS)
+        _checks.positive_int("chunk_size", chunk_size)
+        _checks.positive_int("conv_size", conv_size)
+        _checks.positive_float("norm_eps", norm_eps)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.decay_per_channel = decay, decay_per_channel
@@ -130,11 +167,11 @@ class GatedDeltaNet(nnx.Module):
         elif self.decay == "mamba2":
             a = self.a_proj(x).astype(jnp.float32)
             a = a + self.dt_bias[...].astype(jnp.float32)
-            A = jnp.exp(self.A_log[...].astype(jnp.float32))
+            A_log = self.A_log[...]
             if self.decay_per_channel:
-                g = -A[:, None] * jax.nn.softplus(a.reshape(B, T, H, K))
+                g = mamba2_log_decay(A_log[:, None], a.reshape(B, T, H, K))
             else:
-                g = -A * jax.nn.softplus(a)
+                g = mamba2_log_decay(A_log, a)
         else:
             g = jax.nn.log_sigmoid(self.a_proj(x).astype(jnp.float32))
             if self.decay_per_channel:
@@ -152,8 +189,7 @@ class GatedDeltaNet(nnx.Module):
         ``cu_seqlens`` (B = 1): packed sequences; the recurrence and the short conv restart at
         every boundary.
         """
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -193,8 +229,7 @@ class GatedDeltaNet(nnx.Module):
         """Run the prompt ``x [B, T, hidden_size]`` with the layer's backend (chunk / pallas / scan)
         and return ``(y [B, T, hidden_size], cache)``; ``y`` equals ``self(x)``. ``max_len`` is
         accepted for a uniform mixer interface and ignored (the cache has a fixed size)."""
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim
         q, k, v, convs = self._qkv_cached(x, self.init_cache(B))
@@ -209,7 +244,8 @@ class GatedDeltaNet(nnx.Module):
     def decode(self, x_t, cache: GDNCache):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``
         through :func:`gdn_jax.ops.gated_delta_rule_step` (float32 state). Jit-able."""
-        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
+        if x_t.shape[1] != 1:
             raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
         B = x_t.shape[0]
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim

@@ -11,7 +11,9 @@ from flax import nnx
 from ..inference.cache import GDNCache
 from ..ops import gated_linear_attention
 from .conv import ShortConv
-from .gated_deltanet import head_dims, mamba2_decay_init
+from ..ops.linear_attention import LA_BACKENDS
+from . import _checks
+from .gated_deltanet import head_dims, mamba2_decay_init, mamba2_log_decay
 
 LA_DECAY_KINDS = ("mamba2", "gla", "none")
 
@@ -42,8 +44,13 @@ class GatedLinearAttention(nnx.Module):
                  gate_low_rank: int = 16, gate_logit_normalizer: float = 16.0,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if decay not in LA_DECAY_KINDS:
-            raise ValueError(f"decay must be one of {LA_DECAY_KINDS}, got {decay!r}")
+        _checks.one_of("decay", decay, LA_DECAY_KINDS)
+        _checks.one_of("backend", backend, LA_BACKENDS)
+        _checks.positive_int("chunk_size", chunk_size)
+        _checks.positive_int("conv_size", conv_size)
+        _checks.positive_int("gate_low_rank", gate_low_rank)
+        _checks.positive_float("norm_eps", norm_eps)
+        _checks.positive_float("gate_logit_normalizer", gate_logit_normalizer)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
@@ -76,7 +83,7 @@ class GatedLinearAttention(nnx.Module):
             return None
         if self.decay == "mamba2":
             a = self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
-            return -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+            return mamba2_log_decay(self.A_log[...], a)
         a = self.gk_proj2(self.gk_proj1(x)).astype(jnp.float32)
         return (jax.nn.log_sigmoid(a) / self.gate_logit_normalizer).reshape(B, T, self.num_heads, self.head_dim)
 
@@ -111,13 +118,13 @@ class GatedLinearAttention(nnx.Module):
 
     def prefill(self, x, *, max_len=None):
         """Prompt ``x [B, T, hidden_size]`` -> ``(y [B, T, hidden_size], cache)``; ``y == self(x)``."""
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size)
         return self._run(x, self.init_cache(x.shape[0]), self.backend)
 
     def decode(self, x_t, cache: GDNCache):
         """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
-        if x_t.ndim != 3 or x_t.shape[1] != 1 or x_t.shape[-1] != self.hidden_size:
+        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
+        if x_t.shape[1] != 1:
             raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
         return self._run(x_t, cache, "scan")
 
@@ -130,8 +137,7 @@ class GatedLinearAttention(nnx.Module):
     def __call__(self, x, *, cu_seqlens=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1) restarts the
         recurrence and the short conv at every packed-sequence boundary."""
-        if x.ndim != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -50,6 +50,34 @@ class LMConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
 
+    def __post_init__(self):
+        from ..layers import _checks
+        from ..layers.gated_deltanet import DECAY_KINDS
+        from ..ops.gated_delta_rule import BACKENDS
+
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "chunk_size"):
+            _checks.positive_int(name, getattr(self, name))
+        if self.head_dim is not None:
+            _checks.positive_int("head_dim", self.head_dim)
+        _checks.positive_int("hybrid_every", self.hybrid_every, minimum=0)
+        _checks.one_of("backend", self.backend, BACKENDS)
+        _checks.one_of("decay", self.decay, DECAY_KINDS)
+        _checks.positive_float("norm_eps", self.norm_eps)
+        _checks.positive_float("embed_init_std", self.embed_init_std)
+        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) or self.mlp_ratio < 0:
+            raise ValueError(f"mlp_ratio must be a number >= 0, got {self.mlp_ratio!r}")
+        for name in ("dtype", "param_dtype"):
+            try:
+                ok = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} must name a floating dtype (e.g. 'float32', 'bfloat16'), got {getattr(self, name)!r}")
+        if not isinstance(self.mixer, (str, tuple, list)) or not isinstance(self.hybrid_mixer, str):
+            raise TypeError(f"mixer must be a name or a tuple of names and hybrid_mixer a name, got "
+                            f"{self.mixer!r}, {self.hybrid_mixer!r}")
+        self.layer_mixers()  # mixer tuple length
+
     def layer_mixers(self) -> Tuple[str, ...]:
         """The mixer name of each layer."""
         if isinstance(self.mixer, (tuple, list)):
@@ -217,6 +245,9 @@ class LM(nnx.Module):
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        unknown = sorted({m for m in cfg.layer_mixers() if m not in MIXERS})
+        if unknown:
+            raise ValueError(f"unknown mixer(s) {unknown} in LMConfig.mixer / hybrid_mixer; registered: {sorted(MIXERS)}")
         dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
                                embedding_init=nnx.initializers.normal(cfg.embed_init_std), rngs=rngs)
@@ -233,6 +264,10 @@ class LM(nnx.Module):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
         _check_token_range(tokens, self.cfg.vocab_size)
+        if cu_seqlens is not None:
+            from ..layers._checks import cu_seqlens_arg
+
+            cu_seqlens_arg(cu_seqlens, tokens.shape[0])
         x = self.embed(tokens)
         for blk in self.blocks:
             x = blk(x, cu_seqlens=cu_seqlens)

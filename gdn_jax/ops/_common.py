@@ -162,14 +162,88 @@ def poison_if_invalid(x, valid):
     return x * jnp.where(valid, 1.0, jnp.nan).astype(x.dtype)
 
 
-# Floor of the per-token log decay in float32. exp(-60) ~ 8.8e-27: the state is zeroed to
-# float32 precision either way, while the chunked backends never difference cumulative decays
-# of order 1e4 and beyond (whose rounding would be amplified by exp), and g = -inf gives no NaN.
-G_MIN_F32 = -60.0
+@jax.custom_vjp
+def _poison(x, p):
+    """``where(p, nan, x)`` whose gradient is NaN everywhere when a loss reads a poisoned entry
+    (a nonzero cotangent where ``p``): a loss that touched a NaN output gets NaN gradients, not
+    silently finite ones; entries not poisoned pass their cotangent through unchanged."""
+    return jnp.where(p, jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def _poison_fwd(x, p):
+    return _poison(x, p), p
+
+
+def _poison_bwd(p, ct):
+    touched = jnp.any(p & (ct != 0))
+    dx = jnp.where(p, jnp.zeros((), ct.dtype), ct) + jnp.where(touched, jnp.nan, 0.0).astype(ct.dtype)
+    return dx, None
+
+
+_poison.defvjp(_poison_fwd, _poison_bwd)
+
+
+def nonfinite_guard(q, k, v, g, beta, cu_seqlens, *, g_pc: bool, b_pc: bool):
+    """Make a non-finite input poison only its own token and the future, never the past.
+
+    The chunked backends mix the tokens of a chunk through matmuls, where a zero weight times a
+    NaN is still NaN, so one NaN at position t would reach every output and gradient of its chunk
+    and, through the backward state pass, every earlier chunk. Contract (all backends, per batch
+    element, head and packed sequence): a token whose k, v, g or beta holds a NaN or +inf (g = -inf
+    is a valid full reset) poisons the outputs at and after it and the final state; a NaN/inf in
+    q_t poisons o_t only (q never enters the state). Outputs before the token, and the gradients of
+    a loss that reads only those outputs, are those of the sequence without it. A loss that reads a
+    poisoned output gets NaN gradients.
+
+    Args: as ``gated_delta_rule`` (validated; ``beta`` may be None for the no-delta op).
+    Returns: ``((q, k, v, g, beta), finish)`` with the offending tokens zeroed (g = 0, beta = 0
+      leave the state unchanged) and ``finish(o, final_state)`` writing the NaNs.
+    """
+    B, T, H = q.shape[:3]
+    nonfin = lambda x, pc: ~jnp.all(jnp.isfinite(x), axis=-1) if pc else ~jnp.isfinite(x)
+    bad_q = nonfin(q, True)  # [B,T,H]
+    bad_w = nonfin(k, True) | nonfin(v, True)
+    bad_w = bad_w | (jnp.any(jnp.isnan(g) | (g == jnp.inf), axis=-1) if g_pc else (jnp.isnan(g) | (g == jnp.inf)))
+    if beta is not None:
+        bad_w = bad_w | nonfin(beta, b_pc)
+    zero = lambda x, bad: jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - 3)), jnp.zeros((), x.dtype), x)
+    q = zero(q, bad_q)
+    k, v, g = (zero(x, bad_w) for x in (k, v, g))
+    beta = None if beta is None else zero(beta, bad_w)
+
+    cum = jnp.cumsum(bad_w.astype(jnp.int32), axis=1)  # bad writes up to and including t
+    if cu_seqlens is None:
+        poisoned = bad_q | (cum > 0)
+        seq_bad = cum[:, -1] > 0  # [B, H]
+    else:
+        cu = jnp.clip(jnp.asarray(cu_seqlens).astype(jnp.int32), 0, T)
+        cum0 = jnp.concatenate([jnp.zeros((B, 1, H), jnp.int32), cum], axis=1)  # [1, T+1, H]
+        seq_id = seq_info(cu_seqlens, T)[0]
+        poisoned = bad_q | (cum - cum0[:, cu[seq_id]] > 0)
+        seq_bad = (cum0[0, cu[1:]] - cum0[0, cu[:-1]]) > 0  # [N, H]
+
+    def finish(o, fin):
+        return _poison(o, poisoned[..., None]), _poison(fin, seq_bad[..., None, None])
+
+    return (q, k, v, g, beta), finish
+
+
+# Floor of the per-token log decay applied by the chunked backends (not by the scan, which never
+# differences cumulative decays). Below the floor exp(g) underflows the accumulation dtype's normal
+# range anyway (float32: exp(-87) ~ 1.6e-38, the smallest normal is 1.2e-38; float64: exp(-1000) = 0),
+# so the state is zeroed to working precision either way, while in-chunk cumulative decays stay
+# bounded (|gamma| <= 87 C: float32 differences of them keep ~7e-4 absolute accuracy at C = 128) and
+# g = -inf gives no inf - inf. Gradients with respect to g below the floor are 0: the true values
+# are below exp(floor) times O(1) and underflow the dtype's normal range.
+G_MIN_F32 = -87.0
+G_MIN_F64 = -1000.0
+
+
+def log_decay_floor(acc_dtype) -> float:
+    """The floor of :func:`clamp_log_decay` for an accumulation dtype."""
+    return G_MIN_F64 if jnp.dtype(acc_dtype) == jnp.float64 else G_MIN_F32
 
 
 def clamp_log_decay(g, acc_dtype):
-    """``max(g, -60)`` for float32 accumulation (no clamp in float64)."""
-    if jnp.dtype(acc_dtype) == jnp.float64:
-        return g
-    return jnp.maximum(g, jnp.asarray(G_MIN_F32, g.dtype))
+    """``max(g, floor)`` with floor -87 for float32 accumulation and -1000 for float64; NaN stays NaN."""
+    return jnp.maximum(g, jnp.asarray(log_decay_floor(acc_dtype), g.dtype))

@@ -27,8 +27,6 @@ Per-value-channel beta is declined (``NotImplementedError``): use ``backend="sca
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -46,48 +44,71 @@ def _tril_mask(C, strict: bool):
 
 
 def _decay_gram_head(a, b, gc):
-    """M_ij = (a_i . b_j) exp(gc_i - gc_j) for i >= j, else 0. a,b [...,C,D]; gc [...,C]."""
+    """M_ij = (a_i . b_j) exp(gc_i - gc_j) for i >= j, else 0. a,b [...,C,D]; gc [...,C].
+
+    The diagonal factor is the constant 1 (not exp(gc_i - gc_i)): an exponent that is zero by
+    construction must carry no gradient, or its +x / -x cotangents, O(1) each, cancel in float
+    arithmetic into the (under strong decay tiny) gradient of g with an O(eps) error.
+    """
     C = gc.shape[-1]
-    mask = _tril_mask(C, strict=False)
+    strict = _tril_mask(C, strict=True)
     diff = gc[..., :, None] - gc[..., None, :]
-    gamma = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+    gamma = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), jnp.eye(C, dtype=gc.dtype))
     return _mm(a, jnp.swapaxes(b, -1, -2)) * gamma
+
+
+def reverse_exclusive_cumsum(g, axis):
+    """sum_{j > i} g_j along ``axis`` (gamma_C - gamma_i inside a chunk), summed directly: not a
+    difference of two large cumulative sums, and the last entry is the constant 0 (no gradient)."""
+    g = jnp.moveaxis(g, axis, -1)
+    nxt = jnp.concatenate([g[..., 1:], jnp.zeros_like(g[..., :1])], axis=-1)
+    out = jnp.flip(jnp.cumsum(jnp.flip(nxt, -1), axis=-1), -1)
+    return jnp.moveaxis(out, -1, axis)
 
 
 def _decay_gram_channel(a, b, gc, sub: int = 16):
     """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
 
-    Overflow-free for gc non-increasing along C (g <= 0): see the module docstring.
+    ``a`` may be a tuple of arrays (e.g. ``(beta K, Q)`` against the same ``b = K``): the decay
+    factors are then computed once and a tuple of Grams is returned. Overflow-free for g <= 0: see
+    the module docstring. Exponents that are zero by construction (the diagonal, a sub-block's
+    first row against its boundary) are constants, so they carry no gradient (see
+    :func:`_decay_gram_head`).
     """
+    if not isinstance(a, tuple):
+        return _decay_gram_channel((a,), b, gc, sub)[0]
     C, K = gc.shape[-2:]
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
     lead = gc.shape[:-2]
-    ab = a.reshape(lead + (nb, s, K))
     bb = b.reshape(lead + (nb, s, K))
     gb = gc.reshape(lead + (nb, s, K))
-    # diagonal sub-blocks: masked [s, s, K] exponential
-    m = _tril_mask(s, strict=False)[..., None]
+    # diagonal sub-blocks: masked [s, s, K] exponential, constant 1 on the diagonal
+    m = _tril_mask(s, strict=True)[..., None]
     d = gb[..., :, None, :] - gb[..., None, :, :]
-    e = jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), 0.0)
-    if os.environ.get("GDN_JAX_DIAG_GRAM", "einsum") == "fused":  # benchmarking switch (read at trace time)
-        diag = jnp.sum(ab[..., :, None, :] * bb[..., None, :, :] * e, axis=-1)  # one multiply-reduce
-    else:  # jnp.einsum: an outer-product dot, then a batched dot over K with 1 x 1 outputs
+    e = jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), jnp.eye(s, dtype=gc.dtype)[..., None])
+    eye = jnp.eye(nb, dtype=gc.dtype)
+    if nb > 1:
+        # off-diagonal: rows of sub-block r against columns j < r*s, through gamma at position r*s
+        # (the sub-block's first row has the constant exponent 0)
+        gref = gb[..., :, 0, :]  # [..., nb, K]
+        first = (jnp.arange(s) == 0)[:, None]
+        ea = jnp.exp(jnp.where(first, 0.0, gb - gref[..., :, None, :]))  # [..., nb, s, K], exponent <= 0
+        col = jnp.arange(C)[None, :, None]
+        start = (jnp.arange(nb) * s)[:, None, None]
+        cm = col < start  # [nb, C, 1]
+        ex = gref[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K], < 0 where cm
+        b_s = jnp.where(cm, b[..., None, :, :] * jnp.exp(jnp.where(cm, ex, 0.0)), 0.0)
+    out = []
+    for ai in a:
+        ab = ai.reshape(lead + (nb, s, K))
         diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=_HI)  # [..., nb, s, s]
-    eye = jnp.eye(nb, dtype=diag.dtype)
-    full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
-    if nb == 1:
-        return full
-    # off-diagonal: rows of sub-block r against columns j < r*s, through gamma at position r*s
-    gref = gb[..., :, 0, :]  # [..., nb, K]
-    a_s = ab * jnp.exp(gb - gref[..., :, None, :])  # [..., nb, s, K], exponent <= 0
-    col = jnp.arange(C)[None, :, None]
-    start = (jnp.arange(nb) * s)[:, None, None]
-    cm = col < start  # [nb, C, 1]
-    ex = gref[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K], <= 0 where cm
-    b_s = jnp.where(cm, b[..., None, :, :] * jnp.exp(jnp.where(cm, ex, 0.0)), 0.0)
-    off = jnp.einsum("...rik,...rjk->...rij", a_s, b_s, precision=_HI)  # [..., nb, s, C]
-    return full + off.reshape(lead + (C, C))
+        full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
+        if nb > 1:
+            off = jnp.einsum("...rik,...rjk->...rij", ab * ea, b_s, precision=_HI)  # [..., nb, s, C]
+            full = full + off.reshape(lead + (C, C))
+        out.append(full)
+    return tuple(out)
 
 
 def _diag_blocks(M, s: int):
@@ -206,14 +227,11 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
 
     qc, kc, vc, gcc, bc = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
     gam = jnp.cumsum(gcc, axis=3)  # [B,H,n,C] or [B,H,n,C,K]
-    # gamma_C - gamma_i = sum_{j > i} g_j as a reverse cumsum, not a difference of two large
-    # cumulative sums (more accurate dg under very strong gates).
-    to_end = jnp.flip(jnp.cumsum(jnp.flip(gcc, 3), axis=3), 3) - gcc
+    to_end = reverse_exclusive_cumsum(gcc, 3)  # gamma_C - gamma_i
     kb = kc * bc[..., None]
     strict = _tril_mask(C, strict=True)
     if g_pc:
-        A = _decay_gram_channel(kb, kc, gam)
-        Aqk = _decay_gram_channel(qc, kc, gam)
+        A, Aqk = _decay_gram_channel((kb, qc), kc, gam)
         eg = jnp.exp(gam)
         glast = gam[..., -1:, :]
         kd = kc * jnp.exp(to_end)

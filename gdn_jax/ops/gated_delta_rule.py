@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, poison_if_invalid, prepare
+from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, nonfinite_guard, poison_if_invalid, prepare
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
 
@@ -134,7 +134,11 @@ def gated_delta_rule(
     which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
-    g = clamp_log_decay(g, dt)
+    (q, k, v, g, beta), guard_finish = nonfinite_guard(
+        q, k, v, g, beta, cu_seqlens, g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel
+    )
+    if which != "scan":  # the chunked forms floor g (see clamp_log_decay); the scan takes it as is
+        g = clamp_log_decay(g, dt)
     if which == "pallas":
         o, fin, valid = _pallas_module().pallas_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -152,7 +156,7 @@ def gated_delta_rule(
                 qs, ks, vs, gs, bs, h0, cu_seqlens, chunk_size=chunk_size,
                 g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel,
             )
-    o = o.astype(v.dtype)
+    o, fin = guard_finish(o.astype(v.dtype), fin)
     if cu_seqlens is not None:
         o = poison_if_invalid(o, valid)
         fin = poison_if_invalid(fin, valid)

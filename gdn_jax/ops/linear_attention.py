@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk as _chunk
-from ._common import acc_dtype, check_inputs, clamp_log_decay, l2norm, poison_if_invalid, seq_info
+from ._common import acc_dtype, check_inputs, clamp_log_decay, l2norm, nonfinite_guard, poison_if_invalid, seq_info
 
 LA_BACKENDS = ("auto", "scan", "chunk")
 _HI = jax.lax.Precision.HIGHEST
@@ -80,7 +80,7 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
     n = T_pad // C
     qc, kc, vc, gcc = (_chunk._to_chunks(x, n, C) for x in (q, k, v, g))
     gam = jnp.cumsum(gcc, axis=3)
-    to_end = jnp.flip(jnp.cumsum(jnp.flip(gcc, 3), axis=3), 3) - gcc  # gamma_C - gamma_i, reverse cumsum
+    to_end = _chunk.reverse_exclusive_cumsum(gcc, 3)  # gamma_C - gamma_i
     if g_pc:
         Aqk = _chunk._decay_gram_channel(qc, kc, gam)
         qg = qc * jnp.exp(gam)
@@ -176,10 +176,13 @@ def gated_linear_attention(
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
     out_dtype = v.dtype
-    q, k, v = (x.astype(dt) for x in (q, k, v))
     if g is None:
         g = jnp.zeros(q.shape[:3], dt)
-    g = clamp_log_decay(g.astype(dt), dt)
+    (q, k, v, g, _), guard_finish = nonfinite_guard(q, k, v, g, None, cu_seqlens, g_pc=forms.g_per_channel, b_pc=False)
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    g = g.astype(dt)
+    if backend != "scan":  # the chunked form floors g (see clamp_log_decay)
+        g = clamp_log_decay(g, dt)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, dt)
@@ -188,7 +191,7 @@ def gated_linear_attention(
         o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)
     else:
         o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_size, g_pc=forms.g_per_channel)
-    o = o.astype(out_dtype)
+    o, fin = guard_finish(o.astype(out_dtype), fin)
     if cu_seqlens is not None:
         o = poison_if_invalid(o, valid)
         fin = poison_if_invalid(fin, valid)

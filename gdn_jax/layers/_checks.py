@@ -1,0 +1,56 @@
+"""Argument checks shared by the token mixers (construction and call time)."""
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def positive_int(name: str, value, *, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum``; TypeError for non-integers (bools included), ValueError below."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def positive_float(name: str, value) -> float:
+    """``value`` as a float > 0 (TypeError / ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def one_of(name: str, value, allowed) -> str:
+    """ValueError unless ``value`` is in ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def mixer_input(x, hidden_size: int, cu_seqlens=None, *, name: str = "x"):
+    """A mixer's input: floating ``[B, T, hidden_size]``; ``cu_seqlens`` integer ``[N + 1]`` with B = 1."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array [B, T, {hidden_size}], got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (the layer's input activations), got {x.dtype}")
+    if x.ndim != 3 or x.shape[-1] != hidden_size:
+        raise ValueError(f"{name} must have shape [B, T, {hidden_size}], got {tuple(x.shape)}")
+    if cu_seqlens is not None:
+        cu_seqlens_arg(cu_seqlens, x.shape[0])
+
+
+def cu_seqlens_arg(cu_seqlens, batch: int):
+    """``cu_seqlens`` must be an integer ``[N + 1]`` array (N >= 1) and the batch size 1."""
+    shape = tuple(np.shape(cu_seqlens))
+    dtype = getattr(cu_seqlens, "dtype", None) or np.asarray(cu_seqlens).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"cu_seqlens must be an integer array [N + 1], got dtype {dtype}")
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape [N + 1] (1-D, N >= 1 packed sequences), got shape {shape}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens (packed sequences) needs batch size B = 1, got B = {batch}")
