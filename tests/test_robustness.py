@@ -245,7 +245,8 @@ def test_linear_attention_strong_gates(backend, g_pc, gate, C, dtype, packed):
 
 
 # ---------------------------------------------------------------------------
-# 4. a non-finite input at t poisons t and the future, never the past
+# 4. non-finite inputs: with mask_nonfinite=True a bad token at t poisons t and the future, never
+#    the past; by default (no masking, no cost) the documented contract holds
 # ---------------------------------------------------------------------------
 
 
@@ -266,7 +267,7 @@ def test_nonfinite_input_does_not_reach_back(backend, name, bad):
     bad_x = dict(x)
     bad_x[name] = x[name].at[0, 50].set(bad)
     f = lambda d: gated_delta_rule(*(d[n] for n in NAMES[:5]), use_qk_l2norm=True, chunk_size=32,
-                                   output_final_state=True, backend=backend)
+                                   output_final_state=True, backend=backend, mask_nonfinite=True)
     o0, _ = f(x)
     o, S = f(bad_x)
     np.testing.assert_allclose(np.asarray(o[:, :50], np.float32), np.asarray(o0[:, :50], np.float32), atol=1e-6)
@@ -297,7 +298,7 @@ def test_nonfinite_input_stays_in_its_packed_sequence(backend):
     bad = dict(x)
     bad["k"] = x["k"].at[0, 10, 1].set(jnp.nan)
     f = lambda d: gated_delta_rule(*(d[n] for n in NAMES[:5]), cu_seqlens=cu, chunk_size=32,
-                                   output_final_state=True, backend=backend)
+                                   output_final_state=True, backend=backend, mask_nonfinite=True)
     (o0, S0), (o, S) = f(x), f(bad)
     np.testing.assert_allclose(np.asarray(o[:, 20:]), np.asarray(o0[:, 20:]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(o[:, :10]), np.asarray(o0[:, :10]), atol=1e-6)
@@ -309,13 +310,37 @@ def test_nonfinite_input_stays_in_its_packed_sequence(backend):
 @pytest.mark.parametrize("backend", ["scan", "chunk"])
 def test_linear_attention_nonfinite_input_does_not_reach_back(backend):
     x = _nan_case(_seed("la-nan"))
-    f = lambda k: gated_linear_attention(x["q"], k, x["v"], x["g"], chunk_size=32, backend=backend)[0]
+    f = lambda k: gated_linear_attention(x["q"], k, x["v"], x["g"], chunk_size=32, backend=backend,
+                                         mask_nonfinite=True)[0]
     o0, o = f(x["k"]), f(x["k"].at[0, 50].set(jnp.nan))
     np.testing.assert_allclose(np.asarray(o[:, :50]), np.asarray(o0[:, :50]), atol=1e-6)
     assert np.all(np.isnan(np.asarray(o[:, 50:])))
     g = jax.grad(lambda k: jnp.sum(f(k)[:, :40] ** 2))(x["k"].at[0, 50].set(jnp.nan))
     g0 = jax.grad(lambda k: jnp.sum(f(k)[:, :40] ** 2))(x["k"])
     np.testing.assert_allclose(np.asarray(g), np.asarray(g0), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["scan", "chunk", "pallas"])
+@pytest.mark.parametrize("name", ["k", "v", "g", "beta"])
+def test_nonfinite_input_default_contract(backend, name):
+    """mask_nonfinite=False (the default): a NaN at t = 50 (chunk 32, T = 96) leaves the outputs of
+    the earlier chunk (scan: of every earlier token) and of the other head unchanged, makes the
+    final state of its head NaN, and puts NaNs into the gradients of its sequence and head even for
+    a loss that reads only o[:, :40] (the chunked backends: at the earlier tokens too) -- loud, not
+    silently wrong."""
+    x = _nan_case(_seed("contract", name), T=96)
+    bad = dict(x)
+    bad[name] = x[name].at[0, 50, 1].set(jnp.nan)
+    f = lambda *a: gated_delta_rule(*a, chunk_size=32, output_final_state=True, backend=backend)
+    args, bad_args = [x[n] for n in NAMES[:5]], [bad[n] for n in NAMES[:5]]
+    (o0, S0), (o, S) = f(*args), f(*bad_args)
+    first = 50 if backend == "scan" else 32
+    np.testing.assert_allclose(np.asarray(o[:, :first], np.float32), np.asarray(o0[:, :first], np.float32), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(o[:, :, 0], np.float32), np.asarray(o0[:, :, 0], np.float32), atol=1e-6)
+    assert np.all(np.isnan(np.asarray(o[:, 50:, 1], np.float32))) and np.all(np.isnan(np.asarray(S[:, 1])))
+    grads = jax.grad(lambda *a: jnp.sum(f(*a)[0][:, :40].astype(jnp.float32) ** 2), argnums=(0, 1, 2))(*bad_args)
+    t_end = 96 if backend == "scan" else 40
+    assert all(np.any(np.isnan(np.asarray(gr[:, :t_end, 1], np.float32))) for gr in grads)
 
 
 # ---------------------------------------------------------------------------

@@ -211,16 +211,17 @@ def nonfinite_guard(q, k, v, g, beta, cu_seqlens, *, g_pc: bool, b_pc: bool):
     k, v, g = (zero(x, bad_w) for x in (k, v, g))
     beta = None if beta is None else zero(beta, bad_w)
 
-    cum = jnp.cumsum(bad_w.astype(jnp.int32), axis=1)  # bad writes up to and including t
+    t = jnp.arange(T, dtype=jnp.int32)
+    at = jnp.where(bad_w, t[None, :, None], T)  # position of each bad write, T elsewhere
     if cu_seqlens is None:
-        poisoned = bad_q | (cum > 0)
-        seq_bad = cum[:, -1] > 0  # [B, H]
+        first_bad = jnp.min(at, axis=1)  # [B, H]: the first bad write of each sequence
+        poisoned = bad_q | (t[None, :, None] >= first_bad[:, None, :])
     else:
-        cu = jnp.clip(jnp.asarray(cu_seqlens).astype(jnp.int32), 0, T)
-        cum0 = jnp.concatenate([jnp.zeros((B, 1, H), jnp.int32), cum], axis=1)  # [1, T+1, H]
         seq_id = seq_info(cu_seqlens, T)[0]
-        poisoned = bad_q | (cum - cum0[:, cu[seq_id]] > 0)
-        seq_bad = (cum0[0, cu[1:]] - cum0[0, cu[:-1]]) > 0  # [N, H]
+        N = cu_seqlens.shape[0] - 1
+        first_bad = jnp.minimum(jax.ops.segment_min(at[0], seq_id, num_segments=N), T)  # [N, H]
+        poisoned = bad_q | (t[None, :, None] >= first_bad[seq_id][None])
+    seq_bad = first_bad < T
 
     def finish(o, fin):
         return _poison(o, poisoned[..., None]), _poison(fin, seq_bad[..., None, None])

@@ -133,6 +133,7 @@ def gated_linear_attention(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    mask_nonfinite: bool = False,
 ) -> Tuple[jax.Array, Optional[jax.Array]]:
     """Gated linear attention (no delta rule): ``S <- diag(exp(g_t)) S + k_t v_t^T``, ``o_t = S^T (scale q_t)``.
 
@@ -145,8 +146,9 @@ def gated_linear_attention(
     Args:
       q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
       v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
-      g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier);
-        floored at -60 with float32 accumulation (``-inf`` allowed).
+      g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier;
+        ``-inf`` allowed); the chunked form floors it at -87 (float32) / -1000 (float64), as
+        :func:`gdn_jax.ops.gated_delta_rule` does.
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
       output_final_state: also return the final state.
@@ -156,6 +158,8 @@ def gated_linear_attention(
       chunk_size: tokens per chunk for ``backend="chunk"``.
       backend: ``"scan"`` (token-by-token ``lax.scan``), ``"chunk"`` (chunked matmuls plus a
         ``lax.scan`` over chunks), ``"auto"`` (= ``"chunk"``).
+      mask_nonfinite: as :func:`gdn_jax.ops.gated_delta_rule` (a non-finite k, v or g at t
+        then poisons only t and later; default off).
 
     Returns:
       ``(o, final_state)``: o ``[B, T, H, V]`` in ``v.dtype``; final_state ``[B, H, K, V]``
@@ -178,7 +182,9 @@ def gated_linear_attention(
     out_dtype = v.dtype
     if g is None:
         g = jnp.zeros(q.shape[:3], dt)
-    (q, k, v, g, _), guard_finish = nonfinite_guard(q, k, v, g, None, cu_seqlens, g_pc=forms.g_per_channel, b_pc=False)
+    if mask_nonfinite:
+        (q, k, v, g, _), guard_finish = nonfinite_guard(q, k, v, g, None, cu_seqlens, g_pc=forms.g_per_channel,
+                                                        b_pc=False)
     q, k, v = (x.astype(dt) for x in (q, k, v))
     g = g.astype(dt)
     if backend != "scan":  # the chunked form floors g (see clamp_log_decay)
@@ -191,7 +197,9 @@ def gated_linear_attention(
         o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)
     else:
         o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_size, g_pc=forms.g_per_channel)
-    o, fin = guard_finish(o.astype(out_dtype), fin)
+    o = o.astype(out_dtype)
+    if mask_nonfinite:
+        o, fin = guard_finish(o, fin)
     if cu_seqlens is not None:
         o = poison_if_invalid(o, valid)
         fin = poison_if_invalid(fin, valid)
