@@ -83,22 +83,22 @@ def _decay_gram_channel(a, b, gc, sub: int = 16):
     lead = gc.shape[:-2]
     bb = b.reshape(lead + (nb, s, K))
     gb = gc.reshape(lead + (nb, s, K))
-    # diagonal sub-blocks: masked [s, s, K] exponential, constant 1 on the diagonal
+    # diagonal sub-blocks: masked [s, s, K] exponential (exp(-inf) = 0 above the diagonal, whose
+    # gradient is 0), constant 1 on the diagonal
     m = _tril_mask(s, strict=True)[..., None]
-    d = gb[..., :, None, :] - gb[..., None, :, :]
-    e = jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), jnp.eye(s, dtype=gc.dtype)[..., None])
+    d = jnp.where(m, gb[..., :, None, :] - gb[..., None, :, :], -jnp.inf)
+    e = jnp.exp(d) + jnp.eye(s, dtype=gc.dtype)[..., None]
     eye = jnp.eye(nb, dtype=gc.dtype)
     if nb > 1:
         # off-diagonal: rows of sub-block r against columns j < r*s, through gamma at position r*s
         # (the sub-block's first row has the constant exponent 0)
         gref = gb[..., :, 0, :]  # [..., nb, K]
-        first = (jnp.arange(s) == 0)[:, None]
-        ea = jnp.exp(jnp.where(first, 0.0, gb - gref[..., :, None, :]))  # [..., nb, s, K], exponent <= 0
+        ea = jnp.exp(jnp.concatenate([jnp.zeros_like(gb[..., :1, :]), gb[..., 1:, :] - gref[..., :, None, :]], axis=-2))
         col = jnp.arange(C)[None, :, None]
         start = (jnp.arange(nb) * s)[:, None, None]
         cm = col < start  # [nb, C, 1]
-        ex = gref[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K], < 0 where cm
-        b_s = jnp.where(cm, b[..., None, :, :] * jnp.exp(jnp.where(cm, ex, 0.0)), 0.0)
+        ex = jnp.where(cm, gref[..., :, None, :] - gc[..., None, :, :], -jnp.inf)  # [..., nb, C, K], < 0 where cm
+        b_s = b[..., None, :, :] * jnp.exp(ex)
     out = []
     for ai in a:
         ab = ai.reshape(lead + (nb, s, K))
