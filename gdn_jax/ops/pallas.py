@@ -30,7 +30,8 @@ zero-padded to the next power of two), chunk_size 16/32/64/128, float32 / bfloat
 per-key-channel g, per-value-channel beta, float64.
 
 Precision: kernels read q, k, v, dO in the input dtype and accumulate in float32.
-With bf16 inputs the intermediates written to HBM (W, U, Vn, h_n, dVl, dVn, dh_n) are
+With bf16 inputs and max(K, V) >= 64 (:data:`BF16_MID_MIN_DIM`; smaller heads keep float32) the
+intermediates written to HBM (W, U, Vn, h_n, dVl, dVn, dh_n) are
 bf16 and the state/output dots take bf16 operands (rel. rms of o vs the float32 chunk
 backend 3.8e-3 at the REFERENCE §5 shapes; ``Tuning(u_dtype="f32", state_dot="f32",
 out_dot="f32")`` keeps U and the state dots in float32, 2.6e-3, ~5-11% slower on an

@@ -78,7 +78,8 @@ class Tuning:
     ``gpu_f32_inv``/``gpu_f32_mm``: Triton precision of f32 x f32 dots (inverse / others):
     "tf32", "tf32x3" or "ieee"; None: "tf32" when intermediates are bf16, else "tf32x3".
     ``mid_dtype``: dtype of intermediates written to HBM (W, Vn, h, dVl, dVn, dh) and of
-    the operands of most in-kernel dots: "auto" (bf16 for bf16 inputs, else f32), "f32"
+    the operands of most in-kernel dots: "auto" (bf16 for bf16 inputs with max(K, V) >= 64,
+    else f32: ``pallas.auto_mid_dtype``), "f32"
     or "bf16". ``u_dtype``: dtype of U in HBM ("f32" or "mid"). ``state_dot`` /
     ``out_dot``: operand dtype of the dots of the two state passes / of the output kernel
     ("f32": TF32-class on GPU, no rounding of S, Vn, h to bf16 before the dot; "mid").
