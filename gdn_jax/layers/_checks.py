@@ -25,6 +25,17 @@ def positive_float(name: str, value) -> float:
     return float(value)
 
 
+def float_dtype(name: str, value):
+    """``value`` as a floating ``jnp.dtype`` (ValueError for unknown or non-floating dtypes)."""
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.float32, 'bfloat16'), got {value!r}")
+    return dt
+
+
 def one_of(name: str, value, allowed) -> str:
     """ValueError unless ``value`` is in ``allowed``."""
     if not isinstance(value, str) or value not in allowed:

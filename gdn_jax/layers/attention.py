@@ -56,6 +56,8 @@ class Attention(nnx.Module):
         _checks.positive_int("num_heads", num_heads)
         _checks.positive_float("norm_eps", norm_eps)
         _checks.positive_float("rope_theta", rope_theta)
+        dtype = _checks.float_dtype("dtype", dtype)
+        param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         if not (isinstance(rope_fraction, (int, float)) and 0.0 <= rope_fraction <= 1.0):
             raise ValueError(f"rope_fraction must be a number in [0, 1], got {rope_fraction!r}")
         if head_dim is None:

@@ -129,6 +129,8 @@ class GatedDeltaNet(nnx.Module):
         _checks.positive_int("chunk_size", chunk_size)
         _checks.positive_int("conv_size", conv_size)
         _checks.positive_float("norm_eps", norm_eps)
+        dtype = _checks.float_dtype("dtype", dtype)
+        param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.decay_per_channel = decay, decay_per_channel

@@ -51,6 +51,8 @@ class GatedLinearAttention(nnx.Module):
         _checks.positive_int("gate_low_rank", gate_low_rank)
         _checks.positive_float("norm_eps", norm_eps)
         _checks.positive_float("gate_logit_normalizer", gate_logit_normalizer)
+        dtype = _checks.float_dtype("dtype", dtype)
+        param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
