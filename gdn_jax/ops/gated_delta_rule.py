@@ -124,8 +124,8 @@ def gated_delta_rule(
         Off, non-finite inputs are not masked: a NaN or +inf in k, v, g or beta at token t makes
         the final state NaN and, through the chunk's matmuls (a zero weight times NaN is NaN), every
         output of t's chunk and after (the scan: outputs from t on; outputs of earlier chunks are
-        unchanged) and puts NaNs into the gradients of that sequence and head (the chunked
-        backends: at every earlier token too) -- loud, never silently wrong. On, every backend zeroes such a token (and a non-finite q_t) before
+        unchanged) and, on the chunked backends, NaNs into the gradients of every earlier token of
+        that sequence and head -- loud, never silently wrong. On, every backend zeroes such a token (and a non-finite q_t) before
         the recurrence and writes NaN into the outputs at and after it (q: o_t only) and into its
         sequence's final state; outputs before t, and the gradients of a loss that reads only
         them, are exactly those of the sequence without it, and a loss that reads a poisoned output
