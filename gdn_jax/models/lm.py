@@ -67,12 +67,7 @@ class LMConfig:
         if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) or self.mlp_ratio < 0:
             raise ValueError(f"mlp_ratio must be a number >= 0, got {self.mlp_ratio!r}")
         for name in ("dtype", "param_dtype"):
-            try:
-                ok = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{name} must name a floating dtype (e.g. 'float32', 'bfloat16'), got {getattr(self, name)!r}")
+            _checks.float_dtype(name, getattr(self, name))
         if not isinstance(self.mixer, (str, tuple, list)) or not isinstance(self.hybrid_mixer, str):
             raise TypeError(f"mixer must be a name or a tuple of names and hybrid_mixer a name, got "
                             f"{self.mixer!r}, {self.hybrid_mixer!r}")
