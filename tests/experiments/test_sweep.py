@@ -10,7 +10,7 @@ import pytest
 
 from gdn_jax import sweep as S
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "experiments", "sweep.py")
 ALL_MIXERS = ("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid")
 

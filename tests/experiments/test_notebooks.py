@@ -17,7 +17,7 @@ nbformat = pytest.importorskip("nbformat", reason="needs the test extra: pip ins
 nbclient = pytest.importorskip("nbclient", reason="needs the test extra: pip install -e '.[test]'")
 pytest.importorskip("ipykernel", reason="needs the test extra: pip install -e '.[test]'")
 
-NB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+NB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "notebooks")
 NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 KERNEL = "python3"
 CELL_TIMEOUT_S = 300

@@ -19,7 +19,7 @@ from gdn_jax.cli import parse_dataclass
 from gdn_jax.data.mqar import IGNORE_INDEX, MQARConfig, MQARLoader
 from gdn_jax.models import LM, LMConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "experiments", "mqar.py")
 
 TASK = MQARConfig(vocab_size=32, seq_len=32, num_kv_pairs=4, test_examples=64)
