@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..inference.cache import KVCache
-from ..ops._common import seq_info
+from ..ops.packing import seq_info
 from . import _checks
 
 

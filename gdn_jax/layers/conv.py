@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..ops._common import seq_info
+from ..ops.packing import seq_info
 
 
 class ShortConv(nnx.Module):

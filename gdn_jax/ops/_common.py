@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .packing import seq_info
+
 L2NORM_EPS = 1e-6
 SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -137,23 +139,6 @@ def prepare(q, k, v, g, beta, scale, use_qk_l2norm, dtype):
         scale = q.shape[-1] ** -0.5
     q = q * jnp.asarray(scale, dtype)
     return q, k, v, g, beta
-
-
-def seq_info(cu_seqlens, T: int):
-    """Per-token sequence ids and start flags for packed sequences.
-
-    Returns (seq_id [T] int32, is_start [T] bool, is_last [T] bool, valid scalar bool).
-    ``valid`` is False when the (possibly traced) cu_seqlens is malformed.
-    """
-    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    t = jnp.arange(T, dtype=jnp.int32)
-    # index n of the sequence holding token t: number of ends <= t.
-    seq_id = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
-    seq_id = jnp.minimum(seq_id, cu.shape[0] - 2)
-    is_start = t == cu[seq_id]
-    is_last = t == cu[seq_id + 1] - 1
-    valid = (cu[0] == 0) & (cu[-1] == T) & jnp.all(jnp.diff(cu) >= 0)
-    return seq_id, is_start, is_last, valid
 
 
 def poison_if_invalid(x, valid):
