@@ -4,7 +4,7 @@ Reads the ``summary.json`` of one or more sweeps (``experiments/sweep.py``); the
 main protocol, later ones (``--extra``) are re-runs of some cells under another setting (a longer time
 cap, another filler) and appear as extra lines and as "(extra: ...)" in the table. Published values
 (read off the DeltaNet paper's MQAR figure, Yang et al. 2024; attention from Zoology, Arora et al.
-2023; REFERENCE §6) are accuracy in percent at d_model 64 / 128 / 256::
+2023; README "Published settings on the H200") are accuracy in percent at d_model 64 / 128 / 256::
 
     python experiments/mqar_compare.py results/mqar_h200_v2 \\
         --extra "300 s=results/mqar_h200_long/gla" "300 s=results/mqar_h200_long/d64" \\

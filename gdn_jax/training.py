@@ -1,7 +1,7 @@
 """Training utilities: optimizer, masked losses, data-parallel mesh, jit-compiled steps, checkpoints.
 
-Everything here is task-agnostic library code (the MQAR script in ``experiments/mqar.py`` and
-later sweeps sit on top of it). The functional NNX style is used throughout::
+Everything here is task-agnostic library code (:mod:`gdn_jax.recall`, :mod:`gdn_jax.sweep` and the
+scripts in ``experiments/`` sit on top of it; README "Experiments and results"). The functional NNX style is used throughout::
 
     model = LM(cfg, rngs=nnx.Rngs(seed))
     tx = make_optimizer(3e-3, warmup_steps=200, total_steps=6000)
@@ -13,13 +13,13 @@ later sweeps sit on top of it). The functional NNX style is used throughout::
         state, metrics = train_step(state, shard_batch(loader.batch(step), mesh))
     evaluate(eval_step, state, test_set, batch_size=256, mesh=mesh)
 
-Batches are ``(inputs, targets)`` pairs (e.g. :class:`gdn_jax.data.mqar.MQARBatch`) with
-``targets[t]`` the label of ``logits[:, t]`` (no shift) and :data:`IGNORE_INDEX` (-100) where
-there is no label.
+Batches are ``(inputs, targets)`` pairs (e.g. :class:`gdn_jax.data.TaskBatch`) with
+``targets[t]`` the label of ``logits[:, t]`` (no shift) and :data:`IGNORE_INDEX` (-100, the one
+definition in :mod:`gdn_jax.data.common`) where there is no label.
 
 Determinism / resume: the whole training state (params, optimizer state, step, PRNG key) is one
 pytree (:class:`TrainState`) saved by :class:`Checkpointer`; data must come from a pure function
-of the step (``MQARLoader.batch(step)``) and any randomness inside a step uses
+of the step (``TaskLoader.batch(step)``) and any randomness inside a step uses
 ``jax.random.fold_in(key, step)``. A run resumed from a checkpoint then produces bit-identical
 parameters on CPU to an uninterrupted run (same devices, same XLA flags).
 """
@@ -36,7 +36,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-IGNORE_INDEX: int = -100  # same value as gdn_jax.data.mqar.IGNORE_INDEX
+from gdn_jax.data.common import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

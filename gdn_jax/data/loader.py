@@ -3,7 +3,9 @@
 A *task config* (:class:`~gdn_jax.data.MQARConfig`, :class:`~gdn_jax.data.NIAHConfig`,
 :class:`~gdn_jax.data.StateTrackingConfig`) is a frozen dataclass with ``seed``, ``test_examples``,
 ``model_vocab_size``, ``chance`` and ``generate(num_examples, seed, *, split)``; tasks with a
-fixed training set (MQAR, Zoology protocol) also have ``train_examples``.
+fixed training set (MQAR, the Zoology protocol of Arora et al. 2023) also have ``train_examples``.
+Each also carries its task-specific facts: ``name`` (the ``RecallConfig.task`` value), ``title``,
+``label``, ``max_labels`` and ``metric`` (:data:`gdn_jax.data.TASK_CONFIGS`).
 
 Seeding (all seeds are :class:`numpy.random.SeedSequence` nodes with entropy ``cfg.seed``):
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from gdn_jax.data.common import TaskBatch, check_int as _check_int
 
-__all__ = ["TaskLoader", "MQARLoader", "make_test_set", "make_train_set", "seed_epoch_shuffle", "seed_stream_batch",
+__all__ = ["TaskLoader", "make_test_set", "make_train_set", "seed_epoch_shuffle", "seed_stream_batch",
            "seed_test_set", "seed_train_set"]
 
 
@@ -64,7 +66,8 @@ class TaskLoader:
         partial batch of an epoch is dropped). Epoch ``e`` visits the examples
         in the order ``default_rng(seed_epoch_shuffle(cfg, e)).permutation(n)``.
       ``"stream"``: fresh examples every step; step ``s`` is
-        ``generate_mqar(batch_size, ..., seed=seed_stream_batch(cfg, s))``.
+        ``cfg.generate(batch_size, seed_stream_batch(cfg, s), split="train")``
+        (every task; NIAH and state tracking have no fixed set).
 
     In both modes :meth:`batch` is a pure function of ``(cfg, batch_size,
     mode, step)``, so a run resumed at step ``s`` sees exactly the same data as
@@ -150,7 +153,3 @@ class TaskLoader:
         while True:
             yield self.batch(step)
             step += 1
-
-
-#: The loader was first written for MQAR; the name stays.
-MQARLoader = TaskLoader

@@ -39,20 +39,12 @@ including the whole context region. A causal LM's logits ``logits[:, t]``
 are therefore scored directly against ``targets[:, t]`` with no further shift;
 this equals Zoology's ``labels[:, 1:]`` after its one-token shift.
 
-Seeding (all seeds are :class:`numpy.random.SeedSequence` nodes with entropy
-``cfg.seed``; distinct spawn keys give statistically independent streams and,
-unlike entropy lists such as ``[seed, 1]`` vs ``[seed, 1, 0]`` which NumPy
-treats as identical, cannot collide):
-
-* test set:               ``SeedSequence(seed, spawn_key=(1,))``
-* fixed training set:     ``SeedSequence(seed, spawn_key=(0, 0))``
-* stream batch at step s: ``SeedSequence(seed, spawn_key=(0, 1, s))``
-* epoch-e shuffle order:  ``SeedSequence(seed, spawn_key=(0, 2, e))``
-
-Every training stream lives under spawn key ``(0, ...)`` and the test set under
-``(1,)``, so the test set never shares a random stream with any training data.
-(Disjoint seeds do not strictly forbid an identical example by chance; for any
-realistic configuration the probability is negligible.)
+Seeding: the task-level seeds (test set, fixed training set, stream batches, epoch shuffles) are
+:class:`numpy.random.SeedSequence` nodes with entropy ``cfg.seed`` and distinct spawn keys
+(:mod:`gdn_jax.data.loader`): every training stream lives under spawn key ``(0, ...)`` and the test
+set under ``(1,)``, so the test set never shares a random stream with any training data (unlike
+entropy lists such as ``[seed, 1]`` vs ``[seed, 1, 0]``, which NumPy treats as identical, spawn
+keys cannot collide).
 
 Inside :func:`generate_mqar`, examples are produced in row chunks (to bound
 memory); chunk ``c`` uses the child ``SeedSequence(entropy, spawn_key=
@@ -65,33 +57,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-
+from typing import ClassVar
 
 import numpy as np
 
-__all__ = [
-    "IGNORE_INDEX",
-    "MQARBatch",
-    "MQARConfig",
-    "MQARLoader",
-    "generate_mqar",
-    "make_test_set",
-    "make_train_set",
-    "seed_test_set",
-    "seed_train_set",
-    "seed_stream_batch",
-    "seed_epoch_shuffle",
-]
-
 from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, child as _child
+
+__all__ = ["MQARConfig", "generate_mqar"]
 
 # Upper bound on the number of elements of one temporary random array per chunk
 # (float64): 2**22 elements = 32 MiB.
 _CHUNK_ELEMENTS = 1 << 22
-
-
-#: An MQAR batch is a :class:`gdn_jax.data.common.TaskBatch` (``inputs``, ``targets``).
-MQARBatch = TaskBatch
 
 
 # --------------------------------------------------------------------------
@@ -196,7 +172,7 @@ def generate_mqar(
     power_a: float = 0.01,
     random_non_queries: bool = True,
     seed: SeedLike,
-) -> MQARBatch:
+) -> TaskBatch:
     """Generate MQAR examples (Zoology protocol, Arora et al. 2023).
 
     See the module docstring for the exact layout and the label convention.
@@ -217,7 +193,7 @@ def generate_mqar(
         SeedSequence argument is not mutated.
 
     Returns:
-      :class:`MQARBatch` with ``inputs`` and ``targets`` both ``int32 [B, L]``.
+      :class:`~gdn_jax.data.common.TaskBatch` with ``inputs`` and ``targets`` both ``int32 [B, L]``.
 
     Raises:
       TypeError: an argument has the wrong type (e.g. a non-integer size).
@@ -275,11 +251,11 @@ def generate_mqar(
         inputs[start:stop] = x
         np.put_along_axis(targets[start:stop], query_pos, values.astype(np.int32), axis=1)
 
-    return MQARBatch(inputs=inputs, targets=targets)
+    return TaskBatch(inputs=inputs, targets=targets)
 
 
 # --------------------------------------------------------------------------
-# Config, fixed sets and the loader
+# Config (seeds, fixed sets and the loader: gdn_jax.data.loader)
 # --------------------------------------------------------------------------
 
 
@@ -292,6 +268,10 @@ class MQARConfig:
     the held-out test set. ``seed`` is the root entropy of every seed used for
     this task (see the module docstring for the derivation).
     """
+
+    name: ClassVar[str] = "mqar"  #: ``RecallConfig.task``
+    title: ClassVar[str] = "MQAR"  #: plot titles
+    metric: ClassVar[str] = "test_accuracy"  #: the headline metric of results and sweep summaries
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -318,11 +298,21 @@ class MQARConfig:
         return self.vocab_size
 
     @property
+    def max_labels(self) -> int:
+        """Most labelled positions in one example: the ``num_kv_pairs`` queries."""
+        return self.num_kv_pairs
+
+    @property
+    def label(self) -> str:
+        """A short description of the task parameters (logs)."""
+        return f"L={self.seq_len} N={self.num_kv_pairs}"
+
+    @property
     def chance(self) -> float:
         """Accuracy of a uniform guess among the ``vocab_size - vocab_size // 2`` values."""
         return 1.0 / (self.vocab_size - self.vocab_size // 2)
 
-    def generate(self, num_examples: int, seed: SeedLike, *, split: str = "train") -> MQARBatch:
+    def generate(self, num_examples: int, seed: SeedLike, *, split: str = "train") -> TaskBatch:
         """:func:`generate_mqar` with this config's task parameters (``split`` "train" or "test":
         MQAR's test examples come from the training distribution)."""
         if split not in ("train", "test"):
@@ -337,10 +327,3 @@ class MQARConfig:
             seed=seed,
         )
 
-
-# seeds, test/train sets and the loader are task-generic (gdn_jax.data.loader); re-exported here
-from gdn_jax.data.loader import (  # noqa: E402
-    MQARLoader, TaskLoader, make_test_set, make_train_set, seed_epoch_shuffle, seed_stream_batch, seed_test_set,
-    seed_train_set)
-
-__all__ += ["TaskLoader"]

@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -173,6 +173,10 @@ class NIAHConfig:
     ``TaskLoader(cfg, batch_size, mode="stream")``).
     """
 
+    name: ClassVar[str] = "niah"  #: ``RecallConfig.task``
+    title: ClassVar[str] = "NIAH"  #: plot titles
+    metric: ClassVar[str] = "test_accuracy"  #: the headline metric of results and sweep summaries
+
     vocab_size: int = 256
     seq_len: int = 1024
     value_len: int = 1
@@ -192,6 +196,17 @@ class NIAHConfig:
     def model_vocab_size(self) -> int:
         """Token ids are in ``[0, vocab_size)`` (0 is never emitted)."""
         return self.vocab_size
+
+    @property
+    def max_labels(self) -> int:
+        """Most labelled positions in one example: the ``value_len`` value tokens."""
+        return self.value_len
+
+    @property
+    def label(self) -> str:
+        """A short description of the task parameters (logs)."""
+        return (f"L={self.seq_len} key={self.key_len} value={self.value_len}"
+                + ("" if self.depth is None else f" depth={self.depth}"))
 
     @property
     def num_values(self) -> int:

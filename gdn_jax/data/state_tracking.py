@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -148,6 +149,10 @@ class StateTrackingConfig:
     ``TaskLoader(cfg, batch_size, mode="stream")``).
     """
 
+    name: ClassVar[str] = "state_tracking"  #: ``RecallConfig.task``
+    title: ClassVar[str] = "state tracking"  #: plot titles
+    metric: ClassVar[str] = "scaled_accuracy"  #: headline metric (Grazzi et al.): ``(acc - chance)/(1 - chance)``
+
     modulus: int = 2
     train_min_len: int = 3
     train_max_len: int = 40
@@ -164,6 +169,17 @@ class StateTrackingConfig:
         if v < 1:
             raise ValueError(f"test_examples must be >= 1, got test_examples={v}")
         _check_seed(self.seed)
+
+    @property
+    def max_labels(self) -> Optional[int]:
+        """None: every position is labelled (the loss uses the dense LM head)."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """A short description of the task parameters (logs)."""
+        return (f"mod {self.modulus} train {self.train_min_len}-{self.train_max_len} "
+                f"test {self.test_min_len}-{self.test_max_len}")
 
     @property
     def pad_id(self) -> int:

@@ -7,9 +7,10 @@ import pytest
 
 from gdn_jax.data import (
     IGNORE_INDEX,
-    MQARBatch,
+    TASK_CONFIGS,
     MQARConfig,
-    MQARLoader,
+    TaskBatch,
+    TaskLoader,
     generate_mqar,
     make_test_set,
     make_train_set,
@@ -54,7 +55,7 @@ def _check_example(inp, tgt, V, L, N):
 def test_structure(V_, L_, N_, random_non_queries):
     b = generate_mqar(50, vocab_size=V_, seq_len=L_, num_kv_pairs=N_, seed=3,
                       random_non_queries=random_non_queries)
-    assert isinstance(b, MQARBatch)
+    assert isinstance(b, TaskBatch)
     assert b.inputs.shape == (50, L_) and b.targets.shape == (50, L_)
     assert b.inputs.dtype == np.int32 and b.targets.dtype == np.int32
     assert b.num_examples == 50
@@ -188,7 +189,7 @@ def _small_cfg(**kw):
 
 def test_loader_fixed_mode():
     cfg = _small_cfg()
-    loader = MQARLoader(cfg, batch_size=32, mode="fixed")
+    loader = TaskLoader(cfg, batch_size=32, mode="fixed")
     assert loader.steps_per_epoch == 3
     train = make_train_set(cfg)
     rows = {r.tobytes(): i for i, r in enumerate(train.inputs)}
@@ -213,14 +214,14 @@ def test_loader_fixed_mode():
 
 def test_loader_stream_mode():
     cfg = _small_cfg()
-    loader = MQARLoader(cfg, batch_size=16, mode="stream")
+    loader = TaskLoader(cfg, batch_size=16, mode="stream")
     assert loader.steps_per_epoch is None
     b0, b1 = loader.batch(0), loader.batch(1)
     assert not np.array_equal(b0.inputs, b1.inputs)
     for inp, tgt in zip(b0.inputs, b0.targets):
         _check_example(inp, tgt, 64, 32, 4)
     # Stream data differs from the fixed training set's data.
-    fixed = MQARLoader(cfg, batch_size=16, mode="fixed").batch(0)
+    fixed = TaskLoader(cfg, batch_size=16, mode="fixed").batch(0)
     assert not np.array_equal(b0.inputs, fixed.inputs)
     with pytest.raises(ValueError, match="train_set"):
         loader.train_set
@@ -229,17 +230,17 @@ def test_loader_stream_mode():
 @pytest.mark.parametrize("mode", ["fixed", "stream"])
 def test_loader_resumable(mode):
     cfg = _small_cfg()
-    a = MQARLoader(cfg, batch_size=8, mode=mode)
-    b = MQARLoader(cfg, batch_size=8, mode=mode)
+    a = TaskLoader(cfg, batch_size=8, mode=mode)
+    b = TaskLoader(cfg, batch_size=8, mode=mode)
     # Random-access order does not matter: batch(s) is a pure function of (cfg, bs, mode, s).
     for s in [37, 0, 12, 37, 5, 100]:
         x, y = a.batch(s), b.batch(s)
         np.testing.assert_array_equal(x.inputs, y.inputs)
         np.testing.assert_array_equal(x.targets, y.targets)
     # Uninterrupted iteration == iteration resumed at step 20.
-    it = iter(MQARLoader(cfg, batch_size=8, mode=mode))
+    it = iter(TaskLoader(cfg, batch_size=8, mode=mode))
     full = [next(it) for _ in range(30)]
-    it2 = iter(MQARLoader(cfg, batch_size=8, mode=mode, start_step=20))
+    it2 = iter(TaskLoader(cfg, batch_size=8, mode=mode, start_step=20))
     for s in range(20, 30):
         r = next(it2)
         np.testing.assert_array_equal(r.inputs, full[s].inputs)
@@ -304,13 +305,30 @@ def test_config_and_loader_validation():
         MQARConfig(test_examples=10.0)
     cfg = _small_cfg()
     with pytest.raises(ValueError, match="mode"):
-        MQARLoader(cfg, 8, mode="epochs")
+        TaskLoader(cfg, 8, mode="epochs")
     with pytest.raises(ValueError, match="batch_size=101"):
-        MQARLoader(cfg, 101, mode="fixed")
-    MQARLoader(cfg, 101, mode="stream")  # fine: no fixed set involved
+        TaskLoader(cfg, 101, mode="fixed")
+    TaskLoader(cfg, 101, mode="stream")  # fine: no fixed set involved
     with pytest.raises(ValueError, match="batch_size"):
-        MQARLoader(cfg, 0)
+        TaskLoader(cfg, 0)
     with pytest.raises(ValueError, match="step"):
-        MQARLoader(cfg, 8).batch(-1)
+        TaskLoader(cfg, 8).batch(-1)
     with pytest.raises(TypeError):
-        MQARLoader(cfg, 8).batch(1.0)
+        TaskLoader(cfg, 8).batch(1.0)
+
+
+def test_task_configs_carry_their_facts():
+    """Each task config names itself and carries its label count, log label and headline metric."""
+    from gdn_jax.data import NIAHConfig, StateTrackingConfig
+
+    assert TASK_CONFIGS == {"mqar": MQARConfig, "niah": NIAHConfig, "state_tracking": StateTrackingConfig}
+    mqar, niah, st = MQARConfig(num_kv_pairs=5), NIAHConfig(value_len=3, depth=0.5), StateTrackingConfig()
+    assert (mqar.max_labels, niah.max_labels, st.max_labels) == (5, 3, None)
+    assert (mqar.label, niah.label) == ("L=64 N=5", "L=1024 key=1 value=3 depth=0.5")
+    assert st.label == "mod 2 train 3-40 test 40-256"
+    assert [c.metric for c in (mqar, niah, st)] == ["test_accuracy", "test_accuracy", "scaled_accuracy"]
+    for cfg in (mqar, niah, st):  # max_labels bounds the labels of every example
+        b = cfg.generate(16, seed=1)
+        if cfg.max_labels is not None:
+            assert int((b.targets != IGNORE_INDEX).sum(axis=1).max()) == cfg.max_labels
+        assert "name" not in {f.name for f in dataclasses.fields(cfg)}  # class facts, not fields

@@ -16,7 +16,7 @@ from flax import nnx
 
 from gdn_jax import training as T
 from gdn_jax.cli import parse_dataclass
-from gdn_jax.data.mqar import IGNORE_INDEX, MQARConfig, MQARLoader
+from gdn_jax.data import IGNORE_INDEX, MQARConfig, TaskLoader
 from gdn_jax.models import LM, LMConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +53,7 @@ def setup():
     mesh = T.make_mesh()
     graphdef, state = T.create_train_state(model_fn(), tx, seed=0, mesh=mesh)
     step = T.make_train_step(graphdef, tx, mesh)
-    loader = MQARLoader(TASK, 16, mode="stream")
+    loader = TaskLoader(TASK, 16, mode="stream")
     return dict(model_fn=model_fn, tx=tx, mesh=mesh, graphdef=graphdef, state0=state, step=step, loader=loader)
 
 
