@@ -10,6 +10,12 @@ Every field ``name: T = default`` of the dataclass becomes ``--name VALUE``:
 
 Unknown flags and abbreviations of flags are rejected (argparse exits with status 2).
 
+:func:`parse_overrides` / :func:`apply_overrides` read the same types from ``field=value`` strings
+(the sweep's ``--base``; bools also as ``true``/``false``, sequences comma-separated) and raise
+``ValueError`` naming the field. Library code raises ``ValueError``/``TypeError`` naming config
+fields as ``Config.field``; :func:`exit_on_error` turns them into an exit message for a script,
+with each ``Config.field`` of the script's config written as its flag ``--field``.
+
 Example::
 
     @dataclasses.dataclass
@@ -24,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import dataclasses
+import re
 import sys
 import typing
-from typing import Any, Optional, Sequence, Type, TypeVar
+from typing import Any, Dict, Iterator, Optional, Sequence, Type, TypeVar
 
-__all__ = ["add_dataclass_arguments", "dataclass_from_args", "make_parser", "parse_dataclass"]
+__all__ = ["add_dataclass_arguments", "apply_overrides", "as_flags", "dataclass_from_args", "exit_on_error", "make_parser",
+           "parse_dataclass", "parse_overrides"]
 
 T = TypeVar("T")
 _NONE = ("none", "None", "null")
@@ -61,6 +70,7 @@ def _unwrap_optional(tp):
 
 
 def _scalar_parser(tp, optional: bool):
+    """``str -> value`` for a scalar field type; ``ValueError`` (a message without the field) if bad."""
     if tp is bool:
         def parse_bool(s: str):
             if optional and s in _NONE:
@@ -69,7 +79,7 @@ def _scalar_parser(tp, optional: bool):
                 return True
             if s.lower() in ("0", "false", "no", "n", "off"):
                 return False
-            raise argparse.ArgumentTypeError(f"not a boolean: {s!r}")
+            raise ValueError(f"not a boolean: {s!r}")
         return parse_bool
     base = tp if tp in (int, float, str) else str
 
@@ -79,10 +89,45 @@ def _scalar_parser(tp, optional: bool):
         try:
             return base(s)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"invalid {base.__name__} value: {s!r}") from e
+            raise ValueError(f"invalid {base.__name__} value: {s!r}") from e
 
     parse.__name__ = base.__name__
     return parse
+
+
+def _argparse_type(parse):
+    """``parse`` with its ValueError as argparse's ``ArgumentTypeError`` (argparse prints the message)."""
+    def convert(s: str):
+        try:
+            return parse(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _value_parser(tp):
+    """``str -> value`` for any field type of :func:`add_dataclass_arguments` (Literal choices checked,
+    sequences comma-separated); ``ValueError`` (a message without the field) if bad."""
+    tp, optional = _unwrap_optional(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = list(typing.get_args(tp))
+        conv = _scalar_parser(type(choices[0]) if choices else str, optional)
+
+        def parse_choice(s: str):
+            v = conv(s)
+            if v not in choices and not (optional and v is None):
+                raise ValueError(f"invalid choice: {v!r} (choose from {', '.join(map(repr, choices))})")
+            return v
+        return parse_choice
+    if origin in (tuple, list, typing.Sequence, Sequence):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        elem = _scalar_parser(args[0] if args else str, False)
+        container = tuple if origin is tuple else list
+        return lambda s: container(elem(x.strip()) for x in s.split(",") if x.strip())
+    return _scalar_parser(tp, optional)
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults: Any = None) -> None:
@@ -109,15 +154,15 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
         elif origin is typing.Literal:
             choices = list(typing.get_args(tp))
             conv = type(choices[0]) if choices else str
-            parser.add_argument(flag, type=_scalar_parser(conv, optional),
+            parser.add_argument(flag, type=_argparse_type(_scalar_parser(conv, optional)),
                                 choices=choices + ([None] if optional else []), metavar="{" + ",".join(map(str, choices)) + "}", **kw)
         elif origin in (tuple, list, typing.Sequence, Sequence):
             args = [a for a in typing.get_args(tp) if a is not Ellipsis]
             elem = args[0] if args else str
-            parser.add_argument(flag, type=_scalar_parser(elem, False), nargs="+", metavar=elem.__name__.upper()
+            parser.add_argument(flag, type=_argparse_type(_scalar_parser(elem, False)), nargs="+", metavar=elem.__name__.upper()
                                 if hasattr(elem, "__name__") else "VALUE", **kw)
         else:
-            parser.add_argument(flag, type=_scalar_parser(tp, optional), metavar=getattr(tp, "__name__", "VALUE").upper(), **kw)
+            parser.add_argument(flag, type=_argparse_type(_scalar_parser(tp, optional)), metavar=getattr(tp, "__name__", "VALUE").upper(), **kw)
 
 
 def _field_default(f: dataclasses.Field):
@@ -164,3 +209,55 @@ def parse_dataclass(cls: Type[T], argv: Optional[Sequence[str]] = None, *, defau
     parser = make_parser(cls, defaults=defaults, description=description, prog=prog)
     ns = parser.parse_args(None if argv is None else list(argv))
     return dataclass_from_args(cls, ns, defaults)
+
+
+def parse_overrides(cls: Type, overrides: Sequence[str]) -> Dict[str, Any]:
+    """``{field: value}`` of ``field=value`` strings for dataclass ``cls``, each value parsed by the
+    field's type as on the command line (``none`` for an Optional's None; bools ``true``/``false``,
+    ``1``/``0``, ``yes``/``no``; Literal choices checked; sequences comma-separated). A later
+    override of the same field wins.
+
+    Raises:
+      ValueError: an item without ``=``, a name that is not a field of ``cls``, or a bad value; the
+        message names the item or ``Cls.field``.
+    """
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    out: Dict[str, Any] = {}
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ValueError(f"overrides are field=value, got {item!r}")
+        name, value = item.split("=", 1)
+        if name not in names:
+            raise ValueError(f"{name!r} is not a {cls.__name__} field (fields: {', '.join(sorted(names))})")
+        try:
+            out[name] = _value_parser(hints[name])(value)
+        except ValueError as e:
+            raise ValueError(f"{cls.__name__}.{name}: {e}") from None
+    return out
+
+
+def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
+    """``cfg`` (a dataclass instance) with the ``field=value`` ``overrides`` applied
+    (:func:`parse_overrides`), e.g. ``apply_overrides(RecallConfig(), ["steps=2000", "resume=true"])``."""
+    return dataclasses.replace(cfg, **parse_overrides(type(cfg), overrides))
+
+
+def as_flags(message: str, cls: Type) -> str:
+    """``message`` with every ``Cls.field`` of dataclass ``cls`` (its class name, a dot and a field
+    name) written as the command-line flag ``--field``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return re.sub(rf"\b{re.escape(cls.__name__)}\.(\w+)",
+                  lambda m: f"--{m.group(1)}" if m.group(1) in names else m.group(0), message)
+
+
+@contextlib.contextmanager
+def exit_on_error(prog: str, cls: Optional[Type] = None) -> Iterator[None]:
+    """Turn a ``ValueError``/``TypeError`` raised inside into ``SystemExit("<prog>: error: <message>")``
+    (exit status 1), the message's ``Cls.field`` names written as flags (:func:`as_flags`) when
+    ``cls`` is the script's config dataclass. For scripts: library code raises, the script exits."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        msg = str(e) if cls is None else as_flags(str(e), cls)
+        raise SystemExit(f"{prog}: error: {msg}") from None

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from gdn_jax import training as T
-from gdn_jax.cli import parse_dataclass
+from gdn_jax.cli import apply_overrides, as_flags, exit_on_error, parse_dataclass, parse_overrides
 from gdn_jax.data import IGNORE_INDEX, MQARConfig, TaskLoader
 from gdn_jax.models import LM, LMConfig
 
@@ -192,6 +192,43 @@ def test_cli_rejects_bad_flags(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse_dataclass(_Cfg, argv)
     assert e.value.code == 2
+
+
+def test_overrides_parse_by_field_type():
+    """field=value strings (the sweep's --base) are parsed by the field's type, as the flags are."""
+    c = apply_overrides(_Cfg(), ["lr=1e-3", "mixer=attention", "resume=true", "progress=0", "max_steps=5",
+                                 "sizes=3, 4,5", "steps=7", "steps=8"])
+    assert c == _Cfg(lr=1e-3, mixer="attention", resume=True, progress=False, max_steps=5, sizes=(3, 4, 5), steps=8)
+    assert isinstance(c.lr, float) and isinstance(c.max_steps, int)
+    assert apply_overrides(_Cfg(max_steps=3), ["max_steps=none"]).max_steps is None
+    assert parse_overrides(_Cfg, []) == {} and parse_overrides(_Cfg, ["mixer=a=b"]) == {"mixer": "a=b"}
+    from gdn_jax.recall import RecallConfig
+
+    assert parse_overrides(RecallConfig, ["data_mode=fixed", "depth=0.5", "random_non_queries=false"]) == dict(
+        data_mode="fixed", depth=0.5, random_non_queries=False)
+    for item, msg in [("steps", "field=value"), ("stepz=3", "'stepz' is not a _Cfg field"),
+                      ("steps=many", r"_Cfg\.steps: invalid int value: 'many'"), ("steps=1.5", r"_Cfg\.steps"),
+                      ("resume=maybe", r"_Cfg\.resume: not a boolean"), ("sizes=1,x", r"_Cfg\.sizes")]:
+        with pytest.raises(ValueError, match=msg):
+            apply_overrides(_Cfg(), [item])
+    with pytest.raises(ValueError, match=r"RecallConfig\.data_mode: invalid choice: 'epochs'"):
+        parse_overrides(RecallConfig, ["data_mode=epochs"])
+
+
+def test_library_errors_become_exit_messages():
+    """Scripts turn a library ValueError/TypeError into an exit message, fields written as flags."""
+    assert as_flags("_Cfg.lr must be > 0 (_Cfg.nope, Other.lr, x_Cfg.steps)", _Cfg) == \
+        "--lr must be > 0 (_Cfg.nope, Other.lr, x_Cfg.steps)"
+    for exc in (ValueError, TypeError):
+        with pytest.raises(SystemExit, match=r"^prog: error: --steps must be >= 1$"):
+            with exit_on_error("prog", _Cfg):
+                raise exc("_Cfg.steps must be >= 1")
+    with pytest.raises(SystemExit, match=r"^prog: error: _Cfg.steps$"):
+        with exit_on_error("prog"):
+            raise ValueError("_Cfg.steps")
+    with pytest.raises(KeyError):  # anything else is a bug: it keeps its traceback
+        with exit_on_error("prog", _Cfg):
+            raise KeyError("x")
 
 
 def test_script_config_flags_cover_fields():
