@@ -1,7 +1,7 @@
 """Benchmark of ``backend="pallas"`` against ``backend="chunk"``, FLA and jax-linear-attention.
 
-One invocation does everything device minutes allow: for each REFERENCE §5 shape
-(B, T, H, D), bf16 inputs made as §5 says (k L2-normalised, g = logsigmoid(N(0,1))/4,
+One invocation does everything device minutes allow: for each anchor shape
+(B, T, H, D), bf16 inputs made as the anchors were measured (k L2-normalised, g = logsigmoid(N(0,1))/4,
 beta = sigmoid(N(0,1)); q ~ N(0,1), default scale D^-1/2):
 
 1. numerics: pallas vs chunk (rel. rms of o and of dq, dk, dv, dg, dbeta) and vs FLA's o;
@@ -17,11 +17,11 @@ beta = sigmoid(N(0,1)); q ~ N(0,1), default scale D^-1/2):
    with its HBM bytes and achieved GB/s) -- to see where the time goes;
 4. ``--variants``: the same pallas timings under other kernel settings, e.g.
    ``--variants bv_state=64 warps_grad=4,bv_grad=128 chunk=32`` (keys: the fields of
-   ``gdn_jax.ops.pallas_kernels.Tuning`` and ``chunk``; one variant per argument,
+   ``gdn_jax.ops.KernelConfig`` and ``chunk``; one variant per argument,
    ``,``-separated settings; timed after FLA / jax-linear-attention and the breakdown, so that a
    run cut short by a time limit still has those).
 
-The compact table (ms and ratios vs chunk, vs the §5 anchors, vs FLA) is the LAST output.
+The compact table (ms and ratios vs chunk, vs the anchors, vs FLA) is the LAST output.
 
 Usage:  python benchmarks/bench_pallas.py [--quick] [--shapes 0,2 | 4x4096x16x128,...]
         [--reps 25] [--variants ...] [--no-fla] [--no-jla] [--no-breakdown]
@@ -46,11 +46,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gdn_jax.ops import gated_delta_rule  # noqa: E402
+from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops import pallas as P  # noqa: E402
-from gdn_jax.ops import pallas_kernels as PK  # noqa: E402
+from gdn_jax.ops.pallas.grads import chunk_grads  # noqa: E402
+from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
+from gdn_jax.ops.pallas.state_fwd import forward_states, forward_states_and_output, output  # noqa: E402
+from gdn_jax.ops.pallas.wy import wy_repr  # noqa: E402
 
-# REFERENCE §5 (H200, bf16, medians): shape -> {impl: (fwd ms, fwd+bwd ms)}
+# Measured anchors (H200, bf16, medians; README "GPU numbers"): shape -> {impl: (fwd ms, fwd+bwd ms)}
 ANCHORS = {
     (4, 4096, 16, 128): {"fla": (0.725, 2.643), "jla": (0.324, 1.233), "chunk": (4.260, 12.581)},
     (8, 2048, 16, 128): {"fla": (0.599, 2.619), "jla": (0.302, 1.088), "chunk": (3.606, 11.021)},
@@ -110,11 +113,10 @@ def time_fn(fn, reps, warmup=3, sync=None):
     return statistics.median(ts)
 
 
-def jax_fns(backend, x, chunk):
-    """(fwd, fwd+bwd) jitted closures for a gdn_jax backend (fresh functions: settings are
-    read at trace time)."""
+def jax_fns(backend, x, chunk, kernel_config=None):
+    """(fwd, fwd+bwd) jitted closures for a gdn_jax backend (pallas: with ``kernel_config``)."""
     def fwd(q, k, v, g, beta):
-        return gated_delta_rule(q, k, v, g, beta, backend=backend, chunk_size=chunk)[0]
+        return gated_delta_rule(q, k, v, g, beta, backend=backend, chunk_size=chunk, kernel_config=kernel_config)[0]
 
     def loss(q, k, v, g, beta, do):
         return jnp.sum(fwd(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
@@ -197,31 +199,33 @@ def _nbytes(*xs):
 
 
 def kernel_breakdown(x, chunk, reps):
-    """Time each pallas_call of forward and backward alone. Returns ((forward cfg, backward cfg),
+    """Time each pallas_call of forward and backward alone. Returns ((forward call, backward call),
     rows (name, ms, MB, GB/s), number of forward rows)."""
-    prep = P.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk)
-    do_l = x["do"] if prep.cfg.layout == "bthd" else jnp.moveaxis(x["do"], 2, 1).reshape(prep.cfg.BH, -1, prep.cfg.V)
-    pad = prep.cfg.Tp - x["do"].shape[1]
+    prep = P.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk)
+    cf = prep.calls[0]
+    do_l = x["do"] if cf.layout == "bthd" else jnp.moveaxis(x["do"], 2, 1).reshape(cf.BH, -1, cf.V)
+    pad = cf.Tp - x["do"].shape[1]
     if pad:
         do_l = jnp.pad(do_l, [(0, 0), (0, pad)] + [(0, 0)] * (do_l.ndim - 2))
     fwd = _fwd_steps(prep, reps)
-    return (prep.cfg, prep.cfg_bwd), fwd + _bwd_steps(prep, do_l, reps), len(fwd)
+    return prep.calls, fwd + _bwd_steps(prep, do_l, reps), len(fwd)
 
 
 def _fwd_steps(prep, reps):
     """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
-    if cfg.tuning.fuse_output:
-        names = ["fwd intra (W, U, Aqk)", "fwd state pass + output"]
-        w, u, aqk = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q))()
-        fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q),
-               lambda: PK.state_out(cfg, w, u, k, ekd, dec, h0, info, q, eg, aqk)]
+    if cfg.fuse_output:
+        names = ["fwd WY (W, U, Aqk)", "fwd state pass + output"]
+        wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q))()
+        fns = [lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q),
+               lambda: forward_states_and_output(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info, q, eg, wy["aqk"])]
     else:
-        names = ["fwd intra (A, T, W, U)", "fwd state pass", "fwd output"]
-        w, u = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg))()
-        vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
-        fns = [lambda: PK.intra(cfg, k, v, beta, gc, gr, eg), lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info),
-               lambda: PK.output(cfg, q, k, gc, gr, eg, h, vn)]
+        names = ["fwd WY (A, T, W, U)", "fwd state pass", "fwd output"]
+        wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg))()
+        st = jax.jit(lambda: forward_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info))()
+        fns = [lambda: wy_repr(cfg, k, v, beta, gc, gr, eg),
+               lambda: forward_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info),
+               lambda: output(cfg, q, k, gc, gr, eg, st["h"], st["vn"])]
     return _time_steps(cfg, list(zip(names, fns)), reps)
 
 
@@ -229,14 +233,16 @@ def _bwd_steps(prep, do_l, reps):
     """Backward kernels at the backward chunking."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
-    w, u, dvl, *t = jax.jit(lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
-    vn, h, _ = jax.jit(lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info))()
-    dh, dvn, _ = jax.jit(lambda: PK.state_bwd(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info))()
+    wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
+    w, u, dvl, t = wy["w"], wy["u"], wy["dvl"], wy.get("t")
+    st = jax.jit(lambda: forward_states(cfg, w, u, k, ekd, dec, h0, info))()
+    rs = jax.jit(lambda: reverse_states(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info))()
     steps = [
-        ("bwd intra (+dVl)", lambda: PK.intra(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)),
-        ("bwd state pass (recompute h)", lambda: PK.state_fwd(cfg, w, u, k, ekd, dec, h0, info)),
-        ("bwd reverse state pass", lambda: PK.state_bwd(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info)),
-        ("bwd local grads", lambda: PK.grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, h, dh, vn, dvn, *t)),
+        ("bwd WY (+dVl)", lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l)),
+        ("bwd state pass (recompute h)", lambda: forward_states(cfg, w, u, k, ekd, dec, h0, info)),
+        ("bwd reverse state pass", lambda: reverse_states(cfg, q, k, w, dvl, do_l, eg, ekd, dec, dfin, info)),
+        ("bwd local grads", lambda: chunk_grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, st["h"], rs["dh"], st["vn"],
+                                                rs["dvn"], t)),
     ]
     return _time_steps(cfg, steps, reps)
 
@@ -265,12 +271,12 @@ def _in_bytes(name, cfg):
     o = jnp.dtype(cfg.out_dt).itemsize
     aq = BH * n * cfg.C * cfg.C * o
     return {
-        "fwd intra (W, U, Aqk)": 2 * tok(K, i) + tok(V, i) + 4 * sc,
+        "fwd WY (W, U, Aqk)": 2 * tok(K, i) + tok(V, i) + 4 * sc,
         "fwd state pass + output": tok(K, m) + tok(V, u) + 2 * tok(K, i) + 3 * sc + aq,
-        "fwd intra (A, T, W, U)": tok(K, i) + tok(V, i) + 4 * sc,
+        "fwd WY (A, T, W, U)": tok(K, i) + tok(V, i) + 4 * sc,
         "fwd state pass": tok(K, m) + tok(V, u) + tok(K, i) + 2 * sc,
         "fwd output": 2 * tok(K, i) + 3 * sc + hb + tok(V, m),
-        "bwd intra (+dVl)": 2 * tok(K, i) + 2 * tok(V, i) + 4 * sc,
+        "bwd WY (+dVl)": 2 * tok(K, i) + 2 * tok(V, i) + 4 * sc,
         "bwd state pass (recompute h)": tok(K, m) + tok(V, u) + tok(K, i) + 2 * sc,
         "bwd reverse state pass": 2 * tok(K, i) + tok(K, m) + tok(V, m) + tok(V, i) + 3 * sc,
         "bwd local grads": 2 * tok(K, i) + 2 * tok(V, i) + 6 * sc + 2 * hb + 2 * tok(V, m)
@@ -307,7 +313,7 @@ def parse_variant(s):
         except ValueError:
             val = {"none": None, "true": True, "false": False}.get(val.lower(), val)
         kw[key] = val
-    fields = {f.name for f in dataclasses.fields(PK.Tuning)} | {"chunk"}
+    fields = {f.name for f in dataclasses.fields(KernelConfig)} | {"chunk"}
     bad = set(kw) - fields
     if bad:
         raise SystemExit(f"unknown variant keys {sorted(bad)}; known: {sorted(fields)}")
@@ -321,7 +327,7 @@ def fmt(x, w=7, p=3):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="first selected shape only, fewer reps, no breakdown")
-    ap.add_argument("--shapes", default="", help="indices into the §5 list or BxTxHxD, comma-separated")
+    ap.add_argument("--shapes", default="", help="indices into the anchor list or BxTxHxD, comma-separated")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--variants", nargs="*", default=[], help="pallas settings to time too, e.g. bv_state=64,warps_grad=4")
@@ -392,18 +398,11 @@ def main(argv=None):
                 label = "pallas[" + ",".join([f"{k}={v}" for k, v in kw.items()] + ([f"C={c}"] if c != args.chunk else [])) + "]"
 
                 def mk(kw=kw, c=c, explicit=explicit):
-                    from gdn_jax.ops import _pallas_platform as plat
-
-                    cap, fcap = plat.MAX_KERNEL_CHUNK, plat.FWD_MAX_KERNEL_CHUNK
                     if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D caps
-                        plat.MAX_KERNEL_CHUNK = plat.FWD_MAX_KERNEL_CHUNK = {}
-                    try:
-                        with P.tuning(**kw):
-                            f, fb = jax_fns("pallas", x, c)
-                            ov = jax.block_until_ready(f())  # trace + compile inside the settings
-                            _, gv = jax.block_until_ready(fb())
-                    finally:
-                        plat.MAX_KERNEL_CHUNK, plat.FWD_MAX_KERNEL_CHUNK = cap, fcap
+                        kw = dict(dict(fwd_chunk=c, bwd_chunk=c), **kw)
+                    f, fb = jax_fns("pallas", x, c, kernel_config=KernelConfig(**kw))
+                    ov = jax.block_until_ready(f())
+                    _, gv = jax.block_until_ready(fb())
                     if shape in numerics:  # the variant's own numerics against chunk, as for pallas
                         e = {"o": rel_rms(to_np(ov), to_np(oc))}
                         e.update({n: rel_rms(to_np(a), to_np(b)) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), gv, gc)})
@@ -442,8 +441,8 @@ def main(argv=None):
                 (cfgf, cfg), brows, nfwd = kernel_breakdown(x, args.chunk, reps)
                 breakdowns[shape] = brows
                 log(f"  per-kernel (cfg: layout {cfg.layout}, C fwd {cfgf.C} / bwd {cfg.C}, bv state/out/grad "
-                    f"{cfg.bv('state')}/{cfg.bv('out')}/{cfg.bv('grad')}, grad K blocks {cfg.grad_nk()}, mid {cfg.mid_dt}, "
-                    f"U {cfg.u_dt.name}):")
+                    f"{cfg.bv_state}/{cfg.bv_out}/{cfg.bv_grad}, grad K blocks {cfg.grad_nk}, mid {cfg.mid_dt}, "
+                    f"U {cfg.u_dt}, merged state passes {cfg.merge_state}):")
                 for name, ms, mb, gbs in brows:
                     log(f"    {name:<30} {ms:8.3f} ms  {mb:9.1f} MB  {gbs:7.0f} GB/s")
                 log(f"    {'sum fwd / bwd kernels':<30} {sum(r[1] for r in brows[:nfwd]):8.3f} / "
@@ -458,7 +457,7 @@ def main(argv=None):
     # ------------------------------------------------------------------ summary table (last output)
     log("\n" + "=" * 100)
     log("SUMMARY  (ms = median; 'x chunk' = chunk_ms / ms, >1 is faster than the plain XLA chunk;"
-        " 'vs FLA' = FLA_ms / ms; anchors = REFERENCE §5 H200 numbers)")
+        " 'vs FLA' = FLA_ms / ms; anchors = measured H200 numbers, README)")
     log(f"{'shape':<16} {'impl':<40} {'fwd':>7} {'f+b':>7} {'fwd x chunk':>11} {'f+b x chunk':>11} "
         f"{'fwd vs FLA':>10} {'f+b vs FLA':>10}")
     for shape, rows in results.items():

@@ -1,8 +1,8 @@
 """Shared pieces of the gated delta rule backends: argument checking, dtypes,
 L2 normalisation and packed-sequence (``cu_seqlens``) bookkeeping.
 
-Everything here is backend-agnostic; the backends themselves live in
-``scan.py``, ``chunk.py`` and ``pallas.py``.
+Everything here is backend-agnostic; the backends live in ``scan.py``, ``chunk.py`` and the
+``pallas`` package, packed-sequence bookkeeping in ``packing.py``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import numpy as np
 from .packing import seq_info
 
 L2NORM_EPS = 1e-6
-SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,15 +23,73 @@ class GateForms:
     """Which gate layouts a call uses (static information for dispatch)."""
 
     g_per_channel: bool  # g is [B,T,H,K] (Kimi Delta Attention) instead of [B,T,H]
-    beta_per_channel: bool  # beta is [B,T,H,V] (seed 004) instead of [B,T,H]
+    beta_per_channel: bool  # beta is [B,T,H,V] (one write strength per value channel) instead of [B,T,H]
 
 
 def _shape(x) -> tuple:
     return tuple(np.shape(x))
 
 
-def _is_floating(x) -> bool:
-    return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating)
+def _check_arrays(named):
+    for name, x in named:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype (float16/bfloat16/float32/float64), got {x.dtype}")
+
+
+def _gate_forms(g, beta, lead, K, V, lead_names):
+    """Per-head or per-channel g / beta on the leading dims ``lead`` (named ``lead_names``)."""
+    L = ", ".join(lead_names)
+    if g.shape == lead:
+        g_pc = False
+    elif g.shape == lead + (K,):
+        g_pc = True
+    else:
+        raise ValueError(
+            f"g (log-space decay) must have shape [{L}] = {lead} (per head) or "
+            f"[{L}, K] = {lead + (K,)} (per key channel), got shape {_shape(g)}"
+        )
+    if beta.shape == lead:
+        b_pc = False
+    elif beta.shape == lead + (V,):
+        b_pc = True
+    else:
+        raise ValueError(
+            f"beta must have shape [{L}] = {lead} (per head) or "
+            f"[{L}, V] = {lead + (V,)} (per value channel), got shape {_shape(beta)}"
+        )
+    return GateForms(g_per_channel=g_pc, beta_per_channel=b_pc)
+
+
+def _check_qkv(q, k, v, lead_names):
+    """q, k ``[*lead, K]`` and v ``[*lead, V]``; returns (lead, K, V)."""
+    n = len(lead_names)
+    L = ", ".join(lead_names)
+    if q.ndim != n + 1:
+        raise ValueError(f"q must have shape [{L}, K] (rank {n + 1}), got shape {_shape(q)}")
+    lead, K = tuple(q.shape[:n]), q.shape[n]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q [{L}, K] = {lead + (K,)}, got shape {_shape(k)}")
+    if v.ndim != n + 1 or tuple(v.shape[:n]) != lead:
+        raise ValueError(f"v must have shape [{L}, V] = {lead} + (V,), got shape {_shape(v)}")
+    return lead, K, v.shape[n]
+
+
+def check_step_inputs(q, k, v, g, beta, state) -> GateForms:
+    """Validate a ``gated_delta_rule_step`` call: q, k ``[B,H,K]``, v ``[B,H,V]``, g ``[B,H]`` or
+    ``[B,H,K]``, beta ``[B,H]`` or ``[B,H,V]``, state ``[B,H,K,V]`` (the rules of
+    :func:`check_inputs` without the token axis).
+
+    Raises:
+      TypeError: an argument is not a floating-point array. ValueError: a shape that does not fit.
+    """
+    _check_arrays((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)))
+    lead, K, V = _check_qkv(q, k, v, ("B", "H"))
+    forms = _gate_forms(g, beta, lead, K, V, ("B", "H"))
+    if tuple(state.shape) != lead + (K, V):
+        raise ValueError(f"state must have shape [B, H, K, V] = {lead + (K, V)}, got shape {_shape(state)}")
+    return forms
 
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale) -> GateForms:
@@ -45,39 +102,11 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         beta ``[B,T,H]`` or ``[B,T,H,V]``, initial_state ``[B,H,K,V]``
         (``[N,H,K,V]`` with ``cu_seqlens`` of length N+1), or ``chunk_size`` <= 0.
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype (float16/bfloat16/float32/float64), got {x.dtype}")
-    if q.ndim != 4:
-        raise ValueError(f"q must have shape [B, T, H, K] (rank 4), got shape {_shape(q)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q [B, T, H, K] = {(B, T, H, K)}, got shape {_shape(k)}")
-    if v.ndim != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must have shape [B, T, H, V] = {(B, T, H)} + (V,), got shape {_shape(v)}")
-    V = v.shape[3]
+    _check_arrays((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+    (B, T, H), K, V = _check_qkv(q, k, v, ("B", "T", "H"))
     if T == 0:
         raise ValueError(f"q has T = 0 tokens (shape {_shape(q)}); need T >= 1")
-    if g.shape == (B, T, H):
-        g_pc = False
-    elif g.shape == (B, T, H, K):
-        g_pc = True
-    else:
-        raise ValueError(
-            f"g (log-space decay) must have shape [B, T, H] = {(B, T, H)} (per head) or "
-            f"[B, T, H, K] = {(B, T, H, K)} (per key channel), got shape {_shape(g)}"
-        )
-    if beta.shape == (B, T, H):
-        b_pc = False
-    elif beta.shape == (B, T, H, V):
-        b_pc = True
-    else:
-        raise ValueError(
-            f"beta must have shape [B, T, H] = {(B, T, H)} (per head) or "
-            f"[B, T, H, V] = {(B, T, H, V)} (per value channel), got shape {_shape(beta)}"
-        )
+    forms = _gate_forms(g, beta, (B, T, H), K, V, ("B", "T", "H"))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if chunk_size <= 0:
@@ -113,7 +142,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         if tuple(initial_state.shape) != want:
             what = "[N, H, K, V] (N = len(cu_seqlens) - 1)" if cu_seqlens is not None else "[B, H, K, V]"
             raise ValueError(f"initial_state must have shape {what} = {want}, got shape {_shape(initial_state)}")
-    return GateForms(g_per_channel=g_pc, beta_per_channel=b_pc)
+    return forms
 
 
 def acc_dtype(*xs):
@@ -129,15 +158,20 @@ def l2norm(x, eps: float = L2NORM_EPS):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def prepare(q, k, v, g, beta, scale, use_qk_l2norm, dtype):
-    """Upcast to the accumulation dtype, normalise q/k if asked and fold the scale into q."""
-    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
+def prepare(q, k, v, g, beta, scale, use_qk_l2norm, dtype, *, qkv_dtype=None, fold_scale=True):
+    """The op's input transform, shared by every backend and the step: g and beta (None allowed)
+    to ``dtype``; q and k L2-normalised in ``dtype`` if ``use_qk_l2norm``; the scale (None: K^-1/2)
+    folded into q in ``dtype`` if ``fold_scale`` (the Pallas kernels apply a static scale
+    in-kernel); q, k, v returned in ``qkv_dtype`` (default ``dtype``)."""
+    qkv_dtype = dtype if qkv_dtype is None else qkv_dtype
+    g = g.astype(dtype)
+    beta = None if beta is None else beta.astype(dtype)
     if use_qk_l2norm:
-        q = l2norm(q)
-        k = l2norm(k)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    q = q * jnp.asarray(scale, dtype)
+        q = l2norm(q.astype(dtype))
+        k = l2norm(k.astype(dtype))
+    if fold_scale:
+        q = q.astype(dtype) * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, dtype)
+    q, k, v = (x.astype(qkv_dtype) for x in (q, k, v))
     return q, k, v, g, beta
 
 

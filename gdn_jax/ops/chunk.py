@@ -30,10 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .packing import chunk_resets, from_chunk_layout, n_seq, scan_with_resets, to_chunk_layout
+
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _mm(a, b):
+def mm(a, b):
     return jnp.matmul(a, b, precision=_HI)
 
 
@@ -43,7 +45,7 @@ def _tril_mask(C, strict: bool):
     return (i > j) if strict else (i >= j)
 
 
-def _decay_gram_head(a, b, gc):
+def decay_gram_head(a, b, gc):
     """M_ij = (a_i . b_j) exp(gc_i - gc_j) for i >= j, else 0. a,b [...,C,D]; gc [...,C].
 
     The diagonal factor is the constant 1 (not exp(gc_i - gc_i)): an exponent that is zero by
@@ -54,7 +56,7 @@ def _decay_gram_head(a, b, gc):
     strict = _tril_mask(C, strict=True)
     diff = gc[..., :, None] - gc[..., None, :]
     gamma = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), jnp.eye(C, dtype=gc.dtype))
-    return _mm(a, jnp.swapaxes(b, -1, -2)) * gamma
+    return mm(a, jnp.swapaxes(b, -1, -2)) * gamma
 
 
 def reverse_exclusive_cumsum(g, axis):
@@ -66,17 +68,17 @@ def reverse_exclusive_cumsum(g, axis):
     return jnp.moveaxis(out, -1, axis)
 
 
-def _decay_gram_channel(a, b, gc, sub: int = 16):
+def decay_gram_channel(a, b, gc, sub: int = 16):
     """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
 
     ``a`` may be a tuple of arrays (e.g. ``(beta K, Q)`` against the same ``b = K``): the decay
     factors are then computed once and a tuple of Grams is returned. Overflow-free for g <= 0: see
     the module docstring. Exponents that are zero by construction (the diagonal, a sub-block's
     first row against its boundary) are constants, so they carry no gradient (see
-    :func:`_decay_gram_head`).
+    :func:`decay_gram_head`).
     """
     if not isinstance(a, tuple):
-        return _decay_gram_channel((a,), b, gc, sub)[0]
+        return decay_gram_channel((a,), b, gc, sub)[0]
     C, K = gc.shape[-2:]
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
@@ -144,7 +146,7 @@ def unit_lower_inverse(A):
         D2 = _diag_blocks(M, 2 * s)  # [..., nb/2, 2s, 2s]
         M21 = D2[..., s:, :s]
         X11, X22 = X[..., 0::2, :, :], X[..., 1::2, :, :]
-        X21 = -_mm(_mm(X22, M21), X11)
+        X21 = -mm(mm(X22, M21), X11)
         top = jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1)
         bot = jnp.concatenate([X21, X22], axis=-1)
         X = jnp.concatenate([top, bot], axis=-2)
@@ -152,57 +154,38 @@ def unit_lower_inverse(A):
     return X[..., 0, :, :]
 
 
-def _chunk_layout(cu_seqlens, T: int, C: int):
-    """Static padded length and index maps that put every packed sequence on chunk boundaries."""
-    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    N = cu.shape[0] - 1
-    lens = cu[1:] - cu[:-1]
-    plen = ((lens + C - 1) // C) * C
-    pstart = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(plen)]).astype(jnp.int32)
-    T_pad = -(-(T + N * (C - 1)) // C) * C
-    t = jnp.arange(T, dtype=jnp.int32)
-    seq_id = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), N - 1).astype(jnp.int32)
-    pos = t - cu[seq_id] + pstart[seq_id]
-    n_chunks = T_pad // C
-    p = jnp.arange(n_chunks, dtype=jnp.int32) * C
-    cseq = jnp.minimum(jnp.searchsorted(pstart[1:], p, side="right"), N - 1).astype(jnp.int32)
-    used = p < pstart[-1]
-    first = used & (p == pstart[cseq])
-    last = used & (p + C == pstart[cseq + 1])
-    return T_pad, pos, cseq, first, last
+def to_chunks(xs, cu_seqlens, C: int):
+    """Lay the ``[B,T,H,*]`` arrays ``xs`` onto whole chunks (:func:`~gdn_jax.ops.packing.to_chunk_layout`)
+    head-major: returns ``(chunks [B,H,n,C,*], T_pad, packing, valid)``."""
+    xs, T_pad, packing, valid = to_chunk_layout(xs, cu_seqlens, C)
+    n = T_pad // C
+
+    def hm(x):
+        B, T, H = x.shape[:3]
+        x = jnp.moveaxis(x, 2, 1)  # [B,H,T,*]
+        return x.reshape((B, H, n, C) + x.shape[3:])
+
+    return tuple(map(hm, xs)), T_pad, packing, valid
 
 
-def to_chunk_layout(xs, cu_seqlens, C: int):
-    """Pad (or, with ``cu_seqlens``, re-lay) the ``[B,T,...]`` arrays ``xs`` onto whole chunks.
-
-    Padding is zeros (g = 0, beta = 0, q = k = v = 0 leave the state untouched). Returns
-    ``(xs, T_pad, packing, valid)``: ``packing`` is None or ``(pos, chunk_seq, first, last)``
-    from :func:`_chunk_layout`; ``valid`` is False for a malformed traced ``cu_seqlens``.
-    """
-    from ._common import seq_info
-
-    B, T = xs[0].shape[:2]
-    if cu_seqlens is None:
-        T_pad = -(-T // C) * C
-        pad = T_pad - T
-        padf = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
-        return tuple(map(padf, xs)), T_pad, None, jnp.asarray(True)
-    valid = seq_info(cu_seqlens, T)[3]
-    T_pad, pos, cseq, cfirst, clast = _chunk_layout(cu_seqlens, T, C)
-    scat = lambda x: jnp.zeros((B, T_pad) + x.shape[2:], x.dtype).at[:, pos].set(x)
-    return tuple(map(scat, xs)), T_pad, (pos, cseq, cfirst, clast), valid
+def from_chunks(o, T: int, packing):
+    """Chunks ``[B,H,n,C,V]`` back to ``[B,T,H,V]`` (inverse of :func:`to_chunks`)."""
+    B, H, n, C, V = o.shape
+    o = jnp.moveaxis(o.reshape(B, H, n * C, V), 1, 2)
+    return from_chunk_layout(o, T, packing)
 
 
-def from_chunk_layout(o, T: int, packing):
-    """Inverse of :func:`to_chunk_layout` for an output ``[B, T_pad, ...]``."""
-    return o[:, :T] if packing is None else o[:, packing[0]]
-
-
-def _to_chunks(x, n, C):
-    """[B,T,H,*] -> head-major chunks [B,H,n,C,*]."""
-    B, T, H = x.shape[:3]
-    x = jnp.moveaxis(x, 2, 1)  # [B,H,T,*]
-    return x.reshape((B, H, n, C) + x.shape[3:])
+def decay_factors(g, g_pc: bool):
+    """In-chunk decay terms from chunked log decays g ``[B,H,n,C]`` (per head) or ``[B,H,n,C,K]``
+    (per key channel): ``(gamma, e^gamma, e^{gamma_C - gamma}, e^{gamma_C})`` with gamma the
+    in-chunk cumulative sum; the two exponentials per token broadcast against ``[..., C, K]``
+    rows, e^{gamma_C} against the state ``[..., K, V]``. gamma_C - gamma is an exclusive reverse
+    cumsum (:func:`reverse_exclusive_cumsum`)."""
+    gam = jnp.cumsum(g, axis=3)
+    to_end = reverse_exclusive_cumsum(g, 3)
+    if g_pc:
+        return gam, jnp.exp(gam), jnp.exp(to_end), jnp.exp(gam[..., -1, :])[..., :, None]  # dec [B,H,n,K,1]
+    return gam, jnp.exp(gam)[..., None], jnp.exp(to_end)[..., None], jnp.exp(gam[..., -1])[..., None, None]
 
 
 def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: int, g_pc: bool, b_pc: bool):
@@ -219,33 +202,19 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
     V = v.shape[-1]
     C = int(chunk_size)
     dt = q.dtype
-    (q, k, v, g, beta), T_pad, packing, valid = to_chunk_layout((q, k, v, g, beta), cu_seqlens, C)
-    if packing is not None:
-        N = cu_seqlens.shape[0] - 1
-        pos, cseq, cfirst, clast = packing
-    n = T_pad // C
-
-    qc, kc, vc, gcc, bc = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
-    gam = jnp.cumsum(gcc, axis=3)  # [B,H,n,C] or [B,H,n,C,K]
-    to_end = reverse_exclusive_cumsum(gcc, 3)  # gamma_C - gamma_i
+    (qc, kc, vc, gcc, bc), T_pad, packing, valid = to_chunks((q, k, v, g, beta), cu_seqlens, C)
+    gam, eg, ekd, dec = decay_factors(gcc, g_pc)
     kb = kc * bc[..., None]
     strict = _tril_mask(C, strict=True)
     if g_pc:
-        A, Aqk = _decay_gram_channel((kb, qc), kc, gam)
-        eg = jnp.exp(gam)
-        glast = gam[..., -1:, :]
-        kd = kc * jnp.exp(to_end)
-        dec = jnp.exp(glast[..., 0, :])[..., :, None]  # [B,H,n,K,1]
+        A, Aqk = decay_gram_channel((kb, qc), kc, gam)
     else:
-        A = _decay_gram_head(kb, kc, gam)
-        Aqk = _decay_gram_head(qc, kc, gam)
-        eg = jnp.exp(gam)[..., None]
-        glast = gam[..., -1:]
-        kd = kc * jnp.exp(to_end)[..., None]
-        dec = jnp.exp(glast)[..., None]  # [B,H,n,1,1]
+        A = decay_gram_head(kb, kc, gam)
+        Aqk = decay_gram_head(qc, kc, gam)
+    kd = kc * ekd
     Tinv = unit_lower_inverse(jnp.where(strict, A, 0.0))  # (I + A)^-1
-    W = _mm(Tinv, kb * eg)  # [B,H,n,C,K]
-    U = _mm(Tinv, vc * bc[..., None])  # [B,H,n,C,V]
+    W = mm(Tinv, kb * eg)  # [B,H,n,C,K]
+    U = mm(Tinv, vc * bc[..., None])  # [B,H,n,C,V]
     qg = qc * eg
 
     tm = lambda x: jnp.moveaxis(x, 2, 0)  # chunk axis first for the scan
@@ -253,30 +222,11 @@ def chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size: in
 
     def chunk_step(S, x):
         W, U, qg, Aqk, kd, dec = x
-        vn = U - _mm(W, S)
-        o = _mm(qg, S) + _mm(Aqk, vn)
-        S = dec * S + _mm(jnp.swapaxes(kd, -1, -2), vn)
+        vn = U - mm(W, S)
+        o = mm(qg, S) + mm(Aqk, vn)
+        S = dec * S + mm(jnp.swapaxes(kd, -1, -2), vn)
         return S, o
 
-    if cu_seqlens is None:
-        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-        S, o = jax.lax.scan(chunk_step, S0, xs)
-        fin = S
-    else:
-        h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-
-        def packed_step(carry, x):
-            S, fin = carry
-            sid, first, last, xc = x
-            S = jnp.where(first, h0[sid][None], S)
-            S, o = chunk_step(S, xc)
-            fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
-            return (S, fin), o
-
-        (_, fin), o = jax.lax.scan(
-            packed_step, (jnp.zeros((B, H, K, V), dt), h0), (cseq, cfirst, clast, xs)
-        )
-    # o: [n,B,H,C,V] -> [B,T_pad,H,V]
-    o = jnp.moveaxis(o, 0, 2).reshape(B, H, T_pad, V)
-    o = jnp.moveaxis(o, 1, 2)
-    return from_chunk_layout(o, T, packing), fin, valid
+    fin, o = scan_with_resets(chunk_step, xs, initial_state, state_shape=(B, H, K, V), dtype=dt,
+                              resets=chunk_resets(packing), n_seq=n_seq(cu_seqlens))
+    return from_chunks(jnp.moveaxis(o, 0, 2), T, packing), fin, valid

@@ -19,6 +19,18 @@ def _pallas_module():
     return _pallas
 
 
+def _check_kernel_config(kernel_config, backend):
+    if kernel_config is None:
+        return
+    if backend not in ("pallas", "auto"):
+        raise ValueError(f"kernel_config configures the Pallas kernels; backend={backend!r} takes none "
+                         "(use backend='pallas' or 'auto')")
+    from .pallas.config import KernelConfig
+
+    if not isinstance(kernel_config, KernelConfig):
+        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(kernel_config).__name__}")
+
+
 def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, V: int, dtype, platform: Optional[str] = None) -> str:
     """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
 
@@ -74,6 +86,7 @@ def gated_delta_rule(
     chunk_size: int = 64,
     backend: str = "auto",
     mask_nonfinite: bool = False,
+    kernel_config=None,
 ) -> Tuple[jax.Array, Optional[jax.Array]]:
     """Gated delta rule (Gated DeltaNet; Yang, Kautz & Hatamizadeh, ICLR 2025, eq. 10).
 
@@ -84,8 +97,8 @@ def gated_delta_rule(
         o_t  = S^T (scale * q_t)
 
     i.e. S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with a_t = exp(g_t). This is the
-    paper's, FLA's and Qwen3-Next's order; seed 004's boxed formula reads the prediction from
-    S_{t-1} before the decay, which differs measurably under strong gates. g = 0 gives DeltaNet.
+    paper's, FLA's and Qwen3-Next's order (reading the prediction from S_{t-1} before the decay
+    differs measurably under strong gates; see the README's operator section). g = 0 gives DeltaNet.
 
     Args:
       q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
@@ -100,7 +113,7 @@ def gated_delta_rule(
         (GDN, Qwen3-Next) or ``[B, T, H, K]`` per key channel (Kimi Delta Attention: row c of S
         is scaled by exp(g[..., c])).
       beta: write strength, ``[B, T, H]`` per head or ``[B, T, H, V]`` per value channel
-        (seed 004's layer; only ``backend="scan"`` takes it). Usually in (0, 1); (0, 2) allows
+        (only ``backend="scan"`` takes it). Usually in (0, 1); (0, 2) allows
         negative eigenvalues (needs unit-norm keys).
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
@@ -131,6 +144,11 @@ def gated_delta_rule(
         them, are exactly those of the sequence without it, and a loss that reads a poisoned output
         gets NaN gradients. Costs a pass over q, k, v (measured on an H200: pallas fwd+bwd +8%
         at 4x4096x16x128, chunk +8% with per-channel g at 128x512x2x64), hence opt-in.
+      kernel_config: a :class:`gdn_jax.ops.KernelConfig` (frozen, hashable: a static argument
+        under ``jit``) with the Pallas kernels' options -- platform, chunk sizes, blocks, warps,
+        intermediate precisions; None means the defaults. Only the pallas backend takes one: with
+        ``backend="scan"`` / ``"chunk"`` it is a ``ValueError``; with ``"auto"`` it applies when
+        auto picks pallas.
 
     Returns:
       ``(o, final_state)``: o ``[B, T, H, V]`` in ``v.dtype``; final_state ``[B, H, K, V]``
@@ -141,10 +159,12 @@ def gated_delta_rule(
       TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size.
       ValueError: wrong ranks or mismatched B/T/H/K/V (the message names the argument and gives the
         shape received and expected), chunk_size <= 0, cu_seqlens with B != 1 or not from 0 to T
-        or decreasing, initial_state of the wrong shape, unknown backend.
+        or decreasing, initial_state of the wrong shape, unknown backend, a kernel_config with
+        a backend other than pallas / auto.
       NotImplementedError: an explicit backend that does not take the call's gate forms.
     """
     forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
+    _check_kernel_config(kernel_config, backend)
     K, V = q.shape[-1], v.shape[-1]
     dt = acc_dtype(q, k, v, g, beta, initial_state)
     which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
@@ -159,7 +179,7 @@ def gated_delta_rule(
     if which == "pallas":
         o, fin, valid = _pallas_module().pallas_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms,
+            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms, kernel_config=kernel_config,
         )
     else:
         qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)

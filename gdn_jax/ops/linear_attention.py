@@ -17,7 +17,7 @@ Chunked form (C tokens per chunk, gamma_i = sum_{j<=i} g_j within the chunk)::
     S <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T V
 
 No triangular inverse is needed (there is no delta-rule write). The decay mask is masked before
-the exponential; per-key-channel decay uses ``chunk._decay_gram_channel``'s overflow-free
+the exponential; per-key-channel decay uses ``chunk.decay_gram_channel``'s overflow-free
 16-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk as _chunk
-from ._common import acc_dtype, check_inputs, clamp_log_decay, l2norm, nonfinite_guard, poison_if_invalid, seq_info
+from ._common import acc_dtype, check_inputs, clamp_log_decay, nonfinite_guard, poison_if_invalid, prepare
+from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
 _HI = jax.lax.Precision.HIGHEST
@@ -47,23 +48,9 @@ def _scan_forward(q, k, v, g, initial_state, cu_seqlens, *, g_pc: bool):
         return S, jnp.einsum("bhkv,bhk->bhv", S, q, precision=_HI)
 
     xs = tuple(map(tm, (q, k, v, g)))
-    if cu_seqlens is None:
-        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state
-        S, o = jax.lax.scan(lambda S, x: step(S, *x), S0, xs)
-        return tm(o), S, jnp.asarray(True)
-    N = cu_seqlens.shape[0] - 1
-    seq_id, is_start, is_last, valid = seq_info(cu_seqlens, T)
-    h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state
-
-    def body(carry, x):
-        S, fin = carry
-        sid, start, last, xt = x
-        S = jnp.where(start, h0[sid][None], S)
-        S, o = step(S, *xt)
-        fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
-        return (S, fin), o
-
-    (_, fin), o = jax.lax.scan(body, (jnp.zeros((B, H, K, V), dt), h0), (seq_id, is_start, is_last, xs))
+    resets, N, valid = token_resets(cu_seqlens, T)
+    fin, o = scan_with_resets(lambda S, x: step(S, *x), xs, initial_state, state_shape=(B, H, K, V), dtype=dt,
+                              resets=resets, n_seq=N)
     return tm(o), fin, valid
 
 
@@ -73,51 +60,22 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
     V = v.shape[-1]
     C = int(chunk_size)
     dt = q.dtype
-    (q, k, v, g), T_pad, packing, valid = _chunk.to_chunk_layout((q, k, v, g), cu_seqlens, C)
-    if packing is not None:
-        N = cu_seqlens.shape[0] - 1
-        pos, cseq, cfirst, clast = packing
-    n = T_pad // C
-    qc, kc, vc, gcc = (_chunk._to_chunks(x, n, C) for x in (q, k, v, g))
-    gam = jnp.cumsum(gcc, axis=3)
-    to_end = _chunk.reverse_exclusive_cumsum(gcc, 3)  # gamma_C - gamma_i
-    if g_pc:
-        Aqk = _chunk._decay_gram_channel(qc, kc, gam)
-        qg = qc * jnp.exp(gam)
-        kd = kc * jnp.exp(to_end)
-        dec = jnp.exp(gam[..., -1, :])[..., :, None]  # [B,H,n,K,1]
-    else:
-        Aqk = _chunk._decay_gram_head(qc, kc, gam)
-        qg = qc * jnp.exp(gam)[..., None]
-        kd = kc * jnp.exp(to_end)[..., None]
-        dec = jnp.exp(gam[..., -1])[..., None, None]  # [B,H,n,1,1]
-    o_intra = _chunk._mm(Aqk, vc)  # [B,H,n,C,V]
-    kv = _chunk._mm(jnp.swapaxes(kd, -1, -2), vc)  # [B,H,n,K,V]
+    (qc, kc, vc, gcc), T_pad, packing, valid = _chunk.to_chunks((q, k, v, g), cu_seqlens, C)
+    gam, eg, ekd, dec = _chunk.decay_factors(gcc, g_pc)
+    Aqk = (_chunk.decay_gram_channel if g_pc else _chunk.decay_gram_head)(qc, kc, gam)
+    qg, kd = qc * eg, kc * ekd
+    o_intra = _chunk.mm(Aqk, vc)  # [B,H,n,C,V]
+    kv = _chunk.mm(jnp.swapaxes(kd, -1, -2), vc)  # [B,H,n,K,V]
     tm = lambda x: jnp.moveaxis(x, 2, 0)
     xs = tuple(map(tm, (qg, kv, dec)))
 
     def chunk_step(S, x):
         qg, kv, dec = x
-        return dec * S + kv, _chunk._mm(qg, S)
+        return dec * S + kv, _chunk.mm(qg, S)
 
-    if cu_seqlens is None:
-        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state
-        fin, o_inter = jax.lax.scan(chunk_step, S0, xs)
-    else:
-        h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state
-
-        def packed_step(carry, x):
-            S, fin = carry
-            sid, first, last, xc = x
-            S = jnp.where(first, h0[sid][None], S)
-            S, o = chunk_step(S, xc)
-            fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
-            return (S, fin), o
-
-        (_, fin), o_inter = jax.lax.scan(packed_step, (jnp.zeros((B, H, K, V), dt), h0), (cseq, cfirst, clast, xs))
-    o = jnp.moveaxis(o_inter, 0, 2) + o_intra  # [B,H,n,C,V]
-    o = jnp.moveaxis(o.reshape(B, H, T_pad, V), 1, 2)
-    return _chunk.from_chunk_layout(o, T, packing), fin, valid
+    fin, o_inter = scan_with_resets(chunk_step, xs, initial_state, state_shape=(B, H, K, V), dtype=dt,
+                                    resets=chunk_resets(packing), n_seq=n_seq(cu_seqlens))
+    return _chunk.from_chunks(jnp.moveaxis(o_inter, 0, 2) + o_intra, T, packing), fin, valid
 
 
 def gated_linear_attention(
@@ -185,13 +143,9 @@ def gated_linear_attention(
     if mask_nonfinite:
         (q, k, v, g, _), guard_finish = nonfinite_guard(q, k, v, g, None, cu_seqlens, g_pc=forms.g_per_channel,
                                                         b_pc=False)
-    q, k, v = (x.astype(dt) for x in (q, k, v))
-    g = g.astype(dt)
+    q, k, v, g, _ = prepare(q, k, v, g, None, scale, use_qk_l2norm, dt)
     if backend != "scan":  # the chunked form floors g (see clamp_log_decay)
         g = clamp_log_decay(g, dt)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, dt)
     h0 = None if initial_state is None else initial_state.astype(dt)
     if backend == "scan":
         o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)

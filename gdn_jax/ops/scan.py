@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._common import seq_info
+from .packing import scan_with_resets, token_resets
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -38,31 +38,10 @@ def scan_forward(q, k, v, g, beta, initial_state, cu_seqlens, *, g_pc: bool, b_p
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = q.dtype
     tm = lambda x: jnp.moveaxis(x, 1, 0)  # [B,T,...] -> [T,B,...]
     xs = tuple(map(tm, (q, k, v, g, beta)))
-
-    if cu_seqlens is None:
-        S0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-
-        def body(S, x):
-            S, o = _step(S, *x, g_pc, b_pc)
-            return S, o
-
-        S, o = jax.lax.scan(body, S0, xs)
-        return tm(o), S, jnp.asarray(True)
-
-    N = cu_seqlens.shape[0] - 1
-    seq_id, is_start, is_last, valid = seq_info(cu_seqlens, T)
-    h0 = jnp.zeros((N, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-
-    def body(carry, x):
-        S, fin = carry
-        sid, start, last, xt = x
-        S = jnp.where(start, h0[sid][None], S)
-        S, o = _step(S, *xt, g_pc, b_pc)
-        fin = fin.at[sid].set(jnp.where(last, S[0], fin[sid]))
-        return (S, fin), o
-
-    (_, fin), o = jax.lax.scan(body, (jnp.zeros((B, H, K, V), dt), h0), (seq_id, is_start, is_last, xs))
+    step = lambda S, x: _step(S, *x, g_pc, b_pc)
+    resets, N, valid = token_resets(cu_seqlens, T)
+    fin, o = scan_with_resets(step, xs, initial_state, state_shape=(B, H, K, V), dtype=q.dtype, resets=resets,
+                              n_seq=N)
     return tm(o), fin, valid

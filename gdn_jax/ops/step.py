@@ -16,9 +16,8 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._common import acc_dtype, prepare
+from ._common import acc_dtype, check_step_inputs, prepare
 from .scan import _step
 
 
@@ -52,34 +51,8 @@ def gated_delta_rule_step(
     Raises:
       TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above.
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-    if q.ndim != 3:
-        raise ValueError(f"q must have shape [B, H, K] (rank 3), got shape {tuple(q.shape)}")
-    B, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q [B, H, K] = {(B, H, K)}, got {tuple(k.shape)}")
-    if v.ndim != 3 or v.shape[:2] != (B, H):
-        raise ValueError(f"v must have shape [B, H, V] = {(B, H)} + (V,), got {tuple(v.shape)}")
-    V = v.shape[2]
-    if g.shape == (B, H):
-        g_pc = False
-    elif g.shape == (B, H, K):
-        g_pc = True
-    else:
-        raise ValueError(f"g must have shape [B, H] = {(B, H)} or [B, H, K] = {(B, H, K)}, got {tuple(g.shape)}")
-    if beta.shape == (B, H):
-        b_pc = False
-    elif beta.shape == (B, H, V):
-        b_pc = True
-    else:
-        raise ValueError(f"beta must have shape [B, H] = {(B, H)} or [B, H, V] = {(B, H, V)}, got {tuple(beta.shape)}")
-    if tuple(state.shape) != (B, H, K, V):
-        raise ValueError(f"state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(state.shape)}")
+    forms = check_step_inputs(q, k, v, g, beta, state)
     dt = acc_dtype(q, k, v, g, beta, state)
     qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
-    S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, g_pc, b_pc)
+    S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, forms.g_per_channel, forms.beta_per_channel)
     return o.astype(v.dtype), S

@@ -23,10 +23,10 @@ import pytest
 
 from reference import reference, reference_grads, rel_rms, to_f64
 
-from gdn_jax.ops import gated_delta_rule
+from gdn_jax.ops import KernelConfig, gated_delta_rule
 from gdn_jax.ops import pallas as P
-from gdn_jax.ops import _pallas_platform as plat
 from gdn_jax.ops._common import GateForms
+from gdn_jax.ops.pallas import config as PC
 
 TOL_O = 5e-3
 TOL_S = 5e-3
@@ -174,7 +174,7 @@ def test_l2norm_and_scale():
 
 
 def test_zero_gate_is_ungated_delta_rule():
-    """REFERENCE §7.2: g == 0 is DeltaNet; checked against a numpy delta rule without gates."""
+    """g == 0 is DeltaNet; checked against a numpy delta rule without gates."""
     x = make(3, 1, 45, 2, 16, 32, gates="zero", init=True)
     o, S, _ = run(x, chunk_size=16, grads=False)
     q, k, v, beta = x["q"] * 16 ** -0.5, x["k"], x["v"], x["beta"]
@@ -196,16 +196,14 @@ def test_tpu_variant_interpret():
     """The TPU layout (head-major blocks, SMEM flags) under pltpu.InterpretParams():
     uninitialised memory is NaN-filled there, so anything read before written shows up."""
     x = make(4, 2, 40, 2, 32, 16, init=True)
-    with plat.force_platform("tpu_interpret"):
-        got = run(x, chunk_size=16)
+    got = run(x, chunk_size=16, kernel_config=KernelConfig(platform="tpu_interpret"))
     check(got, ref(x))
 
 
 def test_tpu_variant_interpret_packed():
     cu = [0, 7, 7, 30, 45]
     x = make(5, 1, 45, 2, 16, 32, init=True, N=4)
-    with plat.force_platform("tpu_interpret"):
-        got = run(x, chunk_size=16, cu_seqlens=cu)
+    got = run(x, chunk_size=16, cu_seqlens=cu, kernel_config=KernelConfig(platform="tpu_interpret"))
     check(got, ref(x, cu_seqlens=cu))
 
 
@@ -218,9 +216,11 @@ def _export(target, packed, K, V, C, dtype=BF16, **tune):
         ((B, T, H, K), dtype), ((B, T, H, K), dtype), ((B, T, H, V), dtype), ((B, T, H), F32), ((B, T, H), dtype),
         ((n0, H, K, V), F32))]
 
+    config = KernelConfig(platform="tpu" if target == "tpu" else "gpu", **tune)
+
     def fwd(q, k, v, g, b, s):
         return gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
-                                chunk_size=C, cu_seqlens=cu)
+                                chunk_size=C, cu_seqlens=cu, kernel_config=config)
 
     def loss(*a):
         o, S = fwd(*a)
@@ -229,10 +229,9 @@ def _export(target, packed, K, V, C, dtype=BF16, **tune):
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if target == "cuda" else []
     want = "tpu_custom_call" if target == "tpu" else "__gpu$xla.gpu.triton"
-    with plat.force_platform("tpu" if target == "tpu" else "gpu"), P.tuning(**tune):
-        for f in (fwd, grad):
-            exp = jax.export.export(jax.jit(f), platforms=[target], disabled_checks=dis)(*sds)
-            assert want in exp.mlir_module()
+    for f in (fwd, grad):
+        exp = jax.export.export(jax.jit(f), platforms=[target], disabled_checks=dis)(*sds)
+        assert want in exp.mlir_module()
 
 
 @pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 64, 128, 64, True), (True, 16, 256, 16, False),
@@ -254,7 +253,7 @@ def test_gpu_triton_lowering_export(packed, K, V, C, fuse):
 
 
 def test_packed_sequences():
-    """REFERENCE §7.4: with cu_seqlens the state restarts at every boundary; packing equals
+    """With cu_seqlens the state restarts at every boundary; packing equals
     separate runs (forward, final states and all gradients, initial states included;
     one empty sequence passes its initial state through)."""
     cu = [0, 20, 20, 53, 61]
@@ -277,28 +276,28 @@ def test_packed_sequences():
 
 
 def test_packed_merged_state_passes():
-    """cu_seqlens with both backward state passes in one launch (tuning merge_state)."""
+    """cu_seqlens with both backward state passes in one launch (KernelConfig.merge_state)."""
     cu = [0, 30, 30, 41]
     x = make(11, 1, 41, 2, 16, 32, init=True, N=3)
-    with P.tuning(merge_state=True, bv_state=16):
-        got = run(x, chunk_size=16, cu_seqlens=cu)
+    got = run(x, chunk_size=16, cu_seqlens=cu, kernel_config=KernelConfig(merge_state=True, bv_state=16))
     check(got, ref(x, cu_seqlens=cu))
 
 
 @pytest.mark.parametrize("packed,chunk,fwd_chunk", [(False, 16, 32), (True, 16, 64), (True, 32, 16)],
                          ids=["fwd32-bwd16", "packed-fwd64-bwd16", "packed-fwd16-bwd32"])
 def test_forward_chunk_differs_from_backward(packed, chunk, fwd_chunk):
-    """The forward kernels at their own chunk (``tuning(fwd_chunk=...)``; on GPU the forward runs
+    """The forward kernels at their own chunk (``KernelConfig(fwd_chunk=...)``; on GPU the forward runs
     at C=64 and the backward at C=32): forward, final state and all gradients vs the reference,
     with cu_seqlens too (sequences that end inside a forward chunk, one empty sequence)."""
     cu = [0, 21, 21, 70, 83] if packed else None
     x = make(_seed("fwdchunk", packed, chunk, fwd_chunk), 1 if packed else 2, 83, 2, 32, 16, init=True,
              N=4 if packed else None)
-    with P.tuning(fwd_chunk=fwd_chunk):
-        (q, k, v, g, b), _ = _jx(x)
-        prep = P.prepare(q, k, v, g, b, chunk_size=chunk, cu_seqlens=None if cu is None else jnp.asarray(cu))
-        assert (prep.cfg.C, prep.cfg_bwd.C) == (fwd_chunk, chunk)
-        got = run(x, chunk_size=chunk, cu_seqlens=cu)
+    config = KernelConfig(fwd_chunk=fwd_chunk)
+    (q, k, v, g, b), _ = _jx(x)
+    prep = P.to_kernel_inputs(q, k, v, g, b, chunk_size=chunk, cu_seqlens=None if cu is None else jnp.asarray(cu),
+                              config=config)
+    assert (prep.calls[0].C, prep.calls[1].C) == (fwd_chunk, chunk)
+    got = run(x, chunk_size=chunk, cu_seqlens=cu, kernel_config=config)
     check(got, ref(x, cu_seqlens=cu))
 
 
@@ -307,12 +306,11 @@ def test_bf16_near_beta_two_without_decay(mid):
     """The hardest bf16 case found: g = 0 and beta = 1.9 (eigenvalue -0.9 along k, no decay, so
     rounding in the state is not forgotten). Default bf16 intermediates / state dots: within the
     documented bf16 bound of 1e-2 for o and S and 1.2e-2 for gradients (measured at B4: o 6.4e-3,
-    S 7.2e-3, dk 8.3e-3; the chunk backend 1.7e-3 / 6e-7 / 2.1e-3). ``tuning(mid_dtype="f32")``
+    S 7.2e-3, dk 8.3e-3; the chunk backend 1.7e-3 / 6e-7 / 2.1e-3). ``KernelConfig(mid_dtype="f32")``
     meets the float32 tolerances of every other test."""
     x = make(_seed("beta19", mid), 2, 200, 2, 64, 64, gates="zero", dtype=BF16, init=True)
     x["beta"] = np.full_like(x["beta"], float(jnp.asarray(1.9, BF16)))
-    with P.tuning(mid_dtype=mid):
-        got = run(x, chunk_size=16)
+    got = run(x, chunk_size=16, kernel_config=KernelConfig(mid_dtype=mid))
     errs = check(got, ref(x), tol_scale=1.0 if mid == "f32" else 2.0)
     if mid == "auto":
         assert max(errs["o"], errs["S"]) <= 1e-2 and max(errs[k] for k in ("dq", "dk", "dv")) <= 1.2e-2, errs
@@ -320,14 +318,14 @@ def test_bf16_near_beta_two_without_decay(mid):
 
 @pytest.mark.parametrize("dt", [F16, BF16])
 def test_extreme_gates_odd_T_no_nan(dt):
-    """REFERENCE §7.1: T not a multiple of the chunk, very strong gates (logsigmoid(x)/0.01),
+    """T not a multiple of the chunk, very strong gates (logsigmoid(x)/0.01),
     fp16/bf16 inputs: no NaN/inf anywhere, forward and gradients match the reference."""
     x = make(_seed("extreme", jnp.dtype(dt).name), 2, 75, 4, 64, 64, gates="extreme", dtype=dt, init=True)
     check(run(x, chunk_size=64), ref(x))
 
 
 def test_initial_state_gradient():
-    """REFERENCE §7.5: d initial_state exists, is not detached, and matches the reference
+    """d initial_state exists, is not detached, and matches the reference
     and a central finite difference along a random direction."""
     x = make(7, 1, 37, 2, 16, 16, gates="weak", init=True)
     _, _, gr = run(x, chunk_size=16)
@@ -354,13 +352,12 @@ def test_initial_state_gradient():
 def test_tuning_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
     x = make(8, 1, 75, 2, 64, 64, dtype=BF16, init=True)
-    with P.tuning(**variant):
-        got = run(x, chunk_size=32)
+    got = run(x, chunk_size=32, kernel_config=KernelConfig(**variant))
     check(got, ref(x))
 
 
 def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
-    """Pure-JAX mirror of pallas._core (head-major layout, one sequence per row, f32,
+    """Pure-JAX mirror of the forward kernels, ``pallas.vjp.forward`` (head-major layout, one sequence per row, f32,
     forward substitution instead of the kernels' recursive block inverse). Returns (o, fin) and the
     intermediates (W, U, Vn, h)."""
     BH, n, C, K, V = cfg.BH, cfg.n, cfg.C, cfg.K, cfg.V
@@ -396,16 +393,20 @@ def _core_math(cfg, q, k, v, beta, gc, gr, eg, ekd, dec, h0):
 
 @pytest.mark.parametrize("K,bk", [(16, None), (64, 16), (32, 16)], ids=["whole-K", "4-K-blocks", "2-K-blocks"])
 def test_kernel_pieces_vs_vjp(K, bk):
-    """Each kernel against the pure-JAX chunk math, and every cotangent of the custom_vjp
+    """Each kernel against the pure-JAX chunk math, and every cotangent of the backward kernels
     (q, k, v, beta, gamma as column and as row, e^gamma, e^{gamma_C-gamma}, e^{gamma_C},
     h0) against jax.vjp of that math -- before the plain-JAX chain rule mixes them. Also
     with the gradient kernel split over K blocks (``bk_grad``)."""
-    from gdn_jax.ops import pallas_kernels as K_
+    from gdn_jax.ops.pallas import vjp as PV
+    from gdn_jax.ops.pallas.state_fwd import forward_states, output
+    from gdn_jax.ops.pallas.wy import wy_repr
 
     BH, n, C, V = 2, 3, 16, 64 if K == 64 else 32
-    cfg = K_.Cfg(p="interpret", layout="hm", BH=BH, H=2, n=n, C=C, K=K, V=V, scale=0.3, in_dt="float32",
-                 mid_dt="float32", packed=False, nseq=1, tuning=K_.Tuning(bv_state=16, bv_grad=16, bk_grad=bk))
-    assert cfg.grad_nk() == K // (bk or K)
+    config = KernelConfig(platform="interpret", bv_state=16, bv_grad=16, bk_grad=bk)
+    call = PC.resolve(config, platform="interpret", C=C, n=n, BH=BH, H=2, K=K, V=V, K0=K, V0=V, scale=0.3,
+                      in_dt=F32, packed=False, nseq=1)
+    cfg = dataclasses.replace(call, layout="hm")  # head-major token arrays on the interpret path
+    assert cfg.grad_nk == K // (bk or K)
     rng = np.random.default_rng(9)
     Tp = n * C
     f = lambda *s: jnp.asarray(rng.standard_normal(s), F32)
@@ -421,18 +422,19 @@ def test_kernel_pieces_vs_vjp(K, bk):
     args = (q, k, v, beta, gc, gr, eg, ekd, dec, h0)
 
     (o_r, fin_r), (W_r, U_r, vn_r, h_r) = _core_math(cfg, *args)
-    W, U = K_.intra(cfg, k, v, beta, gc, gr, eg)
-    vn, h, fin = K_.state_fwd(cfg, W, U, k, ekd, dec, h0, None)
-    o = K_.output(cfg, q, k, gc, gr, eg, h, vn)
+    wy = wy_repr(cfg, k, v, beta, gc, gr, eg)
+    W, U = wy["w"], wy["u"]
+    st = forward_states(cfg, W, U, k, ekd, dec, h0, None)
+    vn, h, fin = st["vn"], st["h"], st["final"]
+    o = output(cfg, q, k, gc, gr, eg, h, vn)["o"]
     for name, a, b in (("W", W, W_r), ("U", U, U_r), ("Vn", vn, vn_r), ("h", h, h_r), ("fin", fin, fin_r), ("o", o, o_r)):
         assert rel_rms(a, b) < 1e-5, name
 
     do, dfin = f(BH, Tp, V), f(BH, 1, K, V)
     info = jnp.zeros((1,), jnp.int32)
-    _, vjp_k = jax.vjp(lambda *a: P._core(cfg, *a, info), *args)
     _, vjp_r = jax.vjp(lambda *a: _core_math(cfg, *a)[0], *args)
     names = ("q", "k", "v", "beta", "gamma_col", "gamma_row", "exp_gamma", "exp_gammaC_minus_gamma", "exp_gammaC", "h0")
-    got = dict(zip(names, vjp_k((do, dfin))))
+    got = dict(zip(names, PV.backward(cfg, args + (info,), (do, dfin))))
     want = dict(zip(names, vjp_r((do, dfin))))
     # gamma enters as a column and as a row (two views of one array): only their sum is
     # defined (the kernel drops the gamma-independent diagonal of Gamma from both).
@@ -464,45 +466,81 @@ def test_supports_and_unsupported_options_raise():
 
 def test_gpu_kernel_chunk_policy():
     """The GPU kernels cap the chunk (measured on an H200; the result is chunk-independent)."""
-    from gdn_jax.ops import _pallas_platform as plat
-
-    assert plat.kernel_chunk("gpu", 64, 128) == 32
-    assert plat.kernel_chunk("gpu", 64, 256) == 32
-    assert plat.kernel_chunk("gpu", 16, 64) == 16
-    assert plat.kernel_chunk("interpret", 64, 256) == 64
-    assert plat.kernel_chunk("tpu", 128, 128) == 128
-    # the forward kernels have their own cap (no C x C gradient tiles to spill)
-    assert plat.kernel_chunk("gpu", 64, 128, "fwd") == 64
-    assert plat.kernel_chunk("gpu", 64, 256, "fwd") == 32
-    assert plat.kernel_chunk("gpu", 16, 128, "fwd") == 16
-    assert plat.kernel_chunk("interpret", 64, 256, "fwd") == 64
-    # as prepare() applies it: the forward's cap for 16-bit inputs only
-    with plat.force_platform("gpu"):
-        for dt, want in ((BF16, (64, 32)), (F16, (64, 32)), (F32, (32, 32))):
-            x = jnp.zeros((1, 70, 2, 128), dt)
-            prep = P.prepare(x, x, x, jnp.zeros((1, 70, 2)), jnp.ones((1, 70, 2)), chunk_size=64)
-            assert (prep.cfg.C, prep.cfg_bwd.C) == want, dt
+    kc = lambda p, c, d, direction="bwd", dt=BF16, **kw: PC.kernel_chunk(KernelConfig(**kw), p, direction, c, d, dt)
+    assert kc("gpu", 64, 128) == 32
+    assert kc("gpu", 64, 256) == 32
+    assert kc("gpu", 16, 64) == 16
+    assert kc("interpret", 64, 256) == 64
+    assert kc("tpu", 128, 128) == 128
+    # the forward kernels have their own cap (no C x C gradient tiles to spill), for 16-bit inputs
+    assert kc("gpu", 64, 128, "fwd") == 64
+    assert kc("gpu", 64, 256, "fwd") == 32
+    assert kc("gpu", 16, 128, "fwd") == 16
+    assert kc("interpret", 64, 256, "fwd") == 64
+    assert kc("gpu", 64, 128, "fwd", dt=F32) == 32
+    # explicit chunks win
+    assert kc("gpu", 64, 128, "fwd", fwd_chunk=16) == 16 and kc("gpu", 64, 128, bwd_chunk=64) == 64
+    # as to_kernel_inputs applies it
+    for dt, want in ((BF16, (64, 32)), (F16, (64, 32)), (F32, (32, 32))):
+        x = jnp.zeros((1, 70, 2, 128), dt)
+        prep = P.to_kernel_inputs(x, x, x, jnp.zeros((1, 70, 2)), jnp.ones((1, 70, 2)), chunk_size=64,
+                                  config=KernelConfig(platform="gpu"))
+        assert (prep.calls[0].C, prep.calls[1].C) == want, dt
 
 
 @pytest.mark.parametrize("kw,err", [(dict(fwd_chunk=0), ValueError), (dict(fwd_chunk=48), ValueError),
                                     (dict(fwd_chunk="64"), ValueError), (dict(mid_dtype="f16"), ValueError),
                                     (dict(merge_state="yes"), TypeError), (dict(warps_grad=0), ValueError),
-                                    (dict(state_dot="bf16"), ValueError)])
-def test_bad_tuning_rejected_when_set(kw, err):
-    """Bad kernel settings fail when ``tuning(...)`` is entered, naming the field."""
-    with pytest.raises(err, match=f"Tuning.{next(iter(kw))}"):
-        with P.tuning(**kw):
-            pass
+                                    (dict(state_dot="bf16"), ValueError), (dict(platform="cuda"), ValueError),
+                                    (dict(bwd_chunk=24), ValueError)])
+def test_bad_kernel_config_rejected_when_made(kw, err):
+    """Bad kernel settings fail when the KernelConfig is made, naming the field."""
+    with pytest.raises(err, match=f"KernelConfig.{next(iter(kw))}"):
+        KernelConfig(**kw)
+
+
+def test_kernel_config_argument_checked():
+    x = make(12, 1, 8, 1, 16, 64)
+    (q, k, v, g, b), _ = _jx(x)
+    with pytest.raises(ValueError, match="kernel_config"):
+        gated_delta_rule(q, k, v, g, b, backend="chunk", kernel_config=KernelConfig())
+    with pytest.raises(TypeError, match="kernel_config must be a gdn_jax.ops.KernelConfig"):
+        gated_delta_rule(q, k, v, g, b, backend="pallas", kernel_config=dict(bv_state=16))
+    with pytest.raises(ValueError, match="bv_state=48 must divide the head dim 64"):
+        gated_delta_rule(q, k, v, g, b, backend="pallas", kernel_config=KernelConfig(bv_state=48))
+
+
+def test_two_configs_two_compilations():
+    """A KernelConfig is a static argument: under one jit, two configs give two compilations
+    (no stale trace, unlike a global setting jit cannot see) and each computes the right numbers."""
+    x = make(13, 1, 45, 2, 32, 32, init=True)
+    (q, k, v, g, b), S0 = _jx(x)
+    traces = []
+
+    def f(q, k, v, g, b, s, kernel_config):
+        traces.append(kernel_config)
+        return gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
+                                chunk_size=32, kernel_config=kernel_config)
+
+    jf = jax.jit(f, static_argnames="kernel_config")
+    c1, c2 = KernelConfig(fuse_output=False, bv_out=16), KernelConfig(fwd_chunk=16, bv_state=16)
+    want = ref(x, grads=False)
+    for c in (c1, c2, c1, KernelConfig(fuse_output=False, bv_out=16)):
+        o, S = jf(q, k, v, g, b, S0, kernel_config=c)
+        check((o, S, {}), want)
+    assert traces == [c1, c2]  # equal configs hit the cache, different ones compile anew
+    assert jf._cache_size() == 2
+    calls = {c: P.to_kernel_inputs(q, k, v, g, b, chunk_size=32, config=c).calls for c in (c1, c2)}
+    assert calls[c1][0].C == 32 and not calls[c1][0].fuse_output and calls[c2][0].C == 16
 
 
 def test_merge_state_policy():
     """Both backward state passes share one launch on GPU only when they would have <= 128
     programs (fewer than an H200's 132 SMs); explicit settings win; never on TPU."""
-    from gdn_jax.ops import pallas_kernels as K_
+    def mk(p, BH, V, K=128, **t):
+        return PC.resolve(KernelConfig(**t), platform=p, C=32, n=8, BH=BH, H=16, K=K, V=V, K0=K, V0=V, scale=1.0,
+                          in_dt=BF16, packed=False, nseq=1)
 
-    mk = lambda p, BH, V, **t: K_.Cfg(p=p, layout="bthd", BH=BH, H=16, n=8, C=32, K=128, V=V, scale=1.0,
-                                      in_dt="bfloat16", mid_dt="bfloat16", packed=False, nseq=1,
-                                      tuning=K_.Tuning(**t))
     assert mk("gpu", 16, 128).merge_state  # B1 H16 D128: bv 16 -> 128 programs
     assert not mk("gpu", 64, 128).merge_state  # B4 H16: 256 programs
     assert not mk("interpret", 16, 128).merge_state
@@ -510,8 +548,8 @@ def test_merge_state_policy():
     assert not mk("gpu", 16, 128, merge_state=False).merge_state
     assert not mk("tpu", 16, 128, merge_state=True).merge_state
     # D = 256 with bf16 state dots: value blocks of 32 (B2 H8 on an H200: 128 programs, merged)
-    c256 = dataclasses.replace(mk("gpu", 16, 256), K=256)
-    assert c256.bv("state") == 32 and c256.merge_state
+    c256 = mk("gpu", 16, 256, K=256)
+    assert c256.bv_state == 32 and c256.merge_state and c256.grad_nk == 2 and not c256.save_t
 
 
 def test_auto_backend_policy():

@@ -1,0 +1,86 @@
+"""``backend="pallas"``: the chunked gated delta rule as Pallas kernels, forward and backward.
+
+Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet paper §3; see
+``gdn_jax/ops/chunk.py`` for the math in plain JAX). Modules, one per stage:
+
+* :mod:`.config`: :class:`KernelConfig` (the options, a frozen value passed as
+  ``gated_delta_rule(..., kernel_config=...)``) and :func:`~.config.resolve`, the one place
+  that turns it into the settings of a call (:class:`~.config.KernelCall`);
+* :mod:`.platform`: GPU (Triton) / TPU (Mosaic) / interpret rules of a ``pallas_call``;
+* :mod:`.wy`: the intra-chunk WY / UT representation (A, T = (I + A)^-1, W, U; Aqk or dVl);
+* :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
+* :mod:`.state_bwd`: the backward state passes (reverse dS pass; merged with the recompute);
+* :mod:`.grads`: the per-chunk gradient kernel (dq, dk, dv, dbeta, gate terms);
+* :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
+* :mod:`.layout`, :mod:`.tiles`: block specs and in-kernel helpers.
+
+Coverage (:func:`supports`): per-head g and beta, initial / final state, ``cu_seqlens``, any T,
+K and V multiples of 16 up to 256 (non powers of two are zero-padded to the next one),
+chunk_size 16 / 32 / 64 / 128, float32 / bfloat16 / float16 inputs with float32 accumulation.
+Declined with a reason: per-key-channel g, per-value-channel beta, float64.
+
+Precision: the kernels read q, k, v, dO in the input dtype and accumulate in float32. With
+bf16 inputs and max(K, V) >= 64 (``config.BF16_MID_MIN_DIM``) the intermediates written to HBM
+(W, U, Vn, h_n, dVl, dVn, dh_n) are bf16 and the state / output dots take bf16 operands (rel.
+rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(u_dtype="f32",
+state_dot="f32", out_dot="f32")`` gives 2.6e-3). float32 inputs keep everything float32 (on
+GPU as 3-pass TF32 dots). The in-chunk triangular inverse is float32 in every case.
+
+Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering
+(``jax.export``) only; its state passes hold whole sequences in VMEM (the limit is raised up to
+100 MiB), so very long sequences need a chunk-streaming variant there.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from .._common import GateForms
+from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype
+from .platform import PLATFORMS
+from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
+
+__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "pallas_gated_delta_rule", "to_kernel_inputs",
+           "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
+
+
+def supports(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> Optional[str]:
+    """None when ``backend="pallas"`` covers a call, else the reason (names the option)."""
+    if forms.beta_per_channel:
+        return "does not take per-value-channel beta [B,T,H,V] (use backend='scan')"
+    if forms.g_per_channel:
+        return "does not take per-key-channel g [B,T,H,K] (Kimi Delta Attention; use backend='chunk')"
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        return (f"does not take chunk_size={chunk_size} (supported: {', '.join(map(str, SUPPORTED_CHUNK_SIZES))}; "
+                f"backend='chunk' takes any chunk_size)")
+    for name, d in (("K", K), ("V", V)):
+        if d % 16 or d < 16 or d > MAX_DIM:
+            return (f"does not take head dim {name}={d} (needs a multiple of 16 from 16 to {MAX_DIM}; "
+                    f"use backend='chunk')")
+    dt = jnp.dtype(dtype)
+    if dt == jnp.float64:
+        return "does not take float64 inputs (kernels accumulate in float32; use backend='chunk')"
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"does not take dtype {dt}"
+    return None
+
+
+def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,
+                            forms, kernel_config: Optional[KernelConfig] = None):
+    """The ``backend="pallas"`` implementation behind ``gated_delta_rule`` (which validates the
+    arguments and calls :func:`supports` first).
+
+    Returns (o [B,T,H,V] in the inputs' dtype (float32 for mixed dtypes), final_state
+    [B,H,K,V] or [N,H,K,V] float32, valid: bool scalar, False for a malformed traced
+    ``cu_seqlens``).
+    """
+    reason = supports(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
+    if reason is not None:
+        raise NotImplementedError(f"backend='pallas' {reason}")
+    prep = to_kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                            config=KernelConfig() if kernel_config is None else kernel_config)
+    o, fin = chunk_gated_delta_rule(prep.calls, *prep.args)
+    o, fin = prep.finish(o, fin)
+    return o, fin, prep.valid

@@ -1,0 +1,278 @@
+"""Kernel configuration of ``backend="pallas"``: the user's options (:class:`KernelConfig`) and the
+one place that turns them, with the call's platform, shapes and dtype, into the concrete settings
+every kernel reads (:func:`kernel_chunk`, :func:`resolve` -> :class:`KernelCall`).
+
+Nothing here is global or mutable: a :class:`KernelConfig` is a frozen, hashable value passed
+to ``gated_delta_rule(..., kernel_config=...)``, so ``jax.jit`` keys its cache on it like on any
+other static argument. None of its fields changes the result beyond floating-point rounding. The
+measurements behind the defaults are in the README's "Pallas backend" section and in
+``results/bench_pallas_h200/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax.numpy as jnp
+
+from .platform import PLATFORMS, is_tpu_layout
+
+F32 = jnp.float32
+SUPPORTED_CHUNK_SIZES = (16, 32, 64, 128)  # chunk sizes the kernels take (forward and backward)
+MAX_DIM = 256  # largest head dim K or V the kernels take
+
+# Largest kernel chunk per platform and head dim max(K, V), as ((largest head dim, largest chunk),
+# ...). The chunked form is exact, so the kernels may run at a smaller chunk than ``chunk_size``.
+# GPU backward: at C = 64 the gradient kernel's C x C tiles spill registers (H200, D = 128:
+# backward 6.4 ms at C = 64, 3.1-3.3 ms at C = 32). The forward kernels have no such tiles and
+# the backward recomputes what it needs from the inputs, so the forward runs at its own, larger
+# chunk for 16-bit inputs (half the sequential steps of the state pass: 1.02 vs 1.18 ms at
+# B4 T4096 H16 D128); float32 inputs (3-pass TF32 dots) keep the backward's chunk.
+_MAX_CHUNK = {
+    ("gpu", "bwd"): ((128, 32), (256, 32)),
+    ("gpu", "fwd"): ((128, 64), (256, 32)),
+}
+# Smallest max(K, V) at which bf16 inputs get bf16 intermediates (``mid_dtype="auto"``). Below it
+# the bf16 rounding of W, U, Vn and the state dots is not averaged over enough channels (CPU,
+# B2 T200 H2, chunk 64, g = 0, beta = 1.9, K = V = 16 / 32 vs the float64 reference: o 1.2e-2 /
+# 9.2e-3 and dg 2.7e-2 with bf16 intermediates, 1.7e-3 with float32 ones); small heads are cheap
+# either way (bound by reading q, k, v).
+BF16_MID_MIN_DIM = 64
+
+_CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "state_dot": ("f32", "mid"),
+            "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
+            "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS}
+_OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages")
+_INTS = ("warps_wy", "warps_state", "warps_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Options of the Pallas kernels (``gated_delta_rule(..., backend="pallas", kernel_config=...)``).
+
+    Every field's default (None, "auto" or the value shown) is resolved per call by
+    :func:`resolve` from the platform, head dims, dtype and batch * heads; no field changes the
+    result beyond rounding.
+
+    Where:
+      platform: "gpu" (Triton), "tpu" (Mosaic TPU), "interpret" (CPU, GPU code path) or
+        "tpu_interpret" (CPU, TPU semantics); None: that of ``jax.default_backend()``.
+    Chunking (tokens per kernel chunk; one of 16, 32, 64, 128; the forward and backward chunks
+    must divide one another):
+      fwd_chunk: chunk of the forward kernels; None: ``min(chunk_size, cap)`` with the
+        platform's forward cap (GPU: 64 up to head dim 128, 32 above; float32 inputs use the
+        backward's cap).
+      bwd_chunk: chunk of the backward kernels (which recompute everything from the inputs);
+        None: ``min(chunk_size, cap)`` (GPU: 32).
+    Blocking:
+      bv_state, bv_out, bv_grad: value-channel block of the state passes (grid B*H x V/bv), of
+        the unfused output kernel and of the V loop of the gradient kernel; None: automatic
+        (state passes: at least ~256 programs on GPU; TPU: V, or 128 when V is a multiple of 128).
+      bk_grad: key-channel block of the gradient kernel; below K the kernel runs on the grid
+        (B*H, chunks, K/bk_grad) (at D = 256 the whole-K kernel spills registers at C = 32);
+        None: K up to 128, 128 above (TPU: K).
+    Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
+      (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
+    Precision (the kernels accumulate in float32 in every case):
+      mid_dtype: intermediates written to HBM (W, Vn, h_n, dVl, dVn, dh_n) and operands of most
+        in-kernel dots: "auto" (bf16 for bf16 inputs with max(K, V) >= 64, else float32),
+        "f32" or "bf16".
+      u_dtype: U in HBM, "mid" (= mid_dtype) or "f32"; state_dot / out_dot: operand dtype of the
+        state passes' dots / of the output dots, "mid" or "f32" (float32 keeps U = W S + Vn, a
+        small residual of O(|v|) terms, wider: rel. rms of o vs the float32 chunk backend 2.6e-3
+        instead of 3.8e-3 at D = 128, 5-11% slower on an H200).
+      gpu_f32_inv, gpu_f32_mm: Triton precision of float32 dots in the triangular inverse / in
+        the others: "tf32", "tf32x3" or "ieee"; None: "tf32" with bf16 intermediates, else
+        "tf32x3".
+    Structure:
+      fuse_output: the forward state pass also writes o (no h_n / Vn round trip through HBM)
+        instead of a separate output kernel.
+      save_t: the backward WY kernel writes T = (I + A)^-1 for the gradient kernel instead of a
+        second inverse there; None: on for the whole-K gradient kernel, off for the K-split one.
+      merge_state: run the two backward state passes (forward recompute, reverse) in one launch
+        with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
+        passes have at most 128 programs (fewer than an H200's 132 SMs).
+
+    Raises:
+      ValueError / TypeError: a field outside its choices, naming the field.
+    """
+
+    platform: Optional[str] = None
+    fwd_chunk: Optional[int] = None
+    bwd_chunk: Optional[int] = None
+    bv_state: Optional[int] = None
+    bv_out: Optional[int] = None
+    bv_grad: Optional[int] = None
+    bk_grad: Optional[int] = None
+    warps_wy: int = 4
+    warps_state: int = 4
+    warps_out: int = 4
+    warps_grad: Optional[int] = None
+    num_stages: Optional[int] = None
+    gpu_f32_inv: Optional[str] = None
+    gpu_f32_mm: Optional[str] = None
+    mid_dtype: str = "auto"
+    u_dtype: str = "mid"
+    state_dot: str = "mid"
+    out_dot: str = "mid"
+    fuse_output: bool = True
+    save_t: Optional[bool] = None
+    merge_state: Optional[bool] = None
+
+    def __post_init__(self):
+        for name, ok in _CHOICES.items():
+            if getattr(self, name) not in ok:
+                raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
+        for name in ("fuse_output", "save_t", "merge_state"):
+            val = getattr(self, name)
+            if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
+                want = "True or False" if name == "fuse_output" else "None, True or False"
+                raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
+        for name in _OPTIONAL_INTS + _INTS:
+            val = getattr(self, name)
+            if val is None and name in _OPTIONAL_INTS:
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"KernelConfig.{name} must be a positive int{'' if name in _INTS else ' or None'}"
+                                 f", got {val!r}")
+        for name in ("fwd_chunk", "bwd_chunk"):
+            val = getattr(self, name)
+            if val is not None and val not in SUPPORTED_CHUNK_SIZES:
+                raise ValueError(f"KernelConfig.{name} must be one of {SUPPORTED_CHUNK_SIZES} or None, got {val!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Everything static the kernels of one direction (forward or backward) of one call read:
+    shapes, dtypes and the resolved settings of :class:`KernelConfig` (hashable: it keys the
+    custom_vjp and the jit cache). Built by :func:`resolve` only."""
+
+    platform: str
+    layout: str  # "bthd": token arrays [B, T, H, D] as given; "hm": head-major [B*H, T, D] (TPU)
+    BH: int
+    H: int
+    n: int  # chunks
+    C: int  # tokens per chunk
+    K: int  # key / value head dims as the kernels see them (powers of two >= 16)
+    V: int
+    scale: float  # query scale, applied in-kernel
+    in_dt: str  # dtype of q, k, v, do as read (and of o, dq, dk, dv as written)
+    mid_dt: str  # intermediates in HBM and operands of most dots
+    u_dt: str
+    state_dt: str
+    out_dt: str
+    f32_inv: str  # Triton precision of float32 dots: triangular inverse / others
+    f32_mm: str
+    packed: bool  # cu_seqlens: per-chunk reset / readout flags
+    nseq: int  # states per (batch x head) row: 1, or N with cu_seqlens
+    bv_state: int
+    bv_out: int
+    bv_grad: int
+    grad_nk: int  # key-channel blocks of the gradient kernel (1: the whole-K kernel)
+    warps_wy: int
+    warps_state: int
+    warps_out: int
+    warps_grad: int
+    num_stages: int
+    fuse_output: bool
+    save_t: bool
+    merge_state: bool
+
+    @property
+    def Tp(self) -> int:
+        return self.n * self.C
+
+
+def auto_mid_dtype(in_dt, K: int, V: int):
+    """The intermediates' dtype of ``mid_dtype="auto"``: bfloat16 for bfloat16 inputs with
+    max(K, V) >= :data:`BF16_MID_MIN_DIM`, else float32."""
+    if jnp.dtype(in_dt) == jnp.bfloat16 and max(K, V) >= BF16_MID_MIN_DIM:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(F32)
+
+
+def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size: int, head_dim: int,
+                 in_dt) -> int:
+    """The chunk the kernels of ``direction`` ("fwd" or "bwd") run with for a requested
+    ``chunk_size`` and ``head_dim = max(K, V)`` (the call's own head dims, before padding)."""
+    explicit = config.fwd_chunk if direction == "fwd" else config.bwd_chunk
+    if explicit is not None:
+        return explicit
+    if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
+        direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
+    for d, c in _MAX_CHUNK.get((platform, direction), ()):
+        if head_dim <= d:
+            return min(int(chunk_size), c)
+    return int(chunk_size)
+
+
+def _state_block(BH, C, V, state_dt) -> int:
+    """Default value block of the state passes: sequential chains want >= ~2 programs per SM
+    (an H200 has 132); V > 128 halves at most to 32 when C <= 16 or with 16-bit state dots (B2
+    T8192 H8 D256 on an H200: C16 forward 3.0 -> 2.0 ms from bv 16 to 32; C32 with bf16 state
+    dots fwd+bwd 5.37 ms at bv 32 vs 6.24 ms at 16; with float32 ones bv 16 is faster)."""
+    bv = min(V, 64)
+    lo = 32 if (V > 128 and (C <= 16 or jnp.dtype(state_dt) != F32)) else 16
+    while bv > lo and BH * (V // bv) < 256:
+        bv //= 2
+    return bv
+
+
+def _block(name: str, explicit: Optional[int], default: int, total: int) -> int:
+    b = min(explicit or default, total)
+    if total % b:
+        raise ValueError(f"KernelConfig.{name}={b} must divide the head dim {total}")
+    return b
+
+
+def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: int, K: int, V: int,
+            K0: int, V0: int, scale: float, in_dt, packed: bool, nseq: int) -> KernelCall:
+    """Resolve ``config`` for one direction of a call: kernel chunk ``C`` (from
+    :func:`kernel_chunk`) and ``n`` chunks, ``BH`` = batch * heads, padded head dims ``K``, ``V``
+    (the call's own ``K0``, ``V0`` pick the intermediates' dtype), ``in_dt`` the dtype q, k, v
+    are read in.
+
+    Raises:
+      ValueError: a block size that does not divide its head dim.
+    """
+    tpu = is_tpu_layout(platform)
+    if config.mid_dtype == "auto":
+        mid = auto_mid_dtype(in_dt, K0, V0)
+    else:
+        mid = jnp.dtype({"f32": F32, "bf16": jnp.bfloat16}[config.mid_dtype])
+    wide = lambda opt: jnp.dtype(F32) if opt == "f32" else mid
+    u_dt, state_dt, out_dt = wide(config.u_dtype), wide(config.state_dot), wide(config.out_dot)
+    f32_auto = "tf32" if mid != jnp.dtype(F32) else "tf32x3"
+
+    def vdefault(kind):
+        if tpu:
+            return V if V <= 128 or V % 128 else 128
+        if kind == "state":
+            return _state_block(BH, C, V, state_dt)
+        return min(V, 128) if kind == "out" else min(V, 64)
+
+    bv_state = _block("bv_state", config.bv_state, vdefault("state"), V)
+    bv_out = _block("bv_out", config.bv_out, vdefault("out"), V)
+    bv_grad = _block("bv_grad", config.bv_grad, vdefault("grad"), V)
+
+    bk = _block("bk_grad", config.bk_grad, K if (tpu or K <= 128) else 128, K)
+    nk = K // bk
+    if V % nk or V // nk < 16:  # each K block also writes dv for V/nk columns: >= 16 of them
+        nk = 1
+    save_t = (nk == 1) if config.save_t is None else config.save_t
+    if tpu:
+        merge = False  # each program of a merged launch writes only its own outputs: not on TPU
+    elif config.merge_state is None:
+        merge = platform == "gpu" and BH * (V // bv_state) <= 128
+    else:
+        merge = config.merge_state
+    return KernelCall(
+        platform=platform, layout="hm" if tpu else "bthd", BH=BH, H=H, n=n, C=C, K=K, V=V, scale=float(scale),
+        in_dt=jnp.dtype(in_dt).name, mid_dt=mid.name, u_dt=u_dt.name, state_dt=state_dt.name, out_dt=out_dt.name,
+        f32_inv=config.gpu_f32_inv or f32_auto, f32_mm=config.gpu_f32_mm or f32_auto, packed=packed, nseq=nseq,
+        bv_state=bv_state, bv_out=bv_out, bv_grad=bv_grad, grad_nk=nk,
+        warps_wy=config.warps_wy, warps_state=config.warps_state, warps_out=config.warps_out,
+        warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
+        num_stages=2 if config.num_stages is None else config.num_stages,
+        fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
+    )

@@ -1,0 +1,245 @@
+"""The differentiable Pallas op: input preparation (plain JAX), the ``jax.custom_vjp`` that runs
+the kernels, and the way back to the public layout.
+
+Plain JAX (differentiated by autodiff): the input transform of :func:`gdn_jax.ops._common.prepare`
+(q, k L2 normalisation, a traced scale); zero-padding of head dims to powers of two (exact: zero
+channels never mix in); the time layout of :func:`gdn_jax.ops.packing.to_chunk_layout` (padding,
+or every packed sequence on chunk boundaries); the in-chunk cumulative log decay gamma and its
+exponentials (:func:`gate_terms`: TPU Pallas has no in-kernel cumsum), whose cotangents the
+backward pulls back to g with ``jax.vjp``.
+
+Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): the forward and the backward each
+run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`); the backward recomputes
+everything from the inputs, so the residuals are the inputs only, O(T (K + V)) per head (the
+per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D128).
+
+* forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
+  (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output.
+* backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
+  h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import packing as _packing
+from .._common import prepare
+from . import platform as _plat
+from .config import KernelCall, KernelConfig, kernel_chunk, resolve
+from .grads import chunk_grads
+from .state_bwd import merged_states, reverse_states
+from .state_fwd import forward_states, forward_states_and_output, output
+from .wy import wy_repr
+
+F32 = jnp.float32
+
+
+def gate_terms(call: KernelCall, beta_hm, g_hm):
+    """Per-token kernel scalars of one chunking (plain JAX; differentiable) from head-major beta
+    and log decay g [BH, Tp] f32: beta column, gamma column [BH, Tp, 1], gamma row [BH, n, 1, C],
+    e^gamma, e^{gamma_C - gamma} columns, e^{gamma_C} [BH, n, 1, 1]."""
+    BH, n, C = call.BH, call.n, call.C
+    gh = g_hm.reshape(BH, n, C)
+    gam = jnp.cumsum(gh, axis=-1)  # in-chunk cumulative log decay gamma
+    gam_col = gam.reshape(BH, n * C, 1)
+    gam_row = gam.reshape(BH, n, 1, C)
+    e_gam = jnp.exp(gam_col)
+    # gamma_C - gamma_i = sum_{j>i} g_j, summed directly (a reverse cumsum of g shifted by one)
+    # rather than as a difference of two large cumulative sums (|gamma| reaches thousands under
+    # strong decay, and f32 differences of such numbers lose ~1e-4 absolute).
+    gnext = jnp.concatenate([gh[..., 1:], jnp.zeros_like(gh[..., :1])], axis=-1)
+    e_gam_end = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(gnext, -1), axis=-1), -1)).reshape(BH, n * C, 1)
+    e_gam_last = jnp.exp(gam[..., -1:]).reshape(BH, n, 1, 1)
+    return beta_hm.reshape(BH, n * C, 1), gam_col, gam_row, e_gam, e_gam_end, e_gam_last
+
+
+def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags):
+    """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
+    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy."""
+    if call.fuse_output:
+        wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
+        out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
+                                        wy["aqk"])
+        o, fin = out["o"], out["final"]
+    else:
+        wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam)
+        st = forward_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
+        o, fin = output(call, q, k, gam, gam_row, e_gam, st["h"], st["vn"])["o"], st["final"]
+    if call.packed:
+        fin = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], fin, h0)
+    return o, fin
+
+
+def backward(call: KernelCall, inputs, cts):
+    """The backward kernels of one chunking. ``inputs``: the arguments of :func:`forward`;
+    ``cts``: (do, d final state). Returns the cotangents of every input of :func:`forward` (None
+    for the flags)."""
+    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
+    do, dfin = cts
+    do = do.astype(call.in_dt)
+    dfin = dfin.astype(F32)
+    wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
+    if call.merge_state:
+        st = merged_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, q, wy["dvl"], do, e_gam, dfin, flags)
+    else:
+        st = dict(forward_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags))
+        st.update(reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, flags))
+    gr = chunk_grads(call, q, k, v, do, beta, gam, gam_row, e_gam, e_gam_end, st["h"], st["dh"], st["vn"], st["dvn"],
+                     wy.get("t"))
+    dh0 = st["dh0"]
+    if call.packed:
+        dh0 = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], dh0, dfin)
+    return (gr["dq"], gr["dk"], gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
+            gr["de_gam_last"], dh0, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
+    """The chunked gated delta rule in Pallas kernels: ``(o, final_state f32)``.
+
+    ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; beta
+    and g head-major [BH, Tp] f32; ``flags_*`` the per-chunk flags of each chunking. The residuals
+    are the inputs only (the backward recomputes the rest)."""
+    return _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)[0]
+
+
+def _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
+    o, fin = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd)
+    return (o, fin), (q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)
+
+
+def _bwd(calls, res, cts):
+    q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd = res
+    cb = calls[1]
+    terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(cb, b, g), beta_hm, g_hm)
+    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts)
+    dbeta_hm, dg_hm = terms_vjp(tuple(dterms))
+    return dq, dk, dv, dbeta_hm, dg_hm, dh0, None, None
+
+
+chunk_gated_delta_rule.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------------------
+# from the public layout to the kernels' and back
+# ---------------------------------------------------------------------------
+
+
+def _pow2(d):
+    return 1 << (int(d) - 1).bit_length()
+
+
+def _in_dtype(*xs):
+    """The dtype the kernels read q, k, v in: theirs if they agree on a supported one, else f32."""
+    dts = {jnp.dtype(x.dtype) for x in xs}
+    if len(dts) == 1:
+        (dt,) = dts
+        if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+            return dt
+    return jnp.dtype(F32)
+
+
+def _static_scale(scale, K):
+    """The static float folded into the kernels, or None when ``scale`` is traced."""
+    if scale is None:
+        return float(K) ** -0.5
+    if isinstance(scale, jax.core.Tracer):
+        return None
+    return float(np.asarray(scale))
+
+
+@dataclasses.dataclass
+class KernelInputs:
+    """Kernel-ready inputs of one call: ``calls`` (the forward's and backward's
+    :class:`KernelCall`), ``args`` of :func:`chunk_gated_delta_rule` (q, k, v, head-major beta
+    and g, h0, the flags of each chunking), ``valid`` (False for a malformed traced
+    ``cu_seqlens``) and ``finish(o, final)`` mapping the kernels' outputs back to [B, T, H, V] /
+    [B | N, H, K, V]."""
+
+    calls: tuple
+    args: tuple
+    valid: jax.Array
+    finish: Callable
+
+    def kernel_args(self, direction="fwd"):
+        """``(call, inputs of forward/backward)`` of the forward or backward chunking (to time or
+        test the kernels alone)."""
+        i = 0 if direction == "fwd" else 1
+        call = self.calls[i]
+        q, k, v, beta_hm, g_hm, h0, flags_f, flags_b = self.args
+        return call, (q, k, v, *gate_terms(call, beta_hm, g_hm), h0, (flags_f, flags_b)[i])
+
+
+def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
+                     chunk_size=64, config: KernelConfig = KernelConfig()) -> KernelInputs:
+    """Plain-JAX preparation (differentiable): normalisation, head-dim padding, the time layout,
+    head-major per-token scalars and the two directions' :class:`KernelCall`."""
+    p = config.platform or _plat.default_platform()
+    if p == "gpu":
+        _plat.silence_triton_deprecation_at_lowering()
+    B, T, H, K0 = q.shape
+    V0 = v.shape[-1]
+    in_dt = _in_dtype(q, k, v)
+    Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
+    Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
+    C = max(Cf, Cb)  # the time layout is built for the larger chunk (powers of two: the smaller divides it)
+
+    sc = _static_scale(scale, K0)
+    q, k, v, g, beta = prepare(q, k, v, g, beta, scale, use_qk_l2norm, F32, qkv_dtype=in_dt,
+                               fold_scale=sc is None)
+    sc = 1.0 if sc is None else sc
+
+    # head dims: zero-pad to a power of two (exact: zero channels never mix in)
+    K, V = max(16, _pow2(K0)), max(16, _pow2(V0))
+    if K != K0:
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, K - K0)]) for x in (q, k))
+    if V != V0:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, V - V0)])
+
+    (q, k, v, g, beta), Tp, packing, valid = _packing.to_chunk_layout((q, k, v, g, beta), cu_seqlens, C)
+    packed = packing is not None
+    if packed:
+        N = cu_seqlens.shape[0] - 1
+        flags = _packing.chunk_flags(*packing[1:])
+        flags_f, flags_b = (_packing.split_chunk_flags(flags, C // Cf), _packing.split_chunk_flags(flags, C // Cb))
+    else:
+        N = 1
+        flags_f = flags_b = jnp.zeros((1,), jnp.int32)
+    BH = B * H
+    tpu = _plat.is_tpu_layout(p)
+    hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
+    g_hm, beta_hm = hm(g), hm(beta)  # per-token scalars, head-major (tiny arrays; XLA)
+    if tpu:
+        tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp, x.shape[-1])
+        q, k, v = map(tok, (q, k, v))
+
+    # states: [G, nseq, K, V] with G the kernel's bh axis
+    if initial_state is None:
+        h0 = jnp.zeros((BH, 1, K, V) if not packed else (H, N, K, V), F32)
+    else:
+        h0 = initial_state.astype(F32)
+        if K != K0 or V != V0:
+            h0 = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)])
+        h0 = h0.reshape(BH, 1, K, V) if not packed else jnp.swapaxes(h0, 0, 1)
+
+    mk = lambda c: resolve(config, platform=p, C=c, n=Tp // c, BH=BH, H=H, K=K, V=V, K0=K0, V0=V0, scale=sc,
+                           in_dt=in_dt, packed=packed, nseq=N)
+
+    def finish(o, fin):
+        if tpu:
+            o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
+        o = _packing.from_chunk_layout(o, T, packing)
+        if V != V0:
+            o = o[..., :V0]
+        fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)
+        if K != K0 or V != V0:
+            fin = fin[:, :, :K0, :V0]
+        return o, fin
+
+    return KernelInputs((mk(Cf), mk(Cb)), (q, k, v, beta_hm, g_hm, h0, flags_f, flags_b), valid, finish)
