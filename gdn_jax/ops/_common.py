@@ -41,25 +41,27 @@ def _check_arrays(named):
 def _gate_forms(g, beta, lead, K, V, lead_names):
     """Per-head or per-channel g / beta on the leading dims ``lead`` (named ``lead_names``)."""
     L = ", ".join(lead_names)
-    if g.shape == lead:
-        g_pc = False
-    elif g.shape == lead + (K,):
-        g_pc = True
-    else:
-        raise ValueError(
-            f"g (log-space decay) must have shape [{L}] = {lead} (per head) or "
-            f"[{L}, K] = {lead + (K,)} (per key channel), got shape {_shape(g)}"
-        )
-    if beta.shape == lead:
-        b_pc = False
-    elif beta.shape == lead + (V,):
-        b_pc = True
-    else:
-        raise ValueError(
-            f"beta must have shape [{L}] = {lead} (per head) or "
-            f"[{L}, V] = {lead + (V,)} (per value channel), got shape {_shape(beta)}"
-        )
-    return GateForms(g_per_channel=g_pc, beta_per_channel=b_pc)
+    per_channel = []
+    for name, x, what, ch, ch_what in (("g", g, "g (log-space decay)", ("K", K), "key"),
+                                       ("beta", beta, "beta", ("V", V), "value")):
+        if x.shape not in (lead, lead + (ch[1],)):
+            raise ValueError(f"{what} must have shape [{L}] = {lead} (per head) or [{L}, {ch[0]}] = "
+                             f"{lead + (ch[1],)} (per {ch_what} channel), got shape {_shape(x)}")
+        per_channel.append(x.shape != lead)
+    return GateForms(g_per_channel=per_channel[0], beta_per_channel=per_channel[1])
+
+
+def finish_outputs(o, fin, out_dtype, *, guard_finish, valid, packed, output_final_state):
+    """The ops' last step: o to ``out_dtype``; the non-finite guard's NaNs (``guard_finish`` from
+    :func:`nonfinite_guard`, or None); NaNs for a malformed traced ``cu_seqlens``; the final state
+    only if asked for."""
+    o = o.astype(out_dtype)
+    if guard_finish is not None:
+        o, fin = guard_finish(o, fin)
+    if packed:
+        o = poison_if_invalid(o, valid)
+        fin = poison_if_invalid(fin, valid)
+    return o, (fin if output_final_state else None)
 
 
 def _check_qkv(q, k, v, lead_names):

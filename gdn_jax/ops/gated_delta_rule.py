@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, nonfinite_guard, poison_if_invalid, prepare
+from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
 
@@ -193,10 +193,5 @@ def gated_delta_rule(
                 qs, ks, vs, gs, bs, h0, cu_seqlens, chunk_size=chunk_size,
                 g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel,
             )
-    o = o.astype(v.dtype)
-    if mask_nonfinite:
-        o, fin = guard_finish(o, fin)
-    if cu_seqlens is not None:
-        o = poison_if_invalid(o, valid)
-        fin = poison_if_invalid(fin, valid)
-    return o, (fin if output_final_state else None)
+    return finish_outputs(o, fin, v.dtype, guard_finish=guard_finish if mask_nonfinite else None, valid=valid,
+                          packed=cu_seqlens is not None, output_final_state=output_final_state)

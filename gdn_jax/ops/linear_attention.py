@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk as _chunk
-from ._common import acc_dtype, check_inputs, clamp_log_decay, nonfinite_guard, poison_if_invalid, prepare
+from ._common import acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare
 from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
@@ -85,12 +85,10 @@ def gated_linear_attention(
     g: Optional[jax.Array] = None,
     *,
     scale: Optional[float] = None,
-    initial_state: Optional[jax.Array] = None,
-    output_final_state: bool = False,
+    initial_state: Optional[jax.Array] = None, output_final_state: bool = False,
     cu_seqlens: Optional[jax.Array] = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    backend: str = "auto",
+    chunk_size: int = 64, backend: str = "auto",
     mask_nonfinite: bool = False,
 ) -> Tuple[jax.Array, Optional[jax.Array]]:
     """Gated linear attention (no delta rule): ``S <- diag(exp(g_t)) S + k_t v_t^T``, ``o_t = S^T (scale q_t)``.
@@ -151,10 +149,5 @@ def gated_linear_attention(
         o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)
     else:
         o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_size, g_pc=forms.g_per_channel)
-    o = o.astype(out_dtype)
-    if mask_nonfinite:
-        o, fin = guard_finish(o, fin)
-    if cu_seqlens is not None:
-        o = poison_if_invalid(o, valid)
-        fin = poison_if_invalid(fin, valid)
-    return o, (fin if output_final_state else None)
+    return finish_outputs(o, fin, out_dtype, guard_finish=guard_finish if mask_nonfinite else None, valid=valid,
+                          packed=cu_seqlens is not None, output_final_state=output_final_state)
