@@ -55,6 +55,13 @@ def mixer_input(x, hidden_size: int, cu_seqlens=None, *, name: str = "x"):
         cu_seqlens_arg(cu_seqlens, x.shape[0])
 
 
+def step_input(x_t, hidden_size: int):
+    """A decode step's input: floating ``[B, 1, hidden_size]`` (named ``x_t`` in the errors)."""
+    mixer_input(x_t, hidden_size, name="x_t")
+    if x_t.shape[1] != 1:
+        raise ValueError(f"x_t must have shape [B, 1, {hidden_size}], got {tuple(x_t.shape)}")
+
+
 def cu_seqlens_arg(cu_seqlens, batch: int):
     """``cu_seqlens`` must be an integer ``[N + 1]`` array (N >= 1) and the batch size 1."""
     shape = tuple(np.shape(cu_seqlens))

@@ -1,15 +1,33 @@
-"""Causal softmax attention mixer with RoPE (optionally Qwen3-Next's gated variant)."""
+"""Causal softmax attention mixer with RoPE (optionally Qwen3-Next's gated variant) and its KV cache."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..inference.cache import KVCache
 from ..ops.packing import seq_info
 from . import _checks
+
+
+class KVCache(NamedTuple):
+    """Attention layer cache of static maximum length ``max_len``: keys and values
+    ``[B, max_len, N, D]`` (compute dtype) and ``pos`` (int32 scalar), the number of positions
+    written so far (slots ``>= pos`` are masked out)."""
+
+    k: jax.Array  # [B, max_len, N, D]
+    v: jax.Array  # [B, max_len, N, D]
+    pos: jax.Array  # int32 scalar: tokens written so far
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, k, v) -> "KVCache":
+        """Keys and values ``[B, T, N, D]`` written at slots ``pos .. pos + T - 1``; ``pos`` advances by T."""
+        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), self.pos, axis=1)
+        return KVCache(put(self.k, k), put(self.v, v), self.pos + k.shape[1])
 
 
 def rope(x, positions, *, rot_dim: int, theta: float = 10000.0):
@@ -42,10 +60,12 @@ class Attention(nnx.Module):
       hidden_size, num_heads, head_dim (default ``hidden_size // num_heads``).
       rope_theta: RoPE base. rope_fraction: share of each head's channels that are rotated.
       qk_norm, output_gate: Qwen3-Next's gated-attention options (off by default).
+      norm_eps: epsilon of the q/k RMSNorm.
       dtype, param_dtype, rngs: as usual in NNX.
 
     ``cu_seqlens`` (B = 1): packed sequences; attention is masked to each sequence and RoPE
-    positions restart at each boundary.
+    positions restart at each boundary. Decoding (``init_cache`` / ``prefill`` / ``decode``) keeps
+    a :class:`KVCache` of static length; the three paths share :meth:`qkv` and :meth:`output`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
@@ -81,6 +101,8 @@ class Attention(nnx.Module):
             self.g_proj = lin(hidden_size, num_heads * head_dim)
 
     def qkv(self, x, positions):
+        """q, k, v ``[B, T, N, D]`` of x: projections, the optional q/k RMSNorm, and RoPE at
+        ``positions`` (``[T]``, or ``[B, T]``) on q and k."""
         B, T, _ = x.shape
         N, D = self.num_heads, self.head_dim
         q = self.q_proj(x).reshape(B, T, N, D)
@@ -93,15 +115,17 @@ class Attention(nnx.Module):
         return q, k, v
 
     def output(self, o, x):
+        """Attention output ``o [B, T, N, D]`` -> ``W_o (o * sigmoid(W_g x))`` (gate with ``output_gate``)."""
         B, T = x.shape[:2]
         o = o.reshape(B, T, -1)
         if self.output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def __call__(self, x, *, cu_seqlens=None):
-        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
-        B, T, _ = x.shape
+    def _sequence(self, x, *, cu_seqlens=None):
+        """Causal attention over the whole of x: ``(y, k, v)`` (k, v after RoPE, for a cache).
+        ``cu_seqlens`` masks attention to each packed sequence and restarts the RoPE positions."""
+        T = x.shape[1]
         mask = None
         positions = jnp.arange(T)
         if cu_seqlens is not None:
@@ -110,7 +134,11 @@ class Attention(nnx.Module):
             mask = (seq_id[:, None] == seq_id[None, :])[None, None]
         q, k, v = self.qkv(x, positions)
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-        return self.output(o, x)
+        return self.output(o, x), k, v
+
+    def __call__(self, x, *, cu_seqlens=None):
+        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
+        return self._sequence(x, cu_seqlens=cu_seqlens)[0]
 
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -129,28 +157,18 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         if max_len is None or T > max_len:
             raise ValueError(f"prompt of {T} tokens does not fit an attention KV cache of max_len = {max_len}")
-        q, k, v = self.qkv(x, jnp.arange(T))
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        c = self.init_cache(B, max_len)
-        cache = KVCache(jax.lax.dynamic_update_slice_in_dim(c.k, k.astype(c.k.dtype), 0, axis=1),
-                        jax.lax.dynamic_update_slice_in_dim(c.v, v.astype(c.v.dtype), 0, axis=1),
-                        jnp.asarray(T, jnp.int32))
-        return self.output(o, x), cache
+        y, k, v = self._sequence(x)
+        return y, self.init_cache(B, max_len).write(k, v)
 
     def decode(self, x_t, cache: KVCache):
         """One token ``x_t [B, 1, hidden_size]`` at position ``cache.pos``: write its key/value at
         that slot (``dynamic_update_slice``), attend over slots ``<= pos`` and advance ``pos``.
         Jit-able. A step past ``max_len`` cannot raise under jit: it returns NaN instead."""
-        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
-        if x_t.shape[1] != 1:
-            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
+        _checks.step_input(x_t, self.hidden_size)
         pos = cache.pos
         q, k, v = self.qkv(x_t, pos[None])
-        kc = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), pos, axis=1)
-        vc = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), pos, axis=1)
-        S = kc.shape[1]
-        mask = (jnp.arange(S) <= pos)[None, None, None, :]
-        o = jax.nn.dot_product_attention(q, kc, vc, mask=mask)
+        new = cache.write(k, v)
+        mask = (jnp.arange(new.max_len) <= pos)[None, None, None, :]
+        o = jax.nn.dot_product_attention(q, new.k, new.v, mask=mask)
         y = self.output(o, x_t)
-        y = jnp.where(pos < S, y, jnp.asarray(jnp.nan, y.dtype))
-        return y, KVCache(kc, vc, pos + 1)
+        return jnp.where(pos < new.max_len, y, jnp.asarray(jnp.nan, y.dtype)), new

@@ -1,4 +1,5 @@
-"""Gated DeltaNet layer (Flax NNX), with the paper's parameterisation."""
+"""Gated DeltaNet layer (Flax NNX), with the paper's parameterisation, and the Mamba2 decay that
+the baseline mixers share (:func:`mamba2_log_decay`, :func:`mamba2_decay_init`, :func:`head_dims`)."""
 from __future__ import annotations
 
 import math
@@ -8,11 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..inference.cache import GDNCache
 from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops.gated_delta_rule import BACKENDS
 from . import _checks
-from .conv import ShortConv
+from .recurrent import GDNCache, RecurrentMixer
 
 DECAY_KINDS = ("mamba2", "sigmoid", "none")
 
@@ -78,26 +78,33 @@ def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: floa
     return A_log, nnx.Param(inverse_softplus(dt).astype(param_dtype))
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh, ICLR 2025; FLA layer; Qwen3-Next).
 
     ``x [B, T, hidden_size] -> [B, T, hidden_size]``::
 
         q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # short conv, optional
         g       = -exp(A_log) * softplus(W_a x + dt_bias)    # log decay, per head  (decay="mamba2";
-                                                              # see mamba2_log_decay)
-                  log sigmoid(W_a x)                          # seed 000's gate      (decay="sigmoid")
+                                                              # Mamba2's; see mamba2_log_decay)
+                  log sigmoid(W_a x)                          # sigmoid forget gate  (decay="sigmoid")
                   0                                           # DeltaNet, no decay   (decay="none")
         beta    = sigmoid(W_b x)  (x2 with allow_neg_eigval)  # per head, or per value channel
-        o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # q,k L2-normalised and
-                                                                          # q scaled by K^-1/2, once
+        o       = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # GDN paper eq. 10; q,k
+                                                                          # L2-normalised and q
+                                                                          # scaled by K^-1/2, once
         y       = W_o (RMSNorm(o) * silu(W_g x))              # per-head RMSNorm over V
 
-    Init (REFERENCE §3): ``A ~ U(0, 16)`` sampled in float32 and clipped to >= 1e-4 (a bf16 sample
-    can be exactly 0 and give A_log = -inf); ``dt`` log-uniform in [1e-3, 0.1] and
-    ``dt_bias = softplus^-1(dt)`` (the Mamba2/FLA init — the seed's ``dt_bias = 1`` makes the decay
-    so strong, g ~ -1.3*A per token, that the model keeps almost no memory, and ``dt_bias = 0``
-    was measured to leave a tiny MQAR model at chance). The short conv starts near identity.
+    The three paths share the projections, short conv, gates and output (:meth:`_qkv`,
+    :meth:`gates`, :meth:`_output`): ``self(x)`` and :meth:`prefill` run the chunked / Pallas /
+    scan op over the sequence, :meth:`decode` one token of the recurrence
+    (:func:`gdn_jax.ops.gated_delta_rule_step`) on a :class:`GDNCache`.
+
+    Init (Mamba2, Dao & Gu 2024, as in FLA): ``A ~ U(0, 16)`` sampled in float32 and clipped to
+    >= 1e-4 (a bf16 sample can be exactly 0 and give A_log = -inf); ``dt`` log-uniform in
+    [1e-3, 0.1] and ``dt_bias = softplus^-1(dt)`` — a constant ``dt_bias = 1`` makes the decay so
+    strong, g ~ -1.3*A per token, that the model keeps almost no memory, and ``dt_bias = 0`` was
+    measured to leave a tiny MQAR model at chance (README "Layer and models"). The short conv
+    starts near identity.
 
     Args:
       hidden_size: model width d.
@@ -107,11 +114,13 @@ class GatedDeltaNet(nnx.Module):
       decay: ``"mamba2"`` (default), ``"sigmoid"`` or ``"none"`` (g = 0: DeltaNet, Yang et al. 2024;
         no a_proj / A_log / dt_bias parameters).
       decay_per_channel: one decay per key channel (Kimi Delta Attention, g ``[B,T,H,K]``).
-      beta_per_channel: one beta per value channel (seed 004; runs on the scan backend).
+      beta_per_channel: one beta per value channel (beta ``[B,T,H,V]``; the scan backend takes it,
+        ``backend="auto"`` picks it).
       allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) (negative eigenvalues; Grazzi et al. 2024).
       use_short_conv, conv_size: the causal depthwise conv on q, k, v (on by default).
       backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule`.
       norm_eps: RMSNorm epsilon.
+      dt_min, dt_max, A_init_range: the mamba2 decay's init (see :func:`mamba2_decay_init`).
       dtype: computation dtype of the projections (the recurrence state is always float32).
       param_dtype: parameter dtype.
       rngs: ``nnx.Rngs``.
@@ -150,9 +159,7 @@ class GatedDeltaNet(nnx.Module):
         self.g_proj = lin(hidden_size, H * V)
         self.o_proj = lin(H * V, hidden_size)
         if use_short_conv:
-            self.q_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
-            self.k_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
-            self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self._short_convs(param_dtype, rngs)
         if decay == "mamba2":
             self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, n_decay, dt_min=dt_min, dt_max=dt_max,
                                                          A_init_range=A_init_range, param_dtype=param_dtype)
@@ -185,6 +192,18 @@ class GatedDeltaNet(nnx.Module):
             beta = beta.reshape(B, T, H, V)
         return g, beta
 
+    def _sequence(self, x, *, cu_seqlens=None, with_cache: bool = False):
+        """The op over the whole of x: ``y``, or ``(y, cache after x)`` with ``with_cache``."""
+        cache = self.init_cache(x.shape[0]) if with_cache else None
+        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
+        g, beta = self.gates(x)
+        o, state = gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
+            chunk_size=self.chunk_size, backend=self.backend,
+        )
+        y = self._output(o, x)
+        return (y, GDNCache(state.astype(jnp.float32), *convs)) if with_cache else y
+
     def __call__(self, x, *, cu_seqlens=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]`` (dtype ``self.dtype``).
 
@@ -192,76 +211,21 @@ class GatedDeltaNet(nnx.Module):
         every boundary.
         """
         _checks.mixer_input(x, self.hidden_size, cu_seqlens)
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
-            q = self.q_conv(q, cu_seqlens=cu_seqlens)
-            k = self.k_conv(k, cu_seqlens=cu_seqlens)
-            v = self.v_conv(v, cu_seqlens=cu_seqlens)
-        g, beta = self.gates(x)
-        o, _ = gated_delta_rule(
-            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), g, beta,
-            cu_seqlens=cu_seqlens, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend,
-        )
-        return self._output(o, x)
-
-    # ------------------------------------------------------------------ inference (decode) path
-    def init_cache(self, batch: int, max_len=None) -> GDNCache:
-        """An empty cache (``max_len`` ignored: the size does not depend on the context): zero state ``[batch, H, K, V]`` float32 and zero conv states
-        ``[batch, conv_size-1, H*K]`` (q, k) / ``[batch, conv_size-1, H*V]`` (v) in ``self.dtype``."""
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        state = jnp.zeros((batch, H, K, V), jnp.float32)
-        if not self.use_short_conv:
-            return GDNCache(state)
-        W1 = self.conv_size - 1
-        z = lambda d: jnp.zeros((batch, W1, d), self.dtype)
-        return GDNCache(state, z(H * K), z(H * K), z(H * V))
-
-    def _qkv_cached(self, x, cache: GDNCache):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if not self.use_short_conv:
-            return q, k, v, (None, None, None)
-        q, cq = self.q_conv(q, cache=cache.conv_q)
-        k, ck = self.k_conv(k, cache=cache.conv_k)
-        v, cv = self.v_conv(v, cache=cache.conv_v)
-        return q, k, v, (cq.astype(self.dtype), ck.astype(self.dtype), cv.astype(self.dtype))
+        return self._sequence(x, cu_seqlens=cu_seqlens)
 
     def prefill(self, x, *, max_len=None):
         """Run the prompt ``x [B, T, hidden_size]`` with the layer's backend (chunk / pallas / scan)
         and return ``(y [B, T, hidden_size], cache)``; ``y`` equals ``self(x)``. ``max_len`` is
         accepted for a uniform mixer interface and ignored (the cache has a fixed size)."""
         _checks.mixer_input(x, self.hidden_size)
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        q, k, v, convs = self._qkv_cached(x, self.init_cache(B))
-        g, beta = self.gates(x)
-        o, state = gated_delta_rule(
-            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), g, beta,
-            output_final_state=True, use_qk_l2norm=True, chunk_size=self.chunk_size, backend=self.backend,
-        )
-        cache = GDNCache(state.astype(jnp.float32), *convs) if self.use_short_conv else GDNCache(state.astype(jnp.float32))
-        return self._output(o, x), cache
+        return self._sequence(x, with_cache=True)
 
     def decode(self, x_t, cache: GDNCache):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``
         through :func:`gdn_jax.ops.gated_delta_rule_step` (float32 state). Jit-able."""
-        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
-        if x_t.shape[1] != 1:
-            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
-        B = x_t.shape[0]
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        q, k, v, convs = self._qkv_cached(x_t, cache)
+        _checks.step_input(x_t, self.hidden_size)
+        q, k, v, convs = self._qkv(x_t, cache=cache)
         g, beta = self.gates(x_t)
-        o, state = gated_delta_rule_step(
-            q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, H, V), g[:, 0], beta[:, 0], cache.state,
-            use_qk_l2norm=True,
-        )
-        new = GDNCache(state, *convs) if self.use_short_conv else GDNCache(state)
-        return self._output(o[:, None], x_t), new
-
-    def _output(self, o, x):
-        B, T = x.shape[:2]
-        gate = self.g_proj(x).reshape(B, T, self.num_heads, self.value_head_dim)
-        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
-        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
+        o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,
+                                         use_qk_l2norm=True)
+        return self._output(o[:, None], x_t), GDNCache(state, *convs)

@@ -1,5 +1,6 @@
 """Baseline token mixers without the delta rule (Flax NNX): linear attention, Mamba2-style
-per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gated_linear_attention`."""
+per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gated_linear_attention`
+(README "Baseline mixers")."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,17 +9,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..inference.cache import GDNCache
 from ..ops import gated_linear_attention
-from .conv import ShortConv
 from ..ops.linear_attention import LA_BACKENDS
 from . import _checks
 from .gated_deltanet import head_dims, mamba2_decay_init, mamba2_log_decay
+from .recurrent import GDNCache, RecurrentMixer
 
 LA_DECAY_KINDS = ("mamba2", "gla", "none")
 
 
-class GatedLinearAttention(nnx.Module):
+class GatedLinearAttention(RecurrentMixer):
     """Gated linear attention mixer: GatedDeltaNet's projections, short conv, per-head output
     RMSNorm and SiLU output gate, with the state update ``S <- diag(exp(g)) S + k v^T`` (no delta rule).
 
@@ -35,7 +35,9 @@ class GatedLinearAttention(nnx.Module):
 
     The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's. Decoding
     (``init_cache`` / ``prefill`` / ``decode``) keeps the same fixed-size cache as GatedDeltaNet
-    (:class:`gdn_jax.inference.cache.GDNCache`: float32 state ``[B,H,K,V]`` + short-conv states).
+    (:class:`gdn_jax.layers.GDNCache`: float32 state ``[B,H,K,V]`` + short-conv states); the three
+    paths share the projections, short conv, decay and output, and a decode step is the op's scan
+    backend on one token.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
@@ -56,6 +58,7 @@ class GatedLinearAttention(nnx.Module):
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
+        self.conv_size = conv_size
         self.gate_logit_normalizer = gate_logit_normalizer
         self.use_qk_l2norm = decay != "gla"
         self.dtype = dtype
@@ -66,9 +69,7 @@ class GatedLinearAttention(nnx.Module):
         self.g_proj = lin(hidden_size, H * V)
         self.o_proj = lin(H * V, hidden_size)
         if use_short_conv:
-            self.q_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
-            self.k_conv = ShortConv(H * K, conv_size, param_dtype=param_dtype, rngs=rngs)
-            self.v_conv = ShortConv(H * V, conv_size, param_dtype=param_dtype, rngs=rngs)
+            self._short_convs(param_dtype, rngs)
         if decay == "mamba2":
             self.a_proj = lin(hidden_size, H)
             self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, H, dt_min=dt_min, dt_max=dt_max,
@@ -89,69 +90,30 @@ class GatedLinearAttention(nnx.Module):
         a = self.gk_proj2(self.gk_proj1(x)).astype(jnp.float32)
         return (jax.nn.log_sigmoid(a) / self.gate_logit_normalizer).reshape(B, T, self.num_heads, self.head_dim)
 
-    # ------------------------------------------------------------------ decode path
-    def init_cache(self, batch: int, max_len=None) -> GDNCache:
-        """Zero cache: state ``[batch, H, K, V]`` float32 and conv states ``[batch, W-1, ·]``
-        (``max_len`` ignored: the size does not depend on the context)."""
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        state = jnp.zeros((batch, H, K, V), jnp.float32)
-        if not self.use_short_conv:
-            return GDNCache(state)
-        W1 = self.q_conv.kernel_size - 1
-        z = lambda d: jnp.zeros((batch, W1, d), self.dtype)
-        return GDNCache(state, z(H * K), z(H * K), z(H * V))
-
-    def _run(self, x, cache: GDNCache, backend: str):
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        convs = ()
-        if self.use_short_conv:
-            q, cq = self.q_conv(q, cache=cache.conv_q)
-            k, ck = self.k_conv(k, cache=cache.conv_k)
-            v, cv = self.v_conv(v, cache=cache.conv_v)
-            convs = tuple(c.astype(self.dtype) for c in (cq, ck, cv))
+    def _run(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None, backend: Optional[str] = None):
+        """The op over x: ``y``, or ``(y, cache after x)`` when starting from ``cache``."""
+        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
         o, state = gated_linear_attention(
-            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), self.log_decay(x),
-            initial_state=cache.state, output_final_state=True, use_qk_l2norm=self.use_qk_l2norm,
-            chunk_size=self.chunk_size, backend=backend,
+            q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
+            initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
+            use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
         )
-        return self._output(o, x), GDNCache(state.astype(jnp.float32), *convs)
-
-    def prefill(self, x, *, max_len=None):
-        """Prompt ``x [B, T, hidden_size]`` -> ``(y [B, T, hidden_size], cache)``; ``y == self(x)``."""
-        _checks.mixer_input(x, self.hidden_size)
-        return self._run(x, self.init_cache(x.shape[0]), self.backend)
-
-    def decode(self, x_t, cache: GDNCache):
-        """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
-        _checks.mixer_input(x_t, self.hidden_size, name="x_t")
-        if x_t.shape[1] != 1:
-            raise ValueError(f"x_t must have shape [B, 1, {self.hidden_size}], got {tuple(x_t.shape)}")
-        return self._run(x_t, cache, "scan")
-
-    def _output(self, o, x):
-        B, T = x.shape[:2]
-        gate = self.g_proj(x).reshape(B, T, self.num_heads, self.value_head_dim)
-        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
-        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
+        y = self._output(o, x)
+        return y if cache is None else (y, GDNCache(state.astype(jnp.float32), *convs))
 
     def __call__(self, x, *, cu_seqlens=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1) restarts the
         recurrence and the short conv at every packed-sequence boundary."""
         _checks.mixer_input(x, self.hidden_size, cu_seqlens)
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
-            q = self.q_conv(q, cu_seqlens=cu_seqlens)
-            k = self.k_conv(k, cu_seqlens=cu_seqlens)
-            v = self.v_conv(v, cu_seqlens=cu_seqlens)
-        o, _ = gated_linear_attention(
-            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), self.log_decay(x),
-            cu_seqlens=cu_seqlens, use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
-        gate = self.g_proj(x).reshape(B, T, H, V)
-        o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
-        return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
+        return self._run(x, cu_seqlens=cu_seqlens)
+
+    def prefill(self, x, *, max_len=None):
+        """Prompt ``x [B, T, hidden_size]`` -> ``(y [B, T, hidden_size], cache)``; ``y == self(x)``
+        (``max_len`` ignored: the cache has a fixed size)."""
+        _checks.mixer_input(x, self.hidden_size)
+        return self._run(x, cache=self.init_cache(x.shape[0]))
+
+    def decode(self, x_t, cache: GDNCache):
+        """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
+        _checks.step_input(x_t, self.hidden_size)
+        return self._run(x_t, cache=cache, backend="scan")

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers import Attention, GatedDeltaNet
+from ..layers import Attention, GatedDeltaNet, GatedLinearAttention
+from ..ops.linear_attention import LA_BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,32 +110,28 @@ def _dt(name):
     return jnp.dtype(name)
 
 
+def _gdn_layer(cfg: LMConfig, rngs: nnx.Rngs, **override):
+    kw = dict(decay=cfg.decay, decay_per_channel=cfg.decay_per_channel, beta_per_channel=cfg.beta_per_channel,
+              allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv, backend=cfg.backend,
+              chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
+              param_dtype=_dt(cfg.param_dtype))
+    return GatedDeltaNet(cfg.d_model, cfg.num_heads, cfg.head_dim, **{**kw, **override}, rngs=rngs)
+
+
 @register_mixer("gdn")
 def _gdn(cfg: LMConfig, i: int, rngs: nnx.Rngs):
-    return GatedDeltaNet(
-        cfg.d_model, cfg.num_heads, cfg.head_dim, decay=cfg.decay, decay_per_channel=cfg.decay_per_channel,
-        beta_per_channel=cfg.beta_per_channel, allow_neg_eigval=cfg.allow_neg_eigval,
-        use_short_conv=cfg.use_short_conv, backend=cfg.backend, chunk_size=cfg.chunk_size,
-        norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs,
-    )
+    """Gated DeltaNet with the config's gate options."""
+    return _gdn_layer(cfg, rngs)
 
 
 @register_mixer("deltanet")
 def _deltanet(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     """DeltaNet (Yang et al. 2024): the GDN layer with g = 0 (no decay parameters)."""
-    return GatedDeltaNet(
-        cfg.d_model, cfg.num_heads, cfg.head_dim, decay="none", beta_per_channel=cfg.beta_per_channel,
-        allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv, backend=cfg.backend,
-        chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype),
-        rngs=rngs,
-    )
+    return _gdn_layer(cfg, rngs, decay="none", decay_per_channel=False)
 
 
 def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
     def factory(cfg: LMConfig, i: int, rngs: nnx.Rngs):
-        from ..layers.linear_attention import GatedLinearAttention
-        from ..ops.linear_attention import LA_BACKENDS
-
         backend = cfg.backend if cfg.backend in LA_BACKENDS else "auto"  # no Pallas kernels: chunk
         return GatedLinearAttention(
             cfg.d_model, cfg.num_heads, cfg.head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
@@ -193,11 +190,7 @@ class Block(nnx.Module):
             self.norm2 = self.mlp = None
 
     def __call__(self, x, *, cu_seqlens=None):
-        x = x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens)
-        if self.mlp is not None:
-            x = x + self.mlp(self.norm2(x))
-        return x
-
+        return self._mlp(x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens))
 
     def _need(self, name):
         if not hasattr(self.mixer, name):
@@ -220,6 +213,11 @@ class Block(nnx.Module):
     def decode(self, x_t, cache):
         y, cache = self._need("decode")(self.norm1(x_t), cache)
         return self._mlp(x_t + y), cache
+
+
+def _check_token_array(tokens):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
 
 
 def _check_token_range(tokens, vocab_size: int):
@@ -256,8 +254,7 @@ class LM(nnx.Module):
     def features(self, tokens, *, cu_seqlens=None):
         """``tokens [B, T] int -> [B, T, d_model]``: the final-normed hidden states that the tied
         head turns into logits (``self(tokens) == self.logits(self.features(tokens))``)."""
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        _check_token_array(tokens)
         _check_token_range(tokens, self.cfg.vocab_size)
         if cu_seqlens is not None:
             from ..layers._checks import cu_seqlens_arg
@@ -275,21 +272,18 @@ class LM(nnx.Module):
 
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> tuple:
-        """Per-layer empty caches (a tuple): :class:`~gdn_jax.inference.cache.GDNCache` for GDN layers
-        (fixed size), :class:`~gdn_jax.inference.cache.KVCache` of ``max_len`` slots for attention."""
+        """Per-layer empty caches (a tuple): :class:`~gdn_jax.layers.GDNCache` for the recurrent layers
+        (GDN and the baselines; fixed size), :class:`~gdn_jax.layers.KVCache` of ``max_len`` slots for
+        attention."""
         return tuple(blk.init_cache(batch, max_len) for blk in self.blocks)
-
-    def _check_tokens(self, tokens):
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
-        if tokens.shape[1] == 0:
-            raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
 
     def prefill(self, tokens, max_len: int):
         """Run the prompt ``tokens [B, T]`` (GDN layers through the chunked / Pallas op) and return
         ``(logits [B, T, vocab] float32, cache)``; attention caches have ``max_len`` slots
         (``ValueError`` if T > max_len). The logits equal ``self(tokens)``."""
-        self._check_tokens(tokens)
+        _check_token_array(tokens)
+        if tokens.shape[1] == 0:
+            raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
         if max_len is None or tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than max_len = {max_len}")
         x = self.embed(tokens)
@@ -297,7 +291,7 @@ class LM(nnx.Module):
         for blk in self.blocks:
             x, c = blk.prefill(x, max_len=max_len)
             caches.append(c)
-        return self.embed.attend(self.norm(x)).astype(jnp.float32), tuple(caches)
+        return self.logits(self.norm(x)), tuple(caches)
 
     def decode_step(self, token, cache):
         """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
@@ -313,4 +307,4 @@ class LM(nnx.Module):
         for blk, c in zip(self.blocks, cache):
             x, c = blk.decode(x, c)
             new.append(c)
-        return self.embed.attend(self.norm(x))[:, 0].astype(jnp.float32), tuple(new)
+        return self.logits(self.norm(x))[:, 0], tuple(new)
