@@ -69,7 +69,7 @@ def test_gdn_layer_backends_agree():
 
 @pytest.mark.parametrize("backend", ["scan", "chunk"])
 def test_gdn_layer_packed_equals_separate(backend):
-    """REFERENCE §7 item 4 at the layer level: the recurrence AND the short conv restart."""
+    """Packed sequences (cu_seqlens) at the layer level: the recurrence AND the short conv restart."""
     layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), backend=backend, chunk_size=16)
     x = _x((1, 50, 32), seed=2)
     cu = jnp.array([0, 7, 30, 50])
@@ -168,3 +168,21 @@ def test_lm_token_range_checked():
         model(jnp.full((1, 3), 16, jnp.int32))
     with pytest.raises(ValueError, match="tokens must be in"):
         model(jnp.full((1, 3), -1, jnp.int32))
+
+
+def test_caches_live_beside_their_layers():
+    """Nothing in gdn_jax/layers imports gdn_jax/inference; the inference package re-exports the caches."""
+    import ast
+    import pathlib
+
+    import gdn_jax.inference
+    import gdn_jax.layers
+
+    for f in sorted(pathlib.Path(gdn_jax.layers.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            assert not any("inference" in n for n in names), (f.name, names)
+    assert gdn_jax.inference.GDNCache is gdn_jax.layers.GDNCache
+    assert gdn_jax.inference.KVCache is gdn_jax.layers.KVCache
