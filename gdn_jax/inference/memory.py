@@ -1,5 +1,6 @@
-"""Exact decode-cache sizes (bytes) for attention and Gated DeltaNet layers, and seed 004's
-§6.6.6 comparison table (REFERENCE §4).
+"""Exact decode-cache sizes (bytes) for attention and Gated DeltaNet layers, and the KV-vs-GDN
+comparison table of README "Inference" (**Memory**) for a d_model 2048, 16 heads x 128, 48-layer
+model in bf16 (:data:`SEED`, :func:`seed_table`).
 
 Units: ``B`` bytes; ``GiB``/``MiB`` binary (2^30, 2^20); ``GB``/``MB`` decimal (10^9, 10^6).
 Every function counts exactly what the arrays hold (no allocator overhead, no activations).
@@ -17,7 +18,7 @@ from typing import Dict, List
 
 import jax.numpy as jnp
 
-# Seed 004 §6.6.6 setting: emb 2048, 16 heads x 128, 48 layers, bf16, batch 1.
+# The comparison's setting (README "Inference", Memory): emb 2048, 16 heads x 128, 48 layers, bf16, batch 1.
 SEED = dict(d_model=2048, num_heads=16, head_dim=128, num_layers=48, bytes_bf16=2, conv_size=4)
 SEED_CONTEXTS = (4096, 32768, 131072)
 
@@ -67,10 +68,11 @@ def fmt_bytes(n: int) -> str:
 
 
 def seed_table(hybrid_every: int = 4) -> List[Dict]:
-    """Rows of seed 004 §6.6.6 (emb 2048, 16x128 heads, 48 layers, bf16, batch 1) per context.
+    """Rows of the comparison in the :data:`SEED` setting (emb 2048, 16x128 heads, 48 layers, bf16,
+    batch 1), one per context in :data:`SEED_CONTEXTS`.
 
-    Keys: ``context``; ``kv_full`` (48 attention layers, bf16); ``gdn_state_bf16`` (seed's figure:
-    48 bf16 states, no conv); ``gdn_state_f32`` (gdn_jax's float32 states); ``gdn_conv_bf16``
+    Keys: ``context``; ``kv_full`` (48 attention layers, bf16); ``gdn_state_bf16`` (the commonly
+    quoted figure: 48 bf16 states, no conv); ``gdn_state_f32`` (gdn_jax's float32 states); ``gdn_conv_bf16``
     (gdn_jax's short-conv caches); ``gdn_jax_total``; ``hybrid_kv`` / ``hybrid_gdn`` /
     ``hybrid_total`` (3:1 hybrid: every ``hybrid_every``-th layer attention, the rest GDN with
     float32 state + bf16 conv cache); the ratios ``ratio_seed`` = kv_full / gdn_state_bf16 and
@@ -94,7 +96,7 @@ def seed_table(hybrid_every: int = 4) -> List[Dict]:
 
 
 def seed_table_markdown(rows=None) -> str:
-    """The seed table as Markdown (exact bytes, GiB/MiB and GB/MB stated)."""
+    """:func:`seed_table` as Markdown (exact bytes, GiB/MiB and GB/MB stated), as in README "Inference"."""
     rows = seed_table() if rows is None else rows
     r0 = rows[0]
     out = [

@@ -16,14 +16,15 @@ class ShortConv(nnx.Module):
     ``y_t = silu(sum_{s=0}^{W-1} w[W-1-s] * x_{t-s})`` per channel, with ``x_{t-s}`` taken as zero
     before the start of the sequence (or of the packed sequence holding t, with ``cu_seqlens``).
 
-    Init: near identity, as in the calibration run of REFERENCE §6 — the last tap (the current
-    token) is 1, the earlier taps N(0, 0.2) — so that the layer starts close to the seeds' plain
-    projections.
+    Init: near identity — the last tap (the current token) is 1, the earlier taps N(0, init_std)
+    — so that the layer starts close to the plain projections of ``use_short_conv=False``.
 
     Args:
       channels: number of channels D.
       kernel_size: W (4 by default).
       activation: apply SiLU after the convolution (default True).
+      init_std: std of the earlier taps at init (0.2).
+      param_dtype: dtype of the weight ``[W, D]``.
       rngs: ``nnx.Rngs``.
 
     Shapes: ``x [B, T, D]`` -> ``[B, T, D]`` in x's dtype. ``cache``, when given, is the last W-1

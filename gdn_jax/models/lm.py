@@ -24,8 +24,11 @@ class LMConfig:
         (Qwen3-Next's 3:1 pattern is ``hybrid_every=4``), ``mixer`` otherwise.
       hybrid_mixer: the mixer of those layers (default ``"attention"``).
       mlp_ratio: SwiGLU MLP hidden size as a multiple of d_model; 0 disables the MLP.
-      backend, chunk_size: passed to the GDN op.
-      use_short_conv, decay, decay_per_channel, beta_per_channel, allow_neg_eigval: GDN layer options.
+      backend, chunk_size: passed to the recurrent mixers' ops (``gdn_jax.ops.gated_delta_rule``;
+        the no-delta-rule mixers run ``"pallas"`` as ``"auto"``, README "Baseline mixers").
+      use_short_conv: the short conv of the recurrent mixers.
+      decay, decay_per_channel, beta_per_channel, allow_neg_eigval: GatedDeltaNet options
+        (``deltanet`` takes beta_per_channel and allow_neg_eigval; README "Layer and models").
       norm_eps: RMSNorm epsilon. embed_init_std: token-embedding init std (tied LM head).
       dtype / param_dtype: computation / parameter dtypes.
     """
@@ -96,7 +99,9 @@ def register_mixer(name: str, factory: Optional[MixerFactory] = None):
     """Register a token mixer: ``factory(cfg, layer_index, rngs) -> nnx.Module``.
 
     The module is called as ``mixer(x, cu_seqlens=None)`` with ``x [B, T, d_model]`` and returns
-    the same shape. Usable as a decorator.
+    the same shape; for decoding it also needs ``init_cache(batch, max_len)``,
+    ``prefill(x, max_len=...) -> (y, cache)`` and ``decode(x_t, cache) -> (y_t, cache)`` (README
+    "Inference"). Usable as a decorator.
     """
 
     def deco(f):
