@@ -12,20 +12,22 @@ A thin script over :func:`gdn_jax.recall.run`. Every setting is a field of
 
 Outputs (in ``--out``, default ``runs/<task>``): ``results.json``, ``curves.png`` and orbax
 checkpoints in ``ckpt/`` (or ``--ckpt_dir``), written at every evaluation and at the end. A run
-started without ``--resume`` deletes the old checkpoints of its checkpoint directory.
+started without ``--resume`` deletes the old checkpoints of its checkpoint directory. A bad setting
+(the library's ``ValueError``/``TypeError``) exits with a message naming the flag.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from gdn_jax.cli import parse_dataclass
+from gdn_jax.cli import exit_on_error, parse_dataclass
 from gdn_jax.recall import RecallConfig as Config, build, run  # noqa: F401  (re-exported for scripts/tests)
 
 
 def main(argv: Optional[Sequence[str]] = None, *, prog: str = "recall.py") -> Dict[str, Any]:
     """Parse ``argv`` (default ``sys.argv[1:]``) into a :class:`Config` and :func:`run` it; returns the results."""
     cfg = parse_dataclass(Config, argv, prog=prog)
-    return run(cfg)[0]
+    with exit_on_error(prog, Config):
+        return run(cfg)[0]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ A thin script over :mod:`gdn_jax.sweep` (every flag is a field of :class:`gdn_ja
 
 Re-running the same command resumes (finished runs are skipped). With several GPUs, one worker
 per GPU. Writes ``runs.csv``, ``summary.csv``, ``summary.json`` and ``accuracy_vs_dmodel.png`` in ``--out``.
+A bad setting (the library's ``ValueError``/``TypeError``) exits with a message naming the flag.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from gdn_jax.cli import parse_dataclass
+from gdn_jax.cli import exit_on_error, parse_dataclass
 from gdn_jax.sweep import PRESETS, SweepConfig, apply_preset, run_sweep
 
 
@@ -31,14 +32,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py", description=desc)
     explicit = {f.name for f in dataclasses.fields(SweepConfig)
                 if f"--{f.name}" in argv or f"--no-{f.name}" in argv}
-    try:
+    with exit_on_error("sweep.py", SweepConfig):
         cfg = apply_preset(cfg, explicit)
         summary = run_sweep(cfg, argv=argv, script=os.path.abspath(__file__))
-    except ValueError as e:
-        raise SystemExit(f"sweep.py: error: {e}") from None
+    scaled = summary.get("metric") == "best_scaled_accuracy"
     for b in summary.get("cells", []):
         print(f"{b['cell']:<44} lr {b['lr']:<7g} best acc {b['best_test_accuracy']:.4f}"
-              + (f" (scaled {b['best_scaled_accuracy']:.3f})" if cfg.task == "state_tracking" else "")
+              + (f" (scaled {b['best_scaled_accuracy']:.3f})" if scaled else "")
               + f"  final {b['final_test_accuracy']:.4f}  steps {b['steps']}  {b['wall_s']:.0f}s"
               + ("  DIVERGED" if b.get("diverged") else ""))
     if summary.get("failed"):

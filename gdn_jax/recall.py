@@ -1,14 +1,22 @@
 """Train a small LM on one synthetic recall task and report test accuracy (the library side of
-``experiments/recall.py``, ``experiments/mqar.py`` and ``experiments/sweep.py``).
+``experiments/recall.py``, ``experiments/mqar.py`` and ``experiments/sweep.py``; README "Experiments
+and results" and "Recall suite").
 
-:func:`run` trains (or resumes) one :class:`RecallConfig`: the task's stream (or fixed, MQAR)
-training batches, AdamW with warmup + cosine (:func:`gdn_jax.training.make_optimizer`), a jitted
-data-parallel step over every local device, test-set evaluations every ``eval_every`` steps with an
-early stop at ``target_accuracy``, orbax checkpoints at each evaluation (``--resume`` continues them
-bit-identically on CPU), a tqdm bar, and ``results.json`` + ``curves.png`` in ``out``.
+:func:`run` trains (or resumes) one :class:`RecallConfig` in named steps: restore or init (the
+latest orbax checkpoint with ``resume``, else a fresh state), the train loop (the task's stream, or
+fixed for MQAR, training batches; AdamW with warmup + cosine, :func:`gdn_jax.training.make_optimizer`;
+a jitted data-parallel step over every local device; a tqdm bar), evaluation on the test set every
+``eval_every`` steps with an early stop at ``target_accuracy`` and a checkpoint each time (a resumed
+run is bit-identical on CPU), and the outputs ``results.json`` + ``curves.png`` in ``out``.
+
+The task config (:data:`gdn_jax.data.TASK_CONFIGS`) and the :class:`gdn_jax.models.LMConfig` are
+built from the :class:`RecallConfig` fields of the same names (:func:`make_task`,
+:func:`make_lm_config`). Bad settings raise ``ValueError``/``TypeError`` naming the field
+(``RecallConfig.lr``); the scripts turn them into exit messages (:func:`gdn_jax.cli.exit_on_error`).
 
 Accuracy is the mean over scored positions (MQAR: the query positions; NIAH: the value tokens;
-state tracking: every position); ``scaled accuracy`` = (acc - chance) / (1 - chance) (Grazzi et al.).
+state tracking: every position); ``scaled accuracy`` = (acc - chance) / (1 - chance) (Grazzi et al.
+2025).
 """
 from __future__ import annotations
 
@@ -26,24 +34,19 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import training as T
-from gdn_jax.data import MQARConfig, TaskLoader, make_test_set, scaled_accuracy
+from gdn_jax.data import TASK_CONFIGS, TaskLoader, make_test_set, scaled_accuracy
 from gdn_jax.models import LM, LMConfig
 
-__all__ = ["RecallConfig", "TASKS", "build", "make_task", "run", "scaled_accuracy", "task_label"]
+__all__ = ["RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "make_lm_config", "make_task", "run",
+           "scaled_accuracy", "task_label", "validate"]
 
-TASKS = ("mqar", "niah", "state_tracking")
+TASKS = tuple(TASK_CONFIGS)
 
 
 def max_labels(task) -> Optional[int]:
-    """Most labelled positions in one example of ``task`` (MQAR: the pairs; NIAH: the value tokens),
-    or None where most positions are labelled (state tracking): the loss then uses the dense head."""
-    from gdn_jax.data import NIAHConfig
-
-    if isinstance(task, MQARConfig):
-        return task.num_kv_pairs
-    if isinstance(task, NIAHConfig):
-        return task.value_len
-    return None
+    """``task.max_labels``: the most labelled positions in one example (MQAR: the pairs; NIAH: the value
+    tokens), or None where most positions are labelled (state tracking): the loss then uses the dense head."""
+    return task.max_labels
 
 
 def mixer_label(cfg: "RecallConfig") -> str:
@@ -63,12 +66,8 @@ def _finite_json(x):
 
 
 def task_label(cfg: "RecallConfig") -> str:
-    """A short description of the task parameters of ``cfg`` (for logs and plots)."""
-    if cfg.task == "mqar":
-        return f"L={cfg.seq_len} N={cfg.num_kv_pairs}"
-    if cfg.task == "niah":
-        return f"L={cfg.seq_len} key={cfg.key_len} value={cfg.value_len}" + ("" if cfg.depth is None else f" depth={cfg.depth}")
-    return f"mod {cfg.modulus} train {cfg.train_min_len}-{cfg.train_max_len} test {cfg.test_min_len}-{cfg.test_max_len}"
+    """A short description of the task parameters of ``cfg`` (for logs and plots): ``make_task(cfg).label``."""
+    return make_task(cfg).label
 
 
 @dataclasses.dataclass
@@ -76,8 +75,8 @@ class RecallConfig:
     """One training run on a synthetic task. Every field is also a command-line flag (``gdn_jax.cli``).
 
     Defaults: MQAR with a 2-layer GDN, d_model 128, and a 3000-step cosine (measured to cross 0.99
-    in ~500 steps on 2 CPU cores). ``task`` selects the generator; the task fields that do not
-    belong to it are ignored:
+    in ~500 steps on 2 CPU cores). ``task`` selects the generator (:data:`gdn_jax.data.TASK_CONFIGS`),
+    which takes the fields of its config's names; the task fields that do not belong to it are ignored:
 
     * ``"mqar"`` (:class:`gdn_jax.data.MQARConfig`): vocab_size, seq_len, num_kv_pairs, power_a,
       random_non_queries;
@@ -144,81 +143,96 @@ class RecallConfig:
     progress: bool = True  # tqdm bar
 
 
-# Fields that may differ between a run and its resumption without changing the result.
-_RESUME_FREE = {"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints", "progress", "log_every",
-                "eval_every", "target_accuracy", "eval_batch_size", "backend", "chunk_size"}
+#: Fields that may differ between a run and its resumption without changing the result.
+RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints",
+                                "progress", "log_every", "eval_every", "target_accuracy", "eval_batch_size",
+                                "backend", "chunk_size"})
+
+
+def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
+    """The values in ``cfg`` of the fields that dataclass ``cls`` has under the same names."""
+    ours = {f.name for f in dataclasses.fields(cfg)}
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if f.init and f.name in ours}
 
 
 def make_task(cfg: RecallConfig):
-    """The task config (:mod:`gdn_jax.data`) that ``cfg`` describes."""
-    if cfg.task == "mqar":
-        return MQARConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs,
-                          power_a=cfg.power_a, random_non_queries=cfg.random_non_queries,
-                          train_examples=cfg.train_examples,
-                          test_examples=cfg.test_examples, seed=cfg.seed)
-    if cfg.task == "niah":
-        from gdn_jax.data import NIAHConfig
-
-        return NIAHConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, key_len=cfg.key_len,
-                          value_len=cfg.value_len, depth=cfg.depth, test_examples=cfg.test_examples, seed=cfg.seed)
-    if cfg.task == "state_tracking":
-        from gdn_jax.data import StateTrackingConfig
-
-        return StateTrackingConfig(modulus=cfg.modulus, train_min_len=cfg.train_min_len,
-                                   train_max_len=cfg.train_max_len, test_min_len=cfg.test_min_len,
-                                   test_max_len=cfg.test_max_len, test_examples=cfg.test_examples, seed=cfg.seed)
-    raise ValueError(f"task must be one of {TASKS}, got task={cfg.task!r}")
+    """The task config (:data:`gdn_jax.data.TASK_CONFIGS`) that ``cfg`` describes, from the fields of
+    ``cfg`` that the task's config has (e.g. MQAR: vocab_size, seq_len, num_kv_pairs, ...)."""
+    if cfg.task not in TASK_CONFIGS:
+        raise ValueError(f"RecallConfig.task must be one of {TASKS}, got {cfg.task!r}")
+    cls = TASK_CONFIGS[cfg.task]
+    return cls(**_shared_fields(cls, cfg))
 
 
-def build(cfg: RecallConfig):
-    """Task, loader, LM config, model factory and optimizer of ``cfg``."""
+def make_lm_config(cfg: RecallConfig, vocab_size: int) -> LMConfig:
+    """The :class:`gdn_jax.models.LMConfig` of ``cfg``: its fields of LMConfig's names (d_model,
+    num_layers, mixer, backend, ...), with the task's ``vocab_size`` (``model_vocab_size``)."""
+    return LMConfig(**dict(_shared_fields(LMConfig, cfg), vocab_size=vocab_size))
+
+
+def validate(cfg: RecallConfig) -> None:
+    """Check the settings of ``cfg`` that the task and model configs do not check themselves.
+
+    Raises:
+      ValueError: naming the field (``RecallConfig.<field>``) and the rule it breaks.
+    """
     from gdn_jax.models.lm import MIXERS
     from gdn_jax.ops import BACKENDS
 
+    def bad(name: str, rule: str, note: str = ""):
+        raise ValueError(f"RecallConfig.{name} must be {rule}, got {getattr(cfg, name)!r}{note}")
+
+    if cfg.task not in TASK_CONFIGS:
+        bad("task", f"one of {TASKS}")
     if cfg.backend not in BACKENDS:
-        raise SystemExit(f"--backend must be one of {BACKENDS}, got {cfg.backend!r}")
+        bad("backend", f"one of {BACKENDS}")
     for name in ("mixer", "hybrid_mixer"):
         if getattr(cfg, name) not in MIXERS:
-            raise SystemExit(f"--{name} must be one of {sorted(MIXERS)}, got {getattr(cfg, name)!r}")
-    if cfg.data_mode == "fixed" and cfg.task != "mqar":
-        raise SystemExit(f"--data_mode fixed is the Zoology MQAR protocol; task {cfg.task!r} streams (--data_mode stream)")
-    if cfg.task not in TASKS:
-        raise SystemExit(f"--task must be one of {TASKS}, got {cfg.task!r}")
+            bad(name, f"one of {sorted(MIXERS)}")
+    fixed_ok = "train_examples" in {f.name for f in dataclasses.fields(TASK_CONFIGS[cfg.task])}
+    if cfg.data_mode == "fixed" and not fixed_ok:
+        bad("data_mode", "'stream' for this task", f": 'fixed' is Zoology's fixed training set (MQAR, Arora et al. "
+            f"2023); task {cfg.task!r} has none")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise SystemExit(f"--lr must be a positive finite number, got {cfg.lr!r}")
+        bad("lr", "a positive finite number")
     for name in ("d_model", "num_layers", "num_heads", "steps", "batch_size", "eval_every", "eval_batch_size",
                  "test_examples", "log_every", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+            bad(name, ">= 1")
     if cfg.d_model % cfg.num_heads:
-        raise SystemExit(f"--d_model {cfg.d_model} must be divisible by --num_heads {cfg.num_heads} "
-                         f"(head dim = d_model / num_heads)")
+        bad("d_model", f"divisible by RecallConfig.num_heads {cfg.num_heads}", " (head dim = d_model / num_heads)")
     if not 0 <= cfg.warmup < cfg.steps:
-        raise SystemExit(f"--warmup must be in [0, --steps) = [0, {cfg.steps}), got {cfg.warmup} "
-                         f"(the default warmup is 200 steps: pass a smaller --warmup with a short --steps)")
+        bad("warmup", f"in [0, RecallConfig.steps) = [0, {cfg.steps})",
+            " (the default warmup is 200 steps: pass a smaller RecallConfig.warmup with a short RecallConfig.steps)")
     if cfg.max_steps is not None and cfg.max_steps < 0:
-        raise SystemExit(f"--max_steps must be >= 0, got {cfg.max_steps}")
+        bad("max_steps", ">= 0")
     if cfg.max_time_s is not None and not cfg.max_time_s > 0:
-        raise SystemExit(f"--max_time_s must be > 0 (seconds), got {cfg.max_time_s}")
+        bad("max_time_s", "> 0 (seconds)")
     if not 0 < cfg.target_accuracy <= 1:
-        raise SystemExit(f"--target_accuracy must be in (0, 1], got {cfg.target_accuracy}")
+        bad("target_accuracy", "in (0, 1]")
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
-        raise SystemExit(f"--hybrid_every {cfg.hybrid_every} with --num_layers {cfg.num_layers}: no layer would be "
-                         f"{cfg.hybrid_mixer!r} (need 0 <= hybrid_every <= num_layers; 4 layers for 3:1)")
+        bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
+            f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")
+
+
+def build(cfg: RecallConfig):
+    """``(task, loader, lm_cfg, model_fn, optimizer)`` of ``cfg`` (after :func:`validate`).
+
+    Raises:
+      ValueError, TypeError: a bad setting; the message names the ``RecallConfig`` field (or, for the
+        task's own checks, the task and the field of the same name).
+    """
+    validate(cfg)
     try:
         task = make_task(cfg)
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"task {cfg.task!r}: {e}") from None
+        raise type(e)(f"RecallConfig task {cfg.task!r}: {e}") from None
     loader = TaskLoader(task, cfg.batch_size, mode=cfg.data_mode)
-    layer_mixers = LMConfig(num_layers=cfg.num_layers, mixer=cfg.mixer, hybrid_every=cfg.hybrid_every,
-                            hybrid_mixer=cfg.hybrid_mixer).layer_mixers()
+    lm_cfg = make_lm_config(cfg, task.model_vocab_size)
+    layer_mixers = lm_cfg.layer_mixers()
     if cfg.allow_neg_eigval and not set(layer_mixers) & {"gdn", "deltanet"}:
-        raise SystemExit(f"--allow_neg_eigval needs a delta-rule layer (gdn, deltanet); the layers are {layer_mixers}")
-    lm_cfg = LMConfig(vocab_size=task.model_vocab_size, d_model=cfg.d_model, num_layers=cfg.num_layers,
-                      num_heads=cfg.num_heads, mixer=cfg.mixer, hybrid_every=cfg.hybrid_every,
-                      hybrid_mixer=cfg.hybrid_mixer, allow_neg_eigval=cfg.allow_neg_eigval,
-                      mlp_ratio=cfg.mlp_ratio, use_short_conv=cfg.use_short_conv,
-                      backend=cfg.backend, chunk_size=cfg.chunk_size)
+        raise ValueError(f"RecallConfig.allow_neg_eigval needs a delta-rule layer (gdn, deltanet); the layers are "
+                         f"{layer_mixers}")
     model_fn = lambda: LM(lm_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = T.make_optimizer(cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps,
                           weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
@@ -272,6 +286,233 @@ def plot_curves(path: str, history: Dict[str, Any], target: float) -> None:
     plt.close(fig)
 
 
+class _Run:
+    """One call of :func:`run`: the state its steps share (setup here, then :meth:`restore_or_init`,
+    :meth:`train`, :meth:`finish`, :meth:`results` and :meth:`write_outputs`)."""
+
+    def __init__(self, cfg: RecallConfig):
+        self.cfg = cfg
+        self.out = cfg.out or os.path.join("runs", cfg.task)
+        self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
+        os.makedirs(self.out, exist_ok=True)
+        self.stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
+        self.task, self.loader, _, self.model_fn, self.tx = build(cfg)
+        self.mesh = T.make_mesh()
+        self.n_dev = self.mesh.shape["data"]
+        for name in ("batch_size", "eval_batch_size"):
+            if getattr(cfg, name) % self.n_dev:
+                raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {self.n_dev} "
+                                 f"devices")
+        if not cfg.resume and os.path.isdir(self.ckpt_dir) and os.listdir(self.ckpt_dir):
+            print(f"starting fresh: removing old checkpoints in {self.ckpt_dir} (use --resume to continue them)",
+                  file=sys.stderr)
+            shutil.rmtree(self.ckpt_dir)
+        self.ckpt = T.Checkpointer(self.ckpt_dir, max_to_keep=cfg.keep_checkpoints)
+        self.history: Dict[str, Any] = {"train": [], "evals": []}
+        self.wall_before = 0.0
+        self.resumed = False
+        self.pending: List[Dict[str, jax.Array]] = []  # train metrics not yet fetched from the device
+        self.since_eval: List[float] = []  # train losses since the last evaluation
+        self.eval_s = 0.0  # time in evaluate() (evaluation incl. its compile, checkpoint save) this session
+        self.first_step_s: Optional[float] = None
+        self.stopped_by_time = self.diverged = False
+
+    # -- restore or init ----------------------------------------------------------------------------
+
+    def restore_or_init(self) -> None:
+        """The latest checkpoint (``resume``; with its history and wall time) or a fresh train state;
+        then the jitted train/eval steps (sparse LM head where the task has few labels) and the test set."""
+        cfg = self.cfg
+        restored = None
+        if cfg.resume:
+            self.graphdef, abstract = T.abstract_train_state(self.model_fn, self.tx, mesh=self.mesh)
+            try:
+                restored = self.ckpt.restore_latest(abstract)
+            except ValueError as e:  # orbax: saved tree does not match this model
+                raise ValueError(
+                    f"RecallConfig.resume: the checkpoint in {self.ckpt_dir} does not match this run's "
+                    f"model/optimizer (saved with other settings, e.g. another RecallConfig.mixer, "
+                    f"RecallConfig.d_model or RecallConfig.num_layers?). Use the original settings, another "
+                    f"RecallConfig.out/RecallConfig.ckpt_dir, or drop RecallConfig.resume. "
+                    f"({str(e).splitlines()[0]})") from None
+            if restored is None:
+                print(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch", file=sys.stderr)
+        if restored is not None:
+            self.state, meta = restored
+            self.resumed = True
+            self.history = meta.get("history", self.history)
+            self.wall_before = float(meta.get("wall_s", 0.0))
+            old = meta.get("config", {})
+            diff = {k: (old[k], v) for k, v in dataclasses.asdict(cfg).items()
+                    if k in old and old[k] != v and k not in RESUME_FREE_FIELDS}
+            if diff:
+                print(f"warning: resuming with changed settings {diff}", file=sys.stderr)
+        else:
+            self.graphdef, self.state = T.create_train_state(self.model_fn(), self.tx, seed=cfg.seed, mesh=self.mesh)
+        self.start = self.step = int(jax.device_get(self.state.step))
+        if restored is not None:
+            print(f"resumed from step {self.start} ({self.ckpt_dir})", file=sys.stderr)
+        n_labels = self.task.max_labels  # sparse LM head: logits only where something is scored
+        self.train_step = T.make_train_step(self.graphdef, self.tx, self.mesh, loss_fn=T.make_lm_loss(n_labels))
+        self.eval_step = T.make_eval_step(self.graphdef, self.mesh, max_scored=n_labels)
+        self.test_set = make_test_set(self.task)
+
+    # -- train loop ---------------------------------------------------------------------------------
+
+    def wall(self) -> float:
+        """Wall time of the run so far (earlier sessions included)."""
+        return self.wall_before + time.perf_counter() - self.t0
+
+    def flush(self) -> Optional[Tuple[float, float]]:
+        """Fetch the pending train metrics: one train-curve point at the current step; (loss, accuracy)."""
+        if not self.pending:
+            return None
+        vals = jax.device_get(self.pending)
+        self.pending.clear()
+        if any(int(v.get("unscored", 0)) for v in vals):
+            raise RuntimeError(f"training batches have more labels per row than max_labels={self.task.max_labels}")
+        loss = float(np.mean([v["loss"] for v in vals]))
+        acc = float(np.mean([v["accuracy"] for v in vals]))
+        self.history["train"].append([self.step, loss, acc])
+        self.since_eval.extend(float(v["loss"]) for v in vals)
+        return loss, acc
+
+    def train(self) -> None:
+        """Train from the current step to ``stop``: evaluate every ``eval_every`` steps; stop early at
+        ``target_accuracy``, on a non-finite loss (``diverged``) or past ``max_time_s``."""
+        from tqdm.auto import tqdm
+
+        cfg, history = self.cfg, self.history
+        self.t0 = time.perf_counter()
+        done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
+        bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not cfg.progress,
+                   dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")
+        batches = T.prefetch_batches(self.loader.batch, range(self.start, self.stop), self.mesh) if not done else iter(())
+        try:
+            for s, batch in batches:
+                t_step = time.perf_counter()
+                self.state, metrics = self.train_step(self.state, batch)
+                if self.first_step_s is None:
+                    jax.block_until_ready(metrics)
+                    self.first_step_s = time.perf_counter() - t_step
+                self.pending.append(metrics)
+                self.step = s + 1
+                bar.update(1)
+                if self._after_step(bar):
+                    break
+        finally:
+            if hasattr(batches, "close"):
+                batches.close()
+            bar.close()
+
+    def _after_step(self, bar) -> bool:
+        """Log, evaluate and decide after a step; True: stop training."""
+        cfg, history, step = self.cfg, self.history, self.step
+        out_of_time = cfg.max_time_s is not None and self.wall() > cfg.max_time_s
+        is_eval = step % cfg.eval_every == 0
+        if step % cfg.log_every == 0 or is_eval or step == self.stop:
+            la = self.flush()
+            if la is not None:
+                bar.set_postfix(loss=f"{la[0]:.3f}", acc=f"{la[1]:.3f}",
+                                test=f"{history['evals'][-1]['test_accuracy']:.3f}" if history["evals"] else "-")
+        if is_eval:
+            rec = self.evaluate()
+            bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}", acc=f"{history['train'][-1][2]:.3f}",
+                            test=f"{rec['test_accuracy']:.3f}")
+            if rec["test_accuracy"] >= cfg.target_accuracy:
+                return True
+            if not (math.isfinite(rec["test_loss"]) and (rec["loss"] is None or math.isfinite(rec["loss"]))):
+                self.diverged = True  # NaN/inf loss: further steps cannot recover
+                print(f"{cfg.task} {mixer_label(cfg)} lr={cfg.lr:g}: loss is not finite at step {step}; "
+                      f"stopping (diverged)", file=sys.stderr)
+                return True
+        if out_of_time:
+            self.stopped_by_time = True
+            return True
+        return False
+
+    # -- evaluation ---------------------------------------------------------------------------------
+
+    def evaluate(self) -> Dict[str, Any]:
+        """Test loss and accuracy at the current step (appended to the history), then a checkpoint."""
+        cfg, step = self.cfg, self.step
+        t_eval = time.perf_counter()
+        ev = T.evaluate(self.eval_step, self.state, self.test_set, batch_size=cfg.eval_batch_size, mesh=self.mesh)
+        rec = {"step": step, "loss": float(np.mean(self.since_eval)) if self.since_eval else None,
+               "test_loss": ev["loss"], "test_accuracy": ev["accuracy"], "wall_s": round(self.wall(), 3)}
+        self.since_eval.clear()
+        self.history["evals"].append(rec)
+        self.ckpt.save(self.state, {"config": dataclasses.asdict(cfg), "history": self.history, "wall_s": self.wall(),
+                                    "loader_step": step, "data_mode": cfg.data_mode}, step=step)
+        self.eval_s += time.perf_counter() - t_eval
+        return rec
+
+    def finish(self) -> None:
+        """The last train-curve point and, unless the last step was just evaluated, a final evaluation."""
+        self.flush()
+        if not self.history["evals"] or self.history["evals"][-1]["step"] != self.step:
+            self.evaluate()
+        self.ckpt.close()
+        self.train_wall = time.perf_counter() - self.t0
+
+    # -- outputs ------------------------------------------------------------------------------------
+
+    def results(self) -> Dict[str, Any]:
+        """The ``results.json`` record of the run (README "Experiments and results")."""
+        cfg, evals, task = self.cfg, self.history["evals"], self.task
+        final, best = evals[-1], max(e["test_accuracy"] for e in evals)
+        backends = resolved_backends(T.merge_model(self.graphdef, self.state))
+        ran, wall, first = self.step - self.start, self.train_wall, self.first_step_s
+
+        def rate(busy: float):  # steps/s after the first (compile) step over ``busy`` seconds
+            return round((ran - 1) / (busy - first), 2) if first is not None and ran > 1 and busy > first else None
+
+        return {
+            "config": dataclasses.asdict(cfg),
+            "jax_version": jax.__version__,
+            "platform": jax.default_backend(),
+            "backend_requested": cfg.backend,
+            "backend_resolved": sorted(set(backends)) if backends else None,
+            "device_kind": jax.devices()[0].device_kind,
+            "num_devices": self.n_dev,
+            "evals": evals,
+            "eval_columns": ["step", "loss", "test_loss", "test_accuracy", "wall_s"],
+            "task": cfg.task,
+            "chance": task.chance,
+            "final_test_accuracy": final["test_accuracy"],
+            "best_test_accuracy": best,
+            "final_scaled_accuracy": scaled_accuracy(final["test_accuracy"], task.chance),
+            "best_scaled_accuracy": scaled_accuracy(best, task.chance),
+            "reached_target": final["test_accuracy"] >= cfg.target_accuracy,
+            "stopped_by_time": self.stopped_by_time,
+            "diverged": self.diverged,
+            "steps": self.step,
+            "resumed_from": self.start if self.resumed else None,
+            "wall_s": round(self.wall_before + wall, 3),
+            "session_wall_s": round(wall, 3),
+            "first_step_s": None if first is None else round(first, 3),
+            "steps_per_s": rate(wall),
+            "eval_s": round(self.eval_s, 3),
+            "train_steps_per_s": rate(wall - self.eval_s),
+            "num_params": int(sum(np.size(x) for x in jax.tree.leaves(self.state.params))),
+            "train_curve": self.history["train"],
+            "out": os.path.abspath(self.out),
+            "ckpt_dir": self.ckpt.directory,
+        }
+
+    def write_outputs(self, results: Dict[str, Any]) -> None:
+        """``results.json`` (strict JSON: NaN/inf as null), ``curves.png`` and a one-line summary."""
+        cfg, out = self.cfg, self.out
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(_finite_json(results), f, indent=1, allow_nan=False)
+        plot_curves(os.path.join(out, "curves.png"), self.history, cfg.target_accuracy)
+        print(f"{cfg.task} {mixer_label(cfg)} d={cfg.d_model} {self.task.label} lr={cfg.lr:g}: "
+              f"test_acc={results['final_test_accuracy']:.4f} (best {results['best_test_accuracy']:.4f}) at step "
+              f"{self.step}{' [target reached]' if results['reached_target'] else ''}, wall {results['wall_s']:.1f}s, "
+              f"backend={','.join(results['backend_resolved'] or ['-'])} on {self.n_dev}x {results['device_kind']} "
+              f"-> {os.path.join(out, 'results.json')}", flush=True)
+
+
 def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     """Train (or resume) according to ``cfg``; write results.json, curves.png and checkpoints.
 
@@ -280,188 +521,15 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     the rest of the wall time, evaluations and checkpoint saves included), ``eval_s`` (time in
     evaluations, their compile included, and checkpoint saves) and ``train_steps_per_s`` (the
     same steps over the wall time without ``eval_s``).
+
+    Raises:
+      ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
+        or a ``resume`` checkpoint that does not match the model; messages name ``RecallConfig`` fields.
     """
-    out = cfg.out or os.path.join("runs", cfg.task)
-    ckpt_dir = cfg.ckpt_dir or os.path.join(out, "ckpt")
-    os.makedirs(out, exist_ok=True)
-    stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
-
-    task, loader, lm_cfg, model_fn, tx = build(cfg)
-    mesh = T.make_mesh()
-    n_dev = mesh.shape["data"]
-    for name in ("batch_size", "eval_batch_size"):
-        if getattr(cfg, name) % n_dev:
-            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the {n_dev} devices")
-
-    if not cfg.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        print(f"starting fresh: removing old checkpoints in {ckpt_dir} (use --resume to continue them)",
-              file=sys.stderr)
-        shutil.rmtree(ckpt_dir)
-    ckpt = T.Checkpointer(ckpt_dir, max_to_keep=cfg.keep_checkpoints)
-
-    history: Dict[str, Any] = {"train": [], "evals": []}
-    wall_before = 0.0
-    restored = None
-    if cfg.resume:
-        graphdef, abstract = T.abstract_train_state(model_fn, tx, mesh=mesh)
-        try:
-            restored = ckpt.restore_latest(abstract)
-        except ValueError as e:  # orbax: saved tree does not match this model
-            raise SystemExit(
-                f"--resume: the checkpoint in {ckpt_dir} does not match this run's model/optimizer "
-                f"(saved with other settings, e.g. --mixer/--d_model/--num_layers?). Use the original "
-                f"flags, another --out/--ckpt_dir, or drop --resume. ({str(e).splitlines()[0]})"
-            ) from None
-        if restored is None:
-            print(f"--resume: no checkpoint in {ckpt_dir}; starting from scratch", file=sys.stderr)
-    if restored is not None:
-        state, meta = restored
-        history = meta.get("history", history)
-        wall_before = float(meta.get("wall_s", 0.0))
-        old = meta.get("config", {})
-        diff = {k: (old[k], v) for k, v in dataclasses.asdict(cfg).items()
-                if k in old and old[k] != v and k not in _RESUME_FREE}
-        if diff:
-            print(f"warning: resuming with changed settings {diff}", file=sys.stderr)
-    else:
-        graphdef, state = T.create_train_state(model_fn(), tx, seed=cfg.seed, mesh=mesh)
-    start = int(jax.device_get(state.step))
-    if restored is not None:
-        print(f"resumed from step {start} ({ckpt_dir})", file=sys.stderr)
-
-    n_labels = max_labels(task)  # sparse LM head: logits only where something is scored
-    train_step = T.make_train_step(graphdef, tx, mesh, loss_fn=T.make_lm_loss(n_labels))
-    eval_step = T.make_eval_step(graphdef, mesh, max_scored=n_labels)
-    test_set = make_test_set(task)
-
-    t0 = time.perf_counter()
-    first_step_s = None
-    stopped_by_time = diverged = False
-    done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
-    pending: List[Dict[str, jax.Array]] = []
-    since_eval: List[float] = []
-    eval_s = [0.0]  # time spent in do_eval (evaluation incl. its compile, checkpoint save) this session
-
-    def wall() -> float:
-        return wall_before + time.perf_counter() - t0
-
-    def flush(step: int):
-        if not pending:
-            return None
-        vals = jax.device_get(pending)
-        pending.clear()
-        if any(int(v.get("unscored", 0)) for v in vals):
-            raise RuntimeError(f"training batches have more labels per row than max_labels={n_labels}")
-        loss = float(np.mean([v["loss"] for v in vals]))
-        acc = float(np.mean([v["accuracy"] for v in vals]))
-        history["train"].append([step, loss, acc])
-        since_eval.extend(float(v["loss"]) for v in vals)
-        return loss, acc
-
-    def do_eval(step: int) -> Dict[str, Any]:
-        t_eval = time.perf_counter()
-        ev = T.evaluate(eval_step, state, test_set, batch_size=cfg.eval_batch_size, mesh=mesh)
-        rec = {"step": step, "loss": float(np.mean(since_eval)) if since_eval else None,
-               "test_loss": ev["loss"], "test_accuracy": ev["accuracy"], "wall_s": round(wall(), 3)}
-        since_eval.clear()
-        history["evals"].append(rec)
-        ckpt.save(state, {"config": dataclasses.asdict(cfg), "history": history, "wall_s": wall(),
-                          "loader_step": step, "data_mode": cfg.data_mode}, step=step)
-        eval_s[0] += time.perf_counter() - t_eval
-        return rec
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=stop, initial=min(start, stop), disable=not cfg.progress, dynamic_ncols=True,
-               desc=f"{cfg.task} {mixer_label(cfg)}")
-    step = start
-    batches = T.prefetch_batches(loader.batch, range(start, stop), mesh) if not done else iter(())
-    try:
-        for s, batch in batches:
-            t_step = time.perf_counter()
-            state, metrics = train_step(state, batch)
-            if first_step_s is None:
-                jax.block_until_ready(metrics)
-                first_step_s = time.perf_counter() - t_step
-            pending.append(metrics)
-            step = s + 1
-            bar.update(1)
-            out_of_time = cfg.max_time_s is not None and wall() > cfg.max_time_s
-            is_eval = step % cfg.eval_every == 0
-            if step % cfg.log_every == 0 or is_eval or step == stop:
-                la = flush(step)
-                if la is not None:
-                    bar.set_postfix(loss=f"{la[0]:.3f}", acc=f"{la[1]:.3f}",
-                                    test=f"{history['evals'][-1]['test_accuracy']:.3f}" if history["evals"] else "-")
-            if is_eval:
-                rec = do_eval(step)
-                bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}", acc=f"{history['train'][-1][2]:.3f}",
-                                test=f"{rec['test_accuracy']:.3f}")
-                if rec["test_accuracy"] >= cfg.target_accuracy:
-                    done = True
-                    break
-                if not (math.isfinite(rec["test_loss"]) and (rec["loss"] is None or math.isfinite(rec["loss"]))):
-                    diverged = True  # NaN/inf loss: further steps cannot recover
-                    print(f"{cfg.task} {mixer_label(cfg)} lr={cfg.lr:g}: loss is not finite at step {step}; "
-                          f"stopping (diverged)", file=sys.stderr)
-                    break
-            if out_of_time:
-                stopped_by_time = True
-                break
-    finally:
-        if hasattr(batches, "close"):
-            batches.close()
-        bar.close()
-    flush(step)
-    if not history["evals"] or history["evals"][-1]["step"] != step:
-        do_eval(step)
-    ckpt.close()
-    train_wall = time.perf_counter() - t0
-
-    final = history["evals"][-1]
-    backends = resolved_backends(T.merge_model(graphdef, state))
-    dev = jax.devices()[0]
-    ran = step - start
-    results = {
-        "config": dataclasses.asdict(cfg),
-        "jax_version": jax.__version__,
-        "platform": jax.default_backend(),
-        "backend_requested": cfg.backend,
-        "backend_resolved": sorted(set(backends)) if backends else None,
-        "device_kind": dev.device_kind,
-        "num_devices": n_dev,
-        "evals": history["evals"],
-        "eval_columns": ["step", "loss", "test_loss", "test_accuracy", "wall_s"],
-        "task": cfg.task,
-        "chance": task.chance,
-        "final_test_accuracy": final["test_accuracy"],
-        "best_test_accuracy": max(e["test_accuracy"] for e in history["evals"]),
-        "final_scaled_accuracy": scaled_accuracy(final["test_accuracy"], task.chance),
-        "best_scaled_accuracy": scaled_accuracy(max(e["test_accuracy"] for e in history["evals"]), task.chance),
-        "reached_target": final["test_accuracy"] >= cfg.target_accuracy,
-        "stopped_by_time": stopped_by_time,
-        "diverged": diverged,
-        "steps": step,
-        "resumed_from": start if restored is not None else None,
-        "wall_s": round(wall_before + train_wall, 3),
-        "session_wall_s": round(train_wall, 3),
-        "first_step_s": None if first_step_s is None else round(first_step_s, 3),
-        "steps_per_s": round((ran - 1) / (train_wall - first_step_s), 2)
-        if first_step_s is not None and ran > 1 and train_wall > first_step_s else None,
-        "eval_s": round(eval_s[0], 3),
-        "train_steps_per_s": round((ran - 1) / (train_wall - first_step_s - eval_s[0]), 2)
-        if first_step_s is not None and ran > 1 and train_wall > first_step_s + eval_s[0] else None,
-        "num_params": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
-        "train_curve": history["train"],
-        "out": os.path.abspath(out),
-        "ckpt_dir": ckpt.directory,
-    }
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(_finite_json(results), f, indent=1, allow_nan=False)  # NaN/inf -> null: strict JSON
-    plot_curves(os.path.join(out, "curves.png"), history, cfg.target_accuracy)
-    print(f"{cfg.task} {mixer_label(cfg)} d={cfg.d_model} {task_label(cfg)} lr={cfg.lr:g}: "
-          f"test_acc={final['test_accuracy']:.4f} (best {results['best_test_accuracy']:.4f}) at step {step}"
-          f"{' [target reached]' if results['reached_target'] else ''}, wall {results['wall_s']:.1f}s, "
-          f"backend={','.join(results['backend_resolved'] or ['-'])} on {n_dev}x {dev.device_kind} "
-          f"-> {os.path.join(out, 'results.json')}", flush=True)
-    return results, state
+    r = _Run(cfg)
+    r.restore_or_init()
+    r.train()
+    r.finish()
+    results = r.results()
+    r.write_outputs(results)
+    return results, r.state

@@ -22,6 +22,11 @@ line per mixer).
 
 Mixer names are those of :data:`gdn_jax.models.MIXERS` plus ``"hybrid"``: GDN layers with every 4th
 layer Qwen3-Next gated attention (3:1), at ``max(num_layers, 4)`` layers.
+
+Which grid axes a task uses, a cell's name and the headline metric come from the task's config
+(:data:`gdn_jax.data.TASK_CONFIGS`: the ``seq_len`` / ``num_kv_pairs`` fields it has, its ``metric``).
+Bad settings raise ``ValueError`` naming the field (``SweepConfig.lrs``, ``RecallConfig.steps``);
+``experiments/sweep.py`` turns them into exit messages. README "Recall suite: tasks, mixers, sweeps".
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ __all__ = ["SweepConfig", "PRESETS", "Cell", "cells", "apply_preset", "run_confi
 @dataclasses.dataclass
 class SweepConfig:
     """A sweep: the grid axes, the shared run settings (``base``: ``RecallConfig`` field=value
-    overrides, e.g. ``("steps=2000", "batch_size=128")``), where to write, how to run.
+    overrides, e.g. ``("steps=2000", "batch_size=128")``, parsed by :func:`gdn_jax.cli.parse_overrides`),
+    where to write, how to run.
 
     ``preset`` fills every field the command line did not set from :data:`PRESETS`."""
 
@@ -65,7 +71,7 @@ class SweepConfig:
 
 # Presets: sweep fields + base run settings. The H200 ones are the reduced protocols of the README.
 PRESETS: Dict[str, Dict[str, Any]] = {
-    # CI smoke test: every mixer on one task for a few steps (tests/test_sweep.py runs each task)
+    # CI smoke test: every mixer on one task for a few steps (tests/experiments/test_sweep.py runs each task)
     "cpu_smoke": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid"),
                       d_models=(16,), seq_lens=(32,), num_kv_pairs=(4,), lrs=(3e-2,),
                       base=("vocab_size=32", "num_heads=2", "steps=24", "warmup=2", "batch_size=8",
@@ -103,12 +109,25 @@ def apply_preset(cfg: SweepConfig, explicit: Iterable[str] = ()) -> SweepConfig:
     if cfg.preset is None:
         return cfg
     if cfg.preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got preset={cfg.preset!r}")
+        raise ValueError(f"SweepConfig.preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     explicit = set(explicit)
     p = dict(PRESETS[cfg.preset])
     base = tuple(p.pop("base", ())) + tuple(cfg.base)
     upd = {k: v for k, v in p.items() if k not in explicit}
     return dataclasses.replace(cfg, **upd, base=base)
+
+
+_TASK_AXES = ("seq_len", "num_kv_pairs")  # the grid's task axes; a task uses those its config has
+
+
+def _task_axes(task: str) -> Tuple[str, ...]:
+    """The grid's task axes (``seq_len``, ``num_kv_pairs``) that ``task``'s config has as fields."""
+    from gdn_jax.data import TASK_CONFIGS
+
+    if task not in TASK_CONFIGS:
+        raise ValueError(f"SweepConfig.task must be one of {tuple(TASK_CONFIGS)}, got {task!r}")
+    names = {f.name for f in dataclasses.fields(TASK_CONFIGS[task])}
+    return tuple(a for a in _TASK_AXES if a in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +143,10 @@ class Cell:
 
     @property
     def name(self) -> str:
-        if self.task == "state_tracking":
-            s = f"{self.task}_{self.mixer}_d{self.d_model}"
-        elif self.task == "niah":
-            s = f"{self.task}_{self.mixer}_d{self.d_model}_L{self.seq_len}"
-        else:
-            s = f"{self.task}_{self.mixer}_d{self.d_model}_L{self.seq_len}_N{self.num_kv_pairs}"
-        return s + ("_neg" if self.neg_eigval else "")
+        """E.g. ``mqar_gdn_d64_L64_N8``: the task axes its task uses (``_L``, ``_N``), ``_neg`` for beta in (0, 2)."""
+        tag = {"seq_len": f"_L{self.seq_len}", "num_kv_pairs": f"_N{self.num_kv_pairs}"}
+        axes = "".join(tag[a] for a in _task_axes(self.task))
+        return f"{self.task}_{self.mixer}_d{self.d_model}{axes}" + ("_neg" if self.neg_eigval else "")
 
     @property
     def label(self) -> str:
@@ -143,16 +159,18 @@ _NEG_OK = ("gdn", "deltanet", "hybrid")
 
 def cells(cfg: SweepConfig) -> List[Cell]:
     """The grid of ``cfg``. ``neg_eigval=True`` only for mixers with a delta rule (gdn, deltanet,
-    hybrid); ``niah`` ignores ``num_kv_pairs`` and ``state_tracking`` ignores ``seq_lens`` and
-    ``num_kv_pairs`` (its lengths are the task fields train/test_min/max_len, set with ``--base``)."""
+    hybrid); a task whose config lacks ``seq_len`` / ``num_kv_pairs`` ignores that axis (``niah``
+    ignores ``num_kv_pairs``; ``state_tracking`` both: its lengths are the task fields
+    train/test_min/max_len, set with ``base``)."""
     from gdn_jax.models.lm import MIXERS
 
     for m in cfg.mixers:
         if m not in MIXERS and m != "hybrid":
-            raise ValueError(f"unknown mixer {m!r}; expected one of {sorted(MIXERS) + ['hybrid']}")
+            raise ValueError(f"unknown mixer {m!r} in SweepConfig.mixers; expected one of {sorted(MIXERS) + ['hybrid']}")
     out = []
-    seq_lens = cfg.seq_lens if cfg.task != "state_tracking" else cfg.seq_lens[:1]
-    pairs = cfg.num_kv_pairs if cfg.task == "mqar" else cfg.num_kv_pairs[:1]
+    axes = _task_axes(cfg.task)
+    seq_lens = cfg.seq_lens if "seq_len" in axes else cfg.seq_lens[:1]
+    pairs = cfg.num_kv_pairs if "num_kv_pairs" in axes else cfg.num_kv_pairs[:1]
     for L in seq_lens:
         for n in pairs:
             for d in cfg.d_models:
@@ -164,35 +182,29 @@ def cells(cfg: SweepConfig) -> List[Cell]:
     return out
 
 
+# RecallConfig fields that the sweep sets itself (-> the SweepConfig field to use instead)
+_SET_BY_SWEEP = {"task": "SweepConfig.task", "mixer": "SweepConfig.mixers", "d_model": "SweepConfig.d_models",
+                 "seq_len": "SweepConfig.seq_lens", "num_kv_pairs": "SweepConfig.num_kv_pairs", "lr": "SweepConfig.lrs",
+                 "allow_neg_eigval": "SweepConfig.neg_eigval", "out": "SweepConfig.out",
+                 "ckpt_dir": "SweepConfig.ckpt_root", "resume": None,
+                 "hybrid_every": "the mixer name 'hybrid' in SweepConfig.mixers"}
+
+
 def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
-    from gdn_jax.cli import make_parser
+    """The ``RecallConfig`` overrides of ``base`` (:func:`gdn_jax.cli.parse_overrides`); ValueError for a
+    bad one or for a field that the sweep sets itself."""
+    from gdn_jax.cli import parse_overrides
     from gdn_jax.recall import RecallConfig
 
-    fields = {f.name for f in dataclasses.fields(RecallConfig)}
-    grid = {"task": "--task", "mixer": "--mixers", "d_model": "--d_models", "seq_len": "--seq_lens",
-            "num_kv_pairs": "--num_kv_pairs", "lr": "--lrs", "allow_neg_eigval": "--neg_eigval", "out": "--out",
-            "ckpt_dir": "--ckpt_root", "resume": None, "hybrid_every": "--mixers hybrid"}
-    argv = []
-    for item in base:
-        if "=" not in item:
-            raise ValueError(f"base settings are field=value, got {item!r}")
-        k, v = item.split("=", 1)
-        if k not in fields:
-            raise ValueError(f"base setting {k!r} is not a RecallConfig field")
-        if k in grid:
-            raise ValueError(f"base setting {k!r} is set by the sweep" + (f"; use {grid[k]}" if grid[k] else ""))
-        if v.lower() in ("true", "false") and isinstance(getattr(RecallConfig(), k), bool):
-            argv.append(f"--{k}" if v.lower() == "true" else f"--no-{k}")
-        else:
-            argv += [f"--{k}", v]
-    parser = make_parser(RecallConfig)
-
-    def error(msg):  # argparse would print usage and exit 2; say which base setting is wrong instead
-        raise ValueError(f"bad base setting: {msg}")
-
-    parser.error = error
-    ns = parser.parse_args(argv)
-    return {k: getattr(ns, k) for k in fields if f"--{k}" in argv or f"--no-{k}" in argv}
+    try:
+        kw = parse_overrides(RecallConfig, base)
+    except ValueError as e:
+        raise ValueError(f"bad SweepConfig.base setting: {e}") from None
+    for k in kw:
+        if k in _SET_BY_SWEEP:
+            use = _SET_BY_SWEEP[k]
+            raise ValueError(f"SweepConfig.base setting {k!r} is set by the sweep" + (f"; use {use}" if use else ""))
+    return kw
 
 
 def run_config(cfg: SweepConfig, cell: Cell, lr: float):
@@ -206,12 +218,9 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
         kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, f"lr{lr:g}")
     ckpt = kw.get("ckpt_dir") or os.path.join(kw["out"], "ckpt")
     kw["resume"] = os.path.isdir(ckpt) and bool(os.listdir(ckpt))  # an interrupted run continues
-    if cell.task != "state_tracking":
-        kw["seq_len"] = cell.seq_len
-    if cell.task == "mqar":
-        kw["num_kv_pairs"] = cell.num_kv_pairs
+    kw.update({a: getattr(cell, a) for a in _task_axes(cell.task)})
     if cell.mixer == "hybrid":
-        kw.update(mixer="gdn", hybrid_every=4, num_layers=max(int(kw.get("num_layers", 2)), 4))
+        kw.update(mixer="gdn", hybrid_every=4, num_layers=max(int(kw.get("num_layers", RecallConfig.num_layers)), 4))
     else:
         kw["mixer"] = cell.mixer
     return RecallConfig(**kw)
@@ -232,23 +241,27 @@ def _load(path: str) -> Optional[Dict[str, Any]]:
 def validate(cfg: SweepConfig) -> List[Cell]:
     """Check the whole sweep before training anything: its own fields, then every run's settings
     (task, model, optimizer; the model is built abstractly). Returns the grid; raises ValueError
-    listing every problem."""
+    listing every problem (each naming its ``SweepConfig`` or ``RecallConfig`` field)."""
     from flax import nnx
 
     from gdn_jax.recall import TASKS, build
 
     errors = []
     if cfg.task not in TASKS:
-        errors.append(f"task must be one of {TASKS}, got {cfg.task!r}")
+        errors.append(f"SweepConfig.task must be one of {TASKS}, got {cfg.task!r}")
     if not cfg.lrs:
-        errors.append("lrs is empty")
+        errors.append("SweepConfig.lrs is empty")
     if cfg.workers < 0:
-        errors.append(f"workers must be >= 0, got {cfg.workers}")
+        errors.append(f"SweepConfig.workers must be >= 0, got {cfg.workers}")
     if cfg.workers_per_device < 1:
-        errors.append(f"workers_per_device must be >= 1, got {cfg.workers_per_device}")
+        errors.append(f"SweepConfig.workers_per_device must be >= 1, got {cfg.workers_per_device}")
     for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval"):
         if not getattr(cfg, name):
-            errors.append(f"{name} is empty")
+            errors.append(f"SweepConfig.{name} is empty")
+    try:
+        _parse_base(cfg.base)  # once, not once per run
+    except ValueError as e:
+        errors.append(str(e))
     if errors:
         raise ValueError("; ".join(errors))
     grid = cells(cfg)
@@ -258,10 +271,8 @@ def validate(cfg: SweepConfig) -> List[Cell]:
                 model_fn = build(run_config(cfg, cell, lr))[3]
                 if lr == cfg.lrs[0]:
                     nnx.eval_shape(model_fn)
-            except SystemExit as e:
-                errors.append(f"{cell.name} lr {lr:g}: {e}")
             except (TypeError, ValueError) as e:
-                errors.append(f"{cell.name} lr {lr:g}: {type(e).__name__}: {e}")
+                errors.append(f"{cell.name} lr {lr:g}: {e}")
     if not errors:
         errors += _changed_settings(cfg, grid)
     if errors:
@@ -275,9 +286,9 @@ def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
     changed ``--base``, say): resuming would skip them and report their old results as the new
     sweep's. Fields that may change between a run and its resumption (``max_steps``, ``max_time_s``,
     ``eval_every``, ``backend``, ...) are not compared."""
-    from gdn_jax.recall import _RESUME_FREE
+    from gdn_jax.recall import RESUME_FREE_FIELDS
 
-    ignore = set(_RESUME_FREE) | {"progress"}
+    ignore = RESUME_FREE_FIELDS
     errors = []
     for cell in grid:
         for lr in cfg.lrs:
@@ -289,7 +300,7 @@ def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
                     if k not in ignore and r["config"].get(k, v) != v]
             if diff:
                 errors.append(f"{cell.name} lr {lr:g} already finished in {cfg.out} with other settings "
-                              f"({', '.join(diff)}); use a new --out, or the settings it was run with")
+                              f"({', '.join(diff)}); use a new SweepConfig.out, or the settings it was run with")
     return errors
 
 
@@ -363,7 +374,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     from tqdm.auto import tqdm
 
     if cfg.worker_index is not None and cfg.worker_index < 0:
-        raise ValueError(f"worker_index (internal: set by the parent sweep for its workers) must be >= 0, "
+        raise ValueError(f"SweepConfig.worker_index (internal: set by the parent sweep for its workers) must be >= 0, "
                          f"got {cfg.worker_index}")
     grid = cells(cfg) if cfg.worker_index is not None else validate(cfg)
     os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
@@ -413,8 +424,12 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
 
 def summarize(cfg: SweepConfig) -> Dict[str, Any]:
     """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
-    learning rate per cell) and ``accuracy_vs_dmodel.png``. Returns the summary."""
-    scaled = cfg.task == "state_tracking"
+    learning rate per cell) and ``accuracy_vs_dmodel.png``. Returns the summary (its ``metric``: the
+    task's headline metric, ``best_test_accuracy`` or, for state tracking, ``best_scaled_accuracy``)."""
+    from gdn_jax.data import TASK_CONFIGS
+
+    metric = "best_" + TASK_CONFIGS[cfg.task].metric
+    scaled = metric == "best_scaled_accuracy"
     rows, best, failed = [], [], []
     for cell in cells(cfg):
         runs = []
@@ -445,7 +460,7 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                 w = csv.DictWriter(f, fieldnames=list(data[0].keys()))
                 w.writeheader()
                 w.writerows(data)
-    summary = {"task": cfg.task, "metric": "best_scaled_accuracy" if scaled else "best_test_accuracy",
+    summary = {"task": cfg.task, "metric": metric,
                "failed": failed,
                "cells": best, "sweep": dataclasses.asdict(cfg)}
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
@@ -462,6 +477,8 @@ def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gdn_jax.data import TASK_CONFIGS
+
     key = "best_scaled_accuracy" if scaled else "best_test_accuracy"
     panels = sorted({(b["seq_len"], b["num_kv_pairs"]) for b in best})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
@@ -471,7 +488,10 @@ def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None
             pts = sorted((b["d_model"], b[key]) for b in sel
                          if b["mixer"] + (" β∈(0,2)" if b["neg_eigval"] else "") == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-        title = {"mqar": f"MQAR L={L}, {n} pairs", "niah": f"NIAH L={L}"}.get(sel[0]["task"], "state tracking")
+        task = sel[0]["task"]
+        axes = _task_axes(task)
+        title = (TASK_CONFIGS[task].title + (f" L={L}" if "seq_len" in axes else "")
+                 + (f", {n} pairs" if "num_kv_pairs" in axes else ""))
         ax.set(title=title, xlabel="d_model", ylabel="scaled accuracy" if scaled else "test accuracy",
                ylim=(-0.05 if scaled else 0, 1.02))
         ax.set_xscale("log", base=2)

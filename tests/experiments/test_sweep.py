@@ -84,10 +84,16 @@ def test_bad_arguments(tmp_path):
         S.run_config(S.SweepConfig(base=("stepz=3",)), S.cells(S.SweepConfig())[0], 1e-3)
     with pytest.raises(ValueError, match="field=value"):
         S.run_config(S.SweepConfig(base=("steps",)), S.cells(S.SweepConfig())[0], 1e-3)
-    with pytest.raises(ValueError, match="bad base setting: argument --steps: invalid int value"):
+    with pytest.raises(ValueError, match=r"bad SweepConfig\.base setting: RecallConfig\.steps: invalid int value"):
         S.run_config(S.SweepConfig(base=("steps=many",)), S.cells(S.SweepConfig())[0], 1e-3)
-    with pytest.raises(ValueError, match="set by the sweep.*--d_models"):
+    with pytest.raises(ValueError, match=r"set by the sweep.*SweepConfig\.d_models"):
         S.run_config(S.SweepConfig(base=("d_model=32",)), S.cells(S.SweepConfig())[0], 1e-3)
+    with pytest.raises(ValueError, match=r"set by the sweep.*'hybrid' in SweepConfig\.mixers"):
+        S.run_config(S.SweepConfig(base=("hybrid_every=2",)), S.cells(S.SweepConfig())[0], 1e-3)
+    # base values are parsed by the RecallConfig field's type
+    rc = S.run_config(S.SweepConfig(base=("max_steps=none", "random_non_queries=false", "depth=0.25", "steps=9")),
+                      S.cells(S.SweepConfig())[0], 1e-3)
+    assert (rc.max_steps, rc.random_non_queries, rc.depth, rc.steps) == (None, False, 0.25, 9)
     # the whole grid is checked before anything trains; nothing is written
     bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
            dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),)),
@@ -97,21 +103,49 @@ def test_bad_arguments(tmp_path):
         with pytest.raises(ValueError):
             S.run_sweep(S.SweepConfig(out=str(out), progress=False, mixers=("gdn",), **kw))
         assert not out.exists(), kw
+    # the command line: the same errors as exit messages naming the sweep's flags
+    import runpy
+
+    main = runpy.run_path(SCRIPT)["main"]
+    for argv, msg in [(["--task", "foo"], r"^sweep\.py: error: --task must be one of"),
+                      (["--preset", "nope"], r"^sweep\.py: error: --preset must be one of"),
+                      (["--base", "d_model=32"], r"^sweep\.py: error: --base setting 'd_model' is set by the sweep; use --d_models$"),
+                      (["--base", "steps=many"], r"bad --base setting: RecallConfig\.steps: invalid int value")]:
+        with pytest.raises(SystemExit, match=msg):
+            main(argv + ["--out", str(tmp_path / "never"), "--no-progress"])
+    assert not (tmp_path / "never").exists()
 
 
 def test_recall_rejects_bad_settings(tmp_path):
+    """The library raises ValueError naming the RecallConfig field; the script exits with the flag."""
     from gdn_jax.recall import RecallConfig, build
 
-    for kw, msg in [(dict(mixer="mamba2", allow_neg_eigval=True), "delta-rule"),
-                    (dict(hybrid_every=4, num_layers=2), "hybrid_every"),
-                    (dict(lr=-1.0), "--lr"), (dict(d_model=-16), "--d_model"), (dict(num_layers=0), "--num_layers"),
-                    (dict(task="niah", value_len=100, seq_len=64), "niah"), (dict(steps=0), "--steps"),
-                    (dict(batch_size=0), "--batch_size"), (dict(eval_every=0), "--eval_every"),
-                    (dict(num_heads=3), "divisible by --num_heads"), (dict(max_time_s=-1.0), "--max_time_s"),
-                    (dict(steps=20, warmup=5000), "--warmup"), (dict(target_accuracy=2.0), "--target_accuracy"),
-                    (dict(max_steps=-1), "--max_steps")]:
-        with pytest.raises(SystemExit, match=msg):
+    cases = [(dict(mixer="mamba2", allow_neg_eigval=True), r"RecallConfig\.allow_neg_eigval needs a delta-rule"),
+             (dict(hybrid_every=4, num_layers=2), r"RecallConfig\.hybrid_every"),
+             (dict(lr=-1.0), r"RecallConfig\.lr"), (dict(d_model=-16), r"RecallConfig\.d_model"),
+             (dict(num_layers=0), r"RecallConfig\.num_layers"), (dict(task="niah", value_len=100, seq_len=64), "niah"),
+             (dict(steps=0), r"RecallConfig\.steps"), (dict(batch_size=0), r"RecallConfig\.batch_size"),
+             (dict(eval_every=0), r"RecallConfig\.eval_every"),
+             (dict(num_heads=3), r"divisible by RecallConfig\.num_heads"),
+             (dict(max_time_s=-1.0), r"RecallConfig\.max_time_s"), (dict(steps=20, warmup=5000), r"RecallConfig\.warmup"),
+             (dict(target_accuracy=2.0), r"RecallConfig\.target_accuracy"), (dict(max_steps=-1), r"RecallConfig\.max_steps"),
+             (dict(task="parity"), r"RecallConfig\.task"), (dict(backend="cuda"), r"RecallConfig\.backend"),
+             (dict(hybrid_mixer="rnn"), r"RecallConfig\.hybrid_mixer"),
+             (dict(task="niah", data_mode="fixed"), r"RecallConfig\.data_mode")]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
+    with pytest.raises(TypeError, match="mqar.*seq_len must be an integer"):
+        build(RecallConfig(seq_len=64.0))
+    # the command line: the same checks, as an exit message naming the flags (nothing trains)
+    import runpy
+
+    main = runpy.run_path(os.path.join(REPO, "experiments", "recall.py"))["main"]
+    for argv, msg in [(["--lr", "-1"], r"^recall\.py: error: --lr must be a positive finite number, got -1\.0$"),
+                      (["--num_heads", "3"], r"--d_model must be divisible by --num_heads 3"),
+                      (["--task", "niah", "--data_mode", "fixed"], r"--data_mode must be 'stream'")]:
+        with pytest.raises(SystemExit, match=msg):
+            main(argv + ["--out", str(tmp_path / "cli")])
 
 
 def test_divergence_is_reported(tmp_path):
@@ -206,5 +240,27 @@ def test_changed_settings_refused(tmp_path):
     S.run_sweep(cfg)
     S.run_sweep(dataclasses.replace(cfg, base=cfg.base + ("max_steps=5", "eval_every=5")))  # resume-free: fine
     changed = dataclasses.replace(cfg, base=cfg.base + ("vocab_size=64",))
-    with pytest.raises(ValueError, match=r"already finished .* \(vocab_size: 32 -> 64\); use a new --out"):
+    with pytest.raises(ValueError, match=r"already finished .* \(vocab_size: 32 -> 64\); use a new SweepConfig\.out"):
         S.run_sweep(changed)
+
+
+def test_task_and_model_configs_built_by_field_name():
+    """make_task / make_lm_config take the RecallConfig fields of their configs' names."""
+    from gdn_jax.data import TASK_CONFIGS, NIAHConfig, StateTrackingConfig
+    from gdn_jax.models import LMConfig
+    from gdn_jax.recall import RecallConfig, make_lm_config, make_task
+
+    rc = RecallConfig(task="niah", vocab_size=64, seq_len=48, key_len=2, value_len=3, depth=0.5, test_examples=7,
+                      seed=3, d_model=32, mixer="gla", mlp_ratio=2.0, backend="chunk", chunk_size=16,
+                      use_short_conv=False, hybrid_every=2, allow_neg_eigval=True)
+    assert make_task(rc) == NIAHConfig(vocab_size=64, seq_len=48, key_len=2, value_len=3, depth=0.5,
+                                       test_examples=7, seed=3)
+    assert make_task(RecallConfig(task="state_tracking", modulus=5, train_max_len=12, test_min_len=12, seed=2)) == \
+        StateTrackingConfig(modulus=5, train_max_len=12, test_min_len=12, seed=2)
+    assert make_lm_config(rc, 65) == LMConfig(vocab_size=65, d_model=32, num_layers=2, num_heads=2, mixer="gla",
+                                              hybrid_every=2, hybrid_mixer="gated_attention", mlp_ratio=2.0,
+                                              backend="chunk", chunk_size=16, use_short_conv=False,
+                                              allow_neg_eigval=True)
+    ours = {f.name for f in dataclasses.fields(RecallConfig)}
+    for cls in TASK_CONFIGS.values():  # every task setting but state tracking's label_mode is a RecallConfig field
+        assert {f.name for f in dataclasses.fields(cls)} - ours <= {"label_mode"}, cls
