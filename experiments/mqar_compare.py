@@ -17,6 +17,9 @@ import json
 import os
 from typing import Dict, List, Tuple
 
+from gdn_jax.cli import parse_overrides
+from gdn_jax.recall import RecallConfig
+
 # (mixer -> {d_model: published accuracy %}); "mamba2" is compared with the paper's "Mamba" row
 PUBLISHED: Dict[str, Dict[int, Tuple[float, float]]] = {
     "deltanet": {64: (100, 100), 128: (100, 100), 256: (100, 100)},
@@ -47,8 +50,8 @@ def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
     lengths = {(int(c["seq_len"]), int(c["num_kv_pairs"])) for c in s["cells"]}
     if len(lengths) != 1:
         raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; compare one at a time")
-    base = dict(b.split("=", 1) for b in (s.get("sweep") or {}).get("base", []) if "=" in b)
-    vocab = int(base.get("vocab_size", 256))  # RecallConfig's default vocab
+    base = parse_overrides(RecallConfig, (s.get("sweep") or {}).get("base", []))  # the sweep's --base
+    vocab = base.get("vocab_size", RecallConfig.vocab_size)
     return (*lengths.pop(), vocab), {(c["mixer"], int(c["d_model"])): c for c in s["cells"]}
 
 
