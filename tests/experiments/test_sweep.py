@@ -175,13 +175,13 @@ def test_bench_pallas_runs():
     variant (with the variant's own numerics) and prints the summary table last."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_pallas.py"), "--quick", "--no-chunk",
-                        "--no-jla", "--variants-first", "--variants", "warps_intra=8", "--reps", "2"],
+                        "--no-jla", "--variants-first", "--variants", "warps_wy=8", "--reps", "2"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = p.stdout
-    assert "pallas[warps_intra=8] vs chunk rel_rms: o" in out
+    assert "pallas[warps_wy=8] vs chunk rel_rms: o" in out
     summary = out.split("SUMMARY")[-1]
-    assert "pallas[warps_intra=8]" in summary and "pallas vs chunk rel_rms" in summary
+    assert "pallas[warps_wy=8]" in summary and "pallas vs chunk rel_rms" in summary
     # the variant only changes Triton settings: on CPU (interpret) its numbers equal pallas's
     errs = [line.split("rel_rms:")[1].split()[1] for line in out.splitlines() if "vs chunk rel_rms:" in line]
     assert len(errs) >= 2 and float(errs[0]) < 5e-3 and len(set(errs)) == 1, errs
