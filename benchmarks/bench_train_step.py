@@ -7,11 +7,11 @@ L 512 / 64 pairs / vocab 8192 / batch 128, ran deltanet and gla at d >= 128 at 5
 steps on one fixed batch (synchronised)::
 
     python benchmarks/bench_train_step.py                                   # the H200 MQAR shape
-    python benchmarks/bench_train_step.py --mixers gla --d_models 128 --env GDN_JAX_DIAG_GRAM=fused
+    python benchmarks/bench_train_step.py --mixers gla --d_models 128 --env XLA_FLAGS=--xla_gpu_autotune_level=0
     python benchmarks/bench_train_step.py --quick                           # tiny CPU smoke test
 
-``--env K=V`` sets environment switches before anything is traced (e.g. ``GDN_JAX_DIAG_GRAM=fused``:
-the per-key-channel diagonal Gram of ``gdn_jax.ops.chunk`` as one multiply-reduce instead of an einsum).
+``--env K=V`` sets environment variables (XLA / JAX flags) before JAX is imported; gdn_jax itself
+reads none (its kernel options are the explicit ``gdn_jax.ops.KernelConfig``).
 """
 from __future__ import annotations
 

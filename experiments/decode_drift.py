@@ -1,4 +1,4 @@
-"""Drift of step-by-step decoding against one chunked forward over the same tokens (REFERENCE §7.6).
+"""Drift of step-by-step decoding against one chunked forward over the same tokens (see the README, "Inference").
 
 A small LM (random init; embeddings N(0, 1) so that logits are O(1)) prefills one token, then
 decodes ``--steps`` tokens with teacher forcing (jitted ``lax.scan`` of ``LM.decode_step``, the

@@ -1,7 +1,7 @@
-"""Decode memory and latency: seed 004 §6.6.6's table, then per-token decode latency measured here.
+"""Decode memory and latency: the cache-size table of the source notes (textbook §6.6.6), then per-token decode latency measured here.
 
-(a) Prints the exact cache sizes of seed 004 §6.6.6 (emb 2048, 16 x 128 heads, 48 layers, bf16,
-    batch 1): full-attention KV cache at 4K / 32K / 128K against the GDN state (the seed's bf16
+(a) Prints the exact cache sizes of that setting (emb 2048, 16 x 128 heads, 48 layers, bf16,
+    batch 1): full-attention KV cache at 4K / 32K / 128K against the GDN state (the notes' bf16
     figure and what gdn_jax keeps: float32 state + bf16 short-conv cache), and a 3:1 hybrid
     (formulas in :mod:`gdn_jax.inference.memory`).
 (b) Measures, on this machine, the per-token decode latency (jitted ``LM.decode_step``, batch 1,

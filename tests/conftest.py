@@ -14,3 +14,117 @@ for _p in (_REPO, _TESTS):  # `gdn_jax`, and the tests' shared `reference` / `co
 
 jax.config.update("jax_compilation_cache_dir", os.path.join(_REPO, ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# ---------------------------------------------------------------------------
+# shared by the operator tests: tolerances and the one input maker
+# ---------------------------------------------------------------------------
+import zlib  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+# RMS-relative error bounds, rel_rms = rms(x - ref) / rms(ref), against the float64 reference,
+# for float32 and 16-bit inputs alike (bf16 output rounding alone is ~1.6e-3).
+TOL_O = 5e-3  # o
+TOL_S = 5e-3  # final state
+TOL_GRAD = 8e-3  # dq, dk, dv, d initial_state
+TOL_GATE = 2e-2  # dg, dbeta (strong-gate grids hold these to TOL_GRAD)
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+def seed_of(*key) -> int:
+    """A deterministic seed from any hashable description of a test case."""
+    return zlib.crc32(repr(key).encode())
+
+
+def logsigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+# named gate distributions: (draw, transform) of the per-token log decay
+GATES = {
+    "weak": lambda rng, s: -0.001 * rng.uniform(0.5, 1.5, s),
+    "strong": lambda rng, s: 2.0 * logsigmoid(rng.normal(-1.0, 1.0, s)),  # 5%..95%: ~ -5.4 .. -0.85
+    "extreme": lambda rng, s: logsigmoid(rng.standard_normal(s)) / 0.01,  # -5 .. -300s
+    "zero": lambda rng, s: np.zeros(s),
+}
+
+
+class Inputs(dict):
+    """Random inputs of one op call: keys (and attributes) q, k, v, g, beta (jax arrays in
+    ``dtype``; g in ``g_dtype``), S0 (float32 initial state or None), do, dS (cotangents of o and
+    of the final state, float32; do rounded to ``dtype`` as the cotangent of a ``dtype`` output
+    is), dtype."""
+
+    __getattr__ = dict.__getitem__
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+
+def make_inputs(seed, B, T, H, K, V, *, gates="strong", g_per_key=False, beta_per_value=False, init=False,
+                normalize_qk=True, dtype=F32, g_dtype=None, N=None, state_scale=0.5):
+    """Random inputs for the operator tests (numpy RNG; one draw order: q, k, v, g, beta, S0, do, dS).
+
+    ``gates``: a name of :data:`GATES` ("weak" g ~ -0.001, "strong" ~ -5.4 .. -0.85, "extreme"
+    logsigmoid(x)/0.01, "zero"), ``("fla", c)``: FLA's grid, logsigmoid(U(0, 1)) / c (c = 0.02:
+    -16 .. -35 per token), ``("const", c)``: c + U(-1, 1), or ``("logsigmoid", mean, f)``:
+    f * logsigmoid(N(mean, 1)). q, k are L2-normalised unless ``normalize_qk=False`` (then twice
+    standard normal, for ``use_qk_l2norm=True``); beta = sigmoid(N(0, 1)); S0 = ``state_scale`` *
+    N(0, 1) for ``init`` (N states: ``N`` or B); g in ``g_dtype`` (default ``dtype``).
+    """
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T, H, K))
+    if normalize_qk:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    else:
+        q *= 2.0
+        k *= 2.0
+    v = rng.standard_normal((B, T, H, V))
+    gshape = (B, T, H, K) if g_per_key else (B, T, H)
+    if isinstance(gates, str):
+        g = GATES[gates](rng, gshape)
+    elif gates[0] == "fla":
+        g = logsigmoid(rng.uniform(0, 1, gshape)) / gates[1]
+    elif gates[0] == "const":
+        g = gates[1] + rng.uniform(-1, 1, gshape)
+    elif gates[0] == "logsigmoid":
+        g = gates[2] * logsigmoid(rng.normal(gates[1], 1.0, gshape))
+    else:
+        raise ValueError(f"unknown gates {gates!r}")
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, V) if beta_per_value else (B, T, H))))
+    n = B if N is None else N
+    S0 = state_scale * rng.standard_normal((n, H, K, V)) if init else None
+    do = rng.standard_normal((B, T, H, V))
+    dS = rng.standard_normal((n, H, K, V))
+    wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else F32
+    x = Inputs()
+    x.q, x.k, x.v, x.beta = (jnp.asarray(a, dtype) for a in (q, k, v, beta))
+    x.g = jnp.asarray(g, dtype if g_dtype is None else g_dtype)
+    x.S0 = None if S0 is None else jnp.asarray(S0, wide)
+    x.do = jnp.asarray(jnp.asarray(do, dtype), wide)
+    x.dS = jnp.asarray(dS, wide)
+    x.dtype = dtype
+    return x
+
+
+def check_close(pairs, *, scale=1.0):
+    """``pairs``: name -> (value, reference, tol). Asserts every value is finite and within
+    ``tol * scale`` in rel_rms, reporting every violation at once; returns name -> rel_rms."""
+    from reference import rel_rms, to_f64
+
+    errs, bad = {}, []
+    for name, (val, ref, tol) in pairs.items():
+        val64 = to_f64(val)
+        if not np.all(np.isfinite(val64)):
+            bad.append(f"{name}: non-finite values ({np.sum(~np.isfinite(val64))})")
+            continue
+        errs[name] = e = rel_rms(val64, ref)
+        if not e <= tol * scale:
+            bad.append(f"{name}: rel_rms={e:.3e} > {tol * scale:g}")
+    assert not bad, "; ".join(bad) + f"  (all: { {k: f'{v:.2e}' for k, v in errs.items()} })"
+    return errs

@@ -100,7 +100,7 @@ def seed_table_markdown(rows=None) -> str:
     rows = seed_table() if rows is None else rows
     r0 = rows[0]
     out = [
-        "Seed 004 §6.6.6 setting: emb 2048, 16 heads x 128, 48 layers, bf16 activations/KV, batch 1. "
+        "Setting of the source notes (textbook §6.6.6): emb 2048, 16 heads x 128, 48 layers, bf16 activations/KV, batch 1. "
         "GiB/MiB = 2^30/2^20 B, GB/MB = 10^9/10^6 B.",
         "",
         "| context | KV cache, 48 attention layers (bf16) | 3:1 hybrid: KV of 12 attention layers + 36 GDN layers (f32 state + bf16 conv) | KV / hybrid |",
@@ -116,7 +116,7 @@ def seed_table_markdown(rows=None) -> str:
         "| cache | bytes | KV / it at 4K | at 32K | at 128K |",
         "|---|---|---|---|---|",
     ]
-    items = [("seed's figure: state in bf16, no conv cache", "gdn_state_bf16"),
+    items = [("the notes' figure: state in bf16, no conv cache", "gdn_state_bf16"),
              ("gdn_jax state (float32)", "gdn_state_f32"),
              ("gdn_jax short-conv cache (bf16, 3 x 3 x 2048 per layer)", "gdn_conv_bf16"),
              ("gdn_jax total (float32 state + bf16 conv)", "gdn_jax_total")]

@@ -1,16 +1,19 @@
 """Operator tests for ``gdn_jax.ops.gated_delta_rule`` against the independent
 float64 reference in ``tests/reference.py``.
 
-Small CPU shapes only. Every backend in ``BACKENDS`` is checked against the
-reference (forward + all gradients), non-scan backends also against "scan".
-To add a backend (e.g. "pallas") append it to ``BACKENDS`` (and to
-``VALUE_BETA_BACKENDS`` if it takes per-value-channel beta).
+Small CPU shapes only. Every backend in ``BACKENDS`` (pallas in interpret mode) is checked
+against the reference (forward + all gradients), non-scan backends also against "scan"; a call a
+backend does not cover (pallas: per-key-channel g, per-value-channel beta, head dims that are not
+multiples of 16, float64) must raise ``NotImplementedError`` naming the option. To add a backend
+append it to ``BACKENDS`` (and to ``VALUE_BETA_BACKENDS`` if it takes per-value-channel beta).
+Tolerances and the input maker live in ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 import zlib
 
 import jax
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, Inputs, check_close, make_inputs
 from reference import reference, reference_boxed, reference_grads, rel_rms, to_f64
 
 try:
@@ -26,20 +30,9 @@ except ImportError as _e:  # fail (not skip) every operator test, keep reference
     gated_delta_rule = None
     _IMPORT_ERROR = _e
 
-BACKENDS = ["scan", "chunk"]
+BACKENDS = ["scan", "chunk", "pallas"]
 VALUE_BETA_BACKENDS = {"scan"}  # backends that take beta [B,T,H,V]
 NON_SCAN_BACKENDS = [b for b in BACKENDS if b != "scan"]
-
-# Tolerances (rel_rms = rms(x - ref) / rms(ref)).
-# bf16 o: bf16 has 8 mantissa bits, so output rounding alone is ~1.6e-3 rms
-# relative -- below 5e-3, hence the same tolerance as fp32 is used.
-TOL_O = 5e-3
-TOL_S = 5e-3
-TOL_GRAD = 8e-3  # q, k, v, initial_state
-TOL_GRAD_GATE = 2e-2  # g, beta
-
-F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _op():
@@ -54,76 +47,23 @@ def seed(request):
     return zlib.crc32(request.node.nodeid.encode())
 
 
-# ---------------------------------------------------------------------------
-# input generation
-# ---------------------------------------------------------------------------
+def declined(backend, x, chunk_size=64):
+    """The reason ``backend`` does not cover inputs ``x`` (None if it does)."""
+    if backend != "pallas":
+        return None
+    from gdn_jax.ops import pallas
+    from gdn_jax.ops._common import GateForms
+
+    forms = GateForms(x.g.ndim == 4, x.beta.ndim == 4)
+    return pallas.supports(forms, chunk_size=chunk_size, K=x.q.shape[-1], V=x.v.shape[-1], dtype=x.v.dtype)
 
 
-def _logsigmoid(x):
-    return -np.logaddexp(0.0, -x)
-
-
-class Inputs:
-    pass
-
-
-def make_inputs(
-    seed,
-    B,
-    T,
-    H,
-    K,
-    V,
-    *,
-    gates="strong",
-    g_per_key=False,
-    beta_per_value=False,
-    init=False,
-    normalize_qk=True,
-    dtype=F32,
-    N=None,
-):
-    """Random inputs. ``gates``: "weak" (g ~ -0.001), "strong" (g ~ -1..-5 per
-    token), "extreme" (logsigmoid(x)/0.01: -5..-300s), or "zero".
-    q, k are L2-normalised unless ``normalize_qk=False`` (then larger-norm raw
-    vectors, meant for use_qk_l2norm=True). beta = sigmoid(N(0,1)).
-    Low-precision inputs are cast to ``dtype``; initial_state stays float32;
-    the cotangents ``do``/``dS`` are float32 (``do`` rounded to ``dtype`` since
-    the cotangent reaching a ``dtype`` output is rounded anyway)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    if normalize_qk:
-        q /= np.linalg.norm(q, axis=-1, keepdims=True)
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    else:
-        q *= 2.0
-        k *= 2.0
-    v = rng.standard_normal((B, T, H, V))
-    gshape = (B, T, H, K) if g_per_key else (B, T, H)
-    if gates == "weak":
-        g = -0.001 * rng.uniform(0.5, 1.5, gshape)
-    elif gates == "strong":
-        g = 2.0 * _logsigmoid(rng.normal(-1.0, 1.0, gshape))  # 5%..95%: ~ -5.4 .. -0.85
-    elif gates == "extreme":
-        g = _logsigmoid(rng.standard_normal(gshape)) / 0.01
-    elif gates == "zero":
-        g = np.zeros(gshape)
-    else:
-        raise ValueError(gates)
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, V) if beta_per_value else (B, T, H))))
-    n = B if N is None else N
-    S0 = 0.5 * rng.standard_normal((n, H, K, V)) if init else None
-    do = rng.standard_normal((B, T, H, V))
-    dS = rng.standard_normal((n, H, K, V))
-
-    x = Inputs()
-    x.q, x.k, x.v, x.g, x.beta = (jnp.asarray(a, dtype) for a in (q, k, v, g, beta))
-    x.S0 = None if S0 is None else jnp.asarray(S0, F32)
-    x.do = jnp.asarray(jnp.asarray(do, dtype), F32)
-    x.dS = jnp.asarray(dS, F32)
-    x.dtype = dtype
-    return x
+def assert_declines(backend, x, chunk_size=64, **kw):
+    """A backend that does not cover a call says so: NotImplementedError naming the option."""
+    reason = declined(backend, x, chunk_size)
+    words = reason.split("(")[0].replace("does not take", "").strip().split()[:2]
+    with pytest.raises(NotImplementedError, match=re.escape(" ".join(words))):
+        op_fwd(x, backend, jit=False, chunk_size=chunk_size, **kw)
 
 
 def ref_fwd(x, **kw):
@@ -167,34 +107,14 @@ def op_fwd_grads(x, backend, *, cu_seqlens=None, **kw):
     return o, S, dict(zip(GRAD_NAMES, grads))
 
 
-def _errs(pairs):
-    """pairs: name -> (value, reference, tol). Returns dict name -> rel_rms and a
-    failure message listing every violation (so one run reports all)."""
-    errs, bad = {}, []
-    for name, (val, ref, tol) in pairs.items():
-        val64 = to_f64(val)
-        if not np.all(np.isfinite(val64)):
-            bad.append(f"{name}: non-finite values ({np.sum(~np.isfinite(val64))})")
-            errs[name] = float("nan")
-            continue
-        e = rel_rms(val64, ref)
-        errs[name] = e
-        if not e <= tol:
-            bad.append(f"{name}: rel_rms={e:.3e} > {tol:g}")
-    msg = "; ".join(bad) + f"  (all: { {k: f'{v:.2e}' for k, v in errs.items()} })"
-    return errs, bad, msg
-
-
-def assert_close(pairs):
-    _, bad, msg = _errs(pairs)
-    assert not bad, msg
+assert_close = check_close
 
 
 def fwd_grad_pairs(o, S, grads, o_ref, S_ref, g_ref):
     pairs = {"o": (o, o_ref, TOL_O), "final_state": (S, S_ref, TOL_S)}
     for name in GRAD_NAMES:
         if name in grads:
-            tol = TOL_GRAD_GATE if name in ("g", "beta") else TOL_GRAD
+            tol = TOL_GATE if name in ("g", "beta") else TOL_GRAD
             pairs["d" + name] = (grads[name], g_ref[name], tol)
     return pairs
 
@@ -380,6 +300,8 @@ def test_backend_vs_reference_fwd_and_grads(backend, case, seed):
                     g_per_key=c.get("g_per_key", False), beta_per_value=c.get("beta_per_value", False),
                     init=c.get("init", False), normalize_qk=not c.get("l2", False), dtype=c.get("dtype", F32))
     kw = dict(scale=c.get("scale"), use_qk_l2norm=c.get("l2", False))
+    if declined(backend, x, c["chunk"]):
+        return assert_declines(backend, x, c["chunk"], **kw)
     o, S, grads = op_fwd_grads(x, backend, chunk_size=c["chunk"], **kw)
     assert o.dtype == x.v.dtype and S.dtype == F32
     assert o.shape == x.v.shape and S.shape == (c["B"], c["H"], c["K"], c["V"])
@@ -411,6 +333,8 @@ CHUNK_T = [  # (chunk_size, T, gates, g_per_key)
 @pytest.mark.parametrize("chunk_size,T,gates,g_per_key", CHUNK_T)
 def test_vs_scan_chunk_sizes_and_lengths(backend, chunk_size, T, gates, g_per_key, seed):
     x = make_inputs(seed, 2, T, 2, 16, 16, gates=gates, g_per_key=g_per_key, init=True)
+    if declined(backend, x, chunk_size):
+        return assert_declines(backend, x, chunk_size)
     o, S = op_fwd(x, backend, chunk_size=chunk_size)
     o_s, S_s = op_fwd(x, "scan")
     o_ref, S_ref = ref_fwd(x)
@@ -432,7 +356,7 @@ def test_value_beta_unsupported_backend_raises(backend, seed):
 
 @pytest.mark.parametrize("beta_per_value,g_per_key", [(True, False), (False, True), (True, True)])
 def test_auto_backend(beta_per_value, g_per_key, seed):
-    x = make_inputs(seed, 2, 37, 2, 16, 8, gates="strong", beta_per_value=beta_per_value,
+    x = make_inputs(seed, 2, 37, 2, 16, 16, gates="strong", beta_per_value=beta_per_value,
                     g_per_key=g_per_key, init=True)
     o, S = op_fwd(x, "auto", chunk_size=16)
     o_ref, S_ref = ref_fwd(x)
@@ -478,7 +402,7 @@ def test_cu_seqlens_vs_separate_runs(backend, init, chunk_size, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cu_seqlens_traced_under_jit_no_recompile(backend, seed):
     T, N = 48, 3
-    x = make_inputs(seed, 1, T, 2, 8, 8, gates="weak", init=True, N=N)
+    x = make_inputs(seed, 1, T, 2, 16, 16, gates="weak", init=True, N=N)
     traces = [0]
 
     @jax.jit
@@ -543,7 +467,7 @@ def test_pitfall_initial_state_gradient(backend, which, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decay_first_not_boxed(backend, seed):
     """With strong gates the op matches decay-first and is far (>1e-2) from the
-    seed's boxed formula; with weak gates the two are indistinguishable."""
+    prediction-before-decay ("boxed") formula."""
     x = make_inputs(seed, 1, 64, 2, 16, 16, gates="strong", init=True)
     o, S = op_fwd(x, backend, chunk_size=16)
     o_ref, _ = ref_fwd(x)
@@ -560,12 +484,12 @@ def test_decay_first_not_boxed(backend, seed):
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("backend", BACKENDS + ["auto"])
 def test_output_dtypes(backend, dtype, seed):
-    x = make_inputs(seed, 1, 20, 2, 8, 8, dtype=dtype, init=True)
+    x = make_inputs(seed, 1, 20, 2, 16, 16, dtype=dtype, init=True)
     op = _op()
     o, S = op(x.q, x.k, x.v, x.g, x.beta, initial_state=x.S0, output_final_state=True, chunk_size=16,
               backend=backend)
     assert o.dtype == dtype and o.shape == x.v.shape
-    assert S.dtype == F32 and S.shape == (1, 2, 8, 8)
+    assert S.dtype == F32 and S.shape == (1, 2, 16, 16)
     o2, S2 = op(x.q, x.k, x.v, x.g, x.beta, initial_state=x.S0, output_final_state=False, chunk_size=16,
                 backend=backend)
     assert S2 is None and o2.dtype == dtype
@@ -575,10 +499,14 @@ def test_output_dtypes(backend, dtype, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float64_inputs_accumulate_in_float64(backend, seed):
     """Under a local x64 context, float64 inputs give a float64 o accurate to ~1e-9."""
-    x = make_inputs(seed, 1, 40, 2, 8, 8, gates="strong", g_per_key=True, init=True)
+    x = make_inputs(seed, 1, 40, 2, 16, 16, gates="strong", g_per_key=backend != "pallas", init=True)
     o_ref, _ = ref_fwd(x)
     with jax.enable_x64(True):
         args = [jnp.asarray(to_f64(a), jnp.float64) for a in (x.q, x.k, x.v, x.g, x.beta, x.S0)]
+        if backend == "pallas":  # kernels accumulate in float32: declined, naming float64
+            with pytest.raises(NotImplementedError, match="float64"):
+                _op()(*args[:5], initial_state=args[5], chunk_size=16, backend=backend)
+            return
         o, _ = _op()(*args[:5], initial_state=args[5], output_final_state=True, chunk_size=16,
                      backend=backend)
         assert o.dtype == jnp.float64

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import make_inputs
+from reference import rel_rms
 from gdn_jax.ops import gated_linear_attention
 
 B, T, H, K, V, C = 2, 37, 2, 8, 6, 16
@@ -44,24 +46,14 @@ def ref(q, k, v, g, S0, *, scale=None, cu=None, l2=False):
     return o, jnp.stack(Ss)
 
 
-def rel_rms(x, r):
-    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    return float(np.sqrt(np.mean((x - r) ** 2)) / (np.sqrt(np.mean(r ** 2)) + 1e-30))
-
-
 def inputs(form, dtype=jnp.float32, strong=False, seed=0, b=B, t=T):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(ks[0], (b, t, H, K))
-    k = jax.random.normal(ks[1], (b, t, H, K)) / np.sqrt(K)
-    v = jax.random.normal(ks[2], (b, t, H, V))
-    gs = {"none": None, "head": (b, t, H), "channel": (b, t, H, K)}[form]
-    g = None
-    if gs is not None:
-        x = jax.random.normal(ks[3], gs) + (1.0 if not strong else -3.0)
-        g = jax.nn.log_sigmoid(x) * (1.0 if not strong else 4.0)  # strong: g ~ -10 per token
-    S0 = jax.random.normal(ks[4], (b, H, K, V))
-    cast = lambda x: None if x is None else x.astype(dtype)
-    return cast(q), cast(k), cast(v), cast(g), S0
+    """(q, k, v, g, S0) from ``conftest.make_inputs``: normalised q, k; g = logsigmoid(N(1, 1))
+    per head / per key channel, or 4 logsigmoid(N(-3, 1)) (~ -10 per token) when ``strong``;
+    None for ``form="none"``; S0 ~ N(0, 1) float32."""
+    gates = ("logsigmoid", -3.0, 4.0) if strong else ("logsigmoid", 1.0, 1.0)
+    x = make_inputs(seed, b, t, H, K, V, gates=gates, g_per_key=form == "channel", init=True, dtype=dtype,
+                    state_scale=1.0)
+    return x.q, x.k, x.v, None if form == "none" else x.g, x.S0
 
 
 def _loss(f, w_o, w_s):

@@ -9,57 +9,38 @@ Tolerances (rel_rms = rms(x - ref) / rms(ref)): o and the final state 5e-3, ever
 """
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import GRAD_NAMES, TOL_GRAD, TOL_O, make_inputs, seed_of
 from reference import reference, reference_grads, rel_rms
 
 from gdn_jax.ops import gated_delta_rule, gated_linear_attention
 
-TOL_O, TOL_GRAD = 5e-3, 8e-3
-NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+NAMES = GRAD_NAMES
 DT = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "f64": jnp.float64}
 
 
 def _seed(*parts):
-    return zlib.crc32(repr(parts).encode())
-
-
-def _logsigmoid(x):
-    return -np.logaddexp(0.0, -x)
+    return seed_of(*parts)
 
 
 def make(seed, *, B=2, T=75, H=2, K=32, gate=0.02, g_pc=False, dtype="f32", cu=None, h0=False):
-    """Normalised q, k; v ~ N(0, 1); beta = sigmoid(N(0, 1)); g = logsigmoid(U(0, 1)) / gate
-    (FLA's test grid; gate 0.02 gives per-token gates of -16 .. -35) or, for a tuple
-    ``("const", c)``, c + U(-1, 1). g stays float32 (as FLA's grid), the rest in ``dtype``."""
-    rng = np.random.default_rng(seed)
+    """``conftest.make_inputs`` with V = K and FLA's gate grid: normalised q, k; v ~ N(0, 1);
+    beta = sigmoid(N(0, 1)); g = logsigmoid(U(0, 1)) / gate (gate 0.02 gives per-token gates of
+    -16 .. -35) or, for a tuple ``("const", c)``, c + U(-1, 1). g stays float32 (as FLA's grid;
+    float64 for float64 inputs), the rest in ``dtype``. Returns (x, do, dS, cu)."""
     if cu is not None:
         B = 1
-    q, k = (rng.standard_normal((B, T, H, K)) for _ in range(2))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, K))
-    gs = (B, T, H, K) if g_pc else (B, T, H)
-    if isinstance(gate, tuple):
-        g = gate[1] + rng.uniform(-1, 1, gs)
-    else:
-        g = _logsigmoid(rng.uniform(0, 1, gs)) / gate
-    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
-    N = B if cu is None else len(cu) - 1
-    S0 = rng.standard_normal((N, H, K, K)) if h0 else None
-    do = rng.standard_normal((B, T, H, K))
-    dS = rng.standard_normal((N, H, K, K))
     dt = DT[dtype]
-    x = dict(q=jnp.asarray(q, dt), k=jnp.asarray(k, dt), v=jnp.asarray(v, dt),
-             g=jnp.asarray(g, jnp.float64 if dtype == "f64" else jnp.float32), beta=jnp.asarray(beta, dt))
-    x["initial_state"] = None if S0 is None else jnp.asarray(S0, jnp.float64 if dtype == "f64" else jnp.float32)
-    return x, jnp.asarray(jnp.asarray(do, dt), jnp.float32 if dtype != "f64" else jnp.float64), jnp.asarray(dS), cu
+    x = make_inputs(seed, B, T, H, K, K, gates=gate if isinstance(gate, tuple) else ("fla", gate), g_per_key=g_pc,
+                    init=h0, dtype=dt, g_dtype=jnp.float64 if dtype == "f64" else jnp.float32,
+                    N=B if cu is None else len(cu) - 1, state_scale=1.0)
+    args = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta, initial_state=x.S0)
+    return args, x.do, x.dS, cu
 
 
 def run(x, do, dS, cu, backend, chunk_size):
