@@ -72,3 +72,16 @@ def cu_seqlens_arg(cu_seqlens, batch: int):
         raise ValueError(f"cu_seqlens must have shape [N + 1] (1-D, N >= 1 packed sequences), got shape {shape}")
     if batch != 1:
         raise ValueError(f"cu_seqlens (packed sequences) needs batch size B = 1, got B = {batch}")
+
+
+def kernel_config(value, backend: str) -> None:
+    """None, or a ``gdn_jax.ops.KernelConfig`` with a backend that runs Pallas kernels."""
+    if value is None:
+        return
+    from ..ops import KernelConfig
+
+    if not isinstance(value, KernelConfig):
+        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(value).__name__}")
+    if backend not in ("pallas", "auto"):
+        raise ValueError(f"kernel_config configures the Pallas kernels; backend={backend!r} takes none "
+                         "(use backend='pallas' or 'auto')")

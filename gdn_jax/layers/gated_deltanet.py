@@ -119,6 +119,8 @@ class GatedDeltaNet(RecurrentMixer):
       allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) (negative eigenvalues; Grazzi et al. 2024).
       use_short_conv, conv_size: the causal depthwise conv on q, k, v (on by default).
       backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule`.
+      kernel_config: a :class:`gdn_jax.ops.KernelConfig` for the Pallas kernels (backend "pallas"
+        or "auto"), passed to the op; None: the defaults.
       norm_eps: RMSNorm epsilon.
       dt_min, dt_max, A_init_range: the mamba2 decay's init (see :func:`mamba2_decay_init`).
       dtype: computation dtype of the projections (the recurrence state is always float32).
@@ -130,12 +132,13 @@ class GatedDeltaNet(RecurrentMixer):
                  value_head_dim: Optional[int] = None, *, decay: str = "mamba2",
                  decay_per_channel: bool = False, beta_per_channel: bool = False,
                  allow_neg_eigval: bool = False, use_short_conv: bool = True, conv_size: int = 4,
-                 backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
+                 backend: str = "auto", chunk_size: int = 64, kernel_config=None, norm_eps: float = 1e-6,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.one_of("decay", decay, DECAY_KINDS)
         _checks.one_of("backend", backend, BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
+        _checks.kernel_config(kernel_config, backend)
         _checks.positive_int("conv_size", conv_size)
         _checks.positive_float("norm_eps", norm_eps)
         dtype = _checks.float_dtype("dtype", dtype)
@@ -145,6 +148,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.decay, self.decay_per_channel = decay, decay_per_channel
         self.beta_per_channel, self.allow_neg_eigval = beta_per_channel, allow_neg_eigval
         self.use_short_conv, self.backend, self.chunk_size = use_short_conv, backend, chunk_size
+        self.kernel_config = kernel_config
         self.conv_size = conv_size
         self.dtype = dtype
 
@@ -199,7 +203,7 @@ class GatedDeltaNet(RecurrentMixer):
         g, beta = self.gates(x)
         o, state = gated_delta_rule(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
-            chunk_size=self.chunk_size, backend=self.backend,
+            chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
         )
         y = self._output(o, x)
         return (y, GDNCache(state.astype(jnp.float32), *convs)) if with_cache else y

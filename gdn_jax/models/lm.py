@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..layers import Attention, GatedDeltaNet, GatedLinearAttention
+from ..ops import KernelConfig
 from ..ops.linear_attention import LA_BACKENDS
 
 
@@ -26,6 +27,8 @@ class LMConfig:
       mlp_ratio: SwiGLU MLP hidden size as a multiple of d_model; 0 disables the MLP.
       backend, chunk_size: passed to the recurrent mixers' ops (``gdn_jax.ops.gated_delta_rule``;
         the no-delta-rule mixers run ``"pallas"`` as ``"auto"``, README "Baseline mixers").
+      kernel_config: a ``gdn_jax.ops.KernelConfig`` for the GDN / DeltaNet mixers' Pallas kernels
+        (None: the defaults).
       use_short_conv: the short conv of the recurrent mixers.
       decay, decay_per_channel, beta_per_channel, allow_neg_eigval: GatedDeltaNet options
         (``deltanet`` takes beta_per_channel and allow_neg_eigval; README "Layer and models").
@@ -44,6 +47,7 @@ class LMConfig:
     mlp_ratio: float = 0.0
     backend: str = "auto"
     chunk_size: int = 64
+    kernel_config: Optional[KernelConfig] = None
     use_short_conv: bool = True
     decay: str = "mamba2"
     decay_per_channel: bool = False
@@ -65,6 +69,7 @@ class LMConfig:
             _checks.positive_int("head_dim", self.head_dim)
         _checks.positive_int("hybrid_every", self.hybrid_every, minimum=0)
         _checks.one_of("backend", self.backend, BACKENDS)
+        _checks.kernel_config(self.kernel_config, self.backend)
         _checks.one_of("decay", self.decay, DECAY_KINDS)
         _checks.positive_float("norm_eps", self.norm_eps)
         _checks.positive_float("embed_init_std", self.embed_init_std)
@@ -118,8 +123,8 @@ def _dt(name):
 def _gdn_layer(cfg: LMConfig, rngs: nnx.Rngs, **override):
     kw = dict(decay=cfg.decay, decay_per_channel=cfg.decay_per_channel, beta_per_channel=cfg.beta_per_channel,
               allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv, backend=cfg.backend,
-              chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
-              param_dtype=_dt(cfg.param_dtype))
+              chunk_size=cfg.chunk_size, kernel_config=cfg.kernel_config, norm_eps=cfg.norm_eps,
+              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype))
     return GatedDeltaNet(cfg.d_model, cfg.num_heads, cfg.head_dim, **{**kw, **override}, rngs=rngs)
 
 

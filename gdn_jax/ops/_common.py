@@ -7,7 +7,6 @@ Everything here is backend-agnostic; the backends live in ``scan.py``, ``chunk.p
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

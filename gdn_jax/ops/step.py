@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from ._common import acc_dtype, check_step_inputs, prepare
 from .scan import _step

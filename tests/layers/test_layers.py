@@ -186,3 +186,24 @@ def test_caches_live_beside_their_layers():
             assert not any("inference" in n for n in names), (f.name, names)
     assert gdn_jax.inference.GDNCache is gdn_jax.layers.GDNCache
     assert gdn_jax.inference.KVCache is gdn_jax.layers.KVCache
+
+
+def test_kernel_config_reaches_the_op():
+    """GatedDeltaNet / LMConfig pass a KernelConfig to the Pallas op (same numbers as the
+    defaults: the options change nothing beyond rounding) and reject it where it cannot apply."""
+    from gdn_jax.ops import KernelConfig
+
+    x = _x((1, 40, 32))
+    kc = KernelConfig(fuse_output=False, bv_out=16, fwd_chunk=16)
+    a = GatedDeltaNet(32, 2, backend="pallas", chunk_size=32, rngs=nnx.Rngs(0))
+    b = GatedDeltaNet(32, 2, backend="pallas", chunk_size=32, kernel_config=kc, rngs=nnx.Rngs(0))
+    assert b.kernel_config == kc
+    np.testing.assert_allclose(np.asarray(b(x)), np.asarray(a(x)), rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="kernel_config"):
+        GatedDeltaNet(32, 2, backend="chunk", kernel_config=kc, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="kernel_config"):
+        GatedDeltaNet(32, 2, backend="pallas", kernel_config={"bv_state": 16}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="kernel_config"):
+        LMConfig(backend="scan", kernel_config=kc)
+    m = LM(LMConfig(vocab_size=32, d_model=32, num_layers=1, backend="pallas", kernel_config=kc), rngs=nnx.Rngs(0))
+    assert m.blocks[0].mixer.kernel_config == kc

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
-from reference import reference, reference_grads, rel_rms, to_f64
+from reference import reference, reference_grads, rel_rms
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
 from gdn_jax.ops import pallas as P

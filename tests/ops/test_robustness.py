@@ -314,7 +314,7 @@ def test_nonfinite_input_default_contract(backend, name):
     bad[name] = x[name].at[0, 50, 1].set(jnp.nan)
     f = lambda *a: gated_delta_rule(*a, chunk_size=32, output_final_state=True, backend=backend)
     args, bad_args = [x[n] for n in NAMES[:5]], [bad[n] for n in NAMES[:5]]
-    (o0, S0), (o, S) = f(*args), f(*bad_args)
+    (o0, _), (o, S) = f(*args), f(*bad_args)
     first = 50 if backend == "scan" else 32
     np.testing.assert_allclose(np.asarray(o[:, :first], np.float32), np.asarray(o0[:, :first], np.float32), atol=1e-6)
     np.testing.assert_allclose(np.asarray(o[:, :, 0], np.float32), np.asarray(o0[:, :, 0], np.float32), atol=1e-6)
