@@ -120,8 +120,17 @@ def _grads_jit(q, k, v, g, beta, S0, do, dS, *, scale, use_qk_l2norm, cu):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, g, beta, S0)
 
 
+def _group(q, v):
+    """Grouped value heads: value heads per key head (v [B,T,H,V], q [B,T,Hk,K])."""
+    assert v.shape[2] % q.shape[2] == 0, (q.shape, v.shape)
+    return v.shape[2] // q.shape[2]
+
+
 def _prep(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     q, k, v, g, beta = (to_f64(x) for x in (q, k, v, g, beta))
+    G = _group(q, v)
+    # grouped value heads: value head j reads key head j // G (numpy's repeat, HF's repeat_interleave)
+    q, k = np.repeat(q, G, axis=2), np.repeat(k, G, axis=2)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
@@ -139,7 +148,8 @@ def _prep(q, k, v, g, beta, scale, initial_state, cu_seqlens):
 
 
 def reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
-    """Decay-first gated delta rule in float64. Returns (o [B,T,H,V], S [B|N,H,K,V]) numpy f64."""
+    """Decay-first gated delta rule in float64. Returns (o [B,T,H,V], S [B|N,H,K,V]) numpy f64.
+    q, k may have fewer heads than v (grouped value heads: value head j reads key head j // G)."""
     args, scale, cu = _prep(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     with jax.enable_x64(True):
         args = [jnp.asarray(a, jnp.float64) for a in args]
@@ -148,7 +158,7 @@ def reference(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
 
 
 def reference_boxed(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
-    """The seed's boxed variant: S_t = a S_{t-1} + k [beta * (v - S_{t-1}^T k)]^T
+    """The boxed variant of the source notes: S_t = a S_{t-1} + k [beta * (v - S_{t-1}^T k)]^T
     (prediction from the state BEFORE decay). Only used to show the suite can
     tell it apart from decay-first with strong gates."""
     args, scale, cu = _prep(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -164,6 +174,7 @@ def reference_grads(
     """float64 grads of  L = sum(o * do) + sum(S_final * dS)  w.r.t. q, k, v, g,
     beta, initial_state (the latter w.r.t. zeros when initial_state is None).
     ``do``/``dS`` default to zeros. Returns dict of float64 numpy arrays."""
+    G = _group(np.asarray(q), np.asarray(v))
     args, scale, cu = _prep(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     v64, S064 = args[2], args[5]
     do = np.zeros(v64.shape) if do is None else to_f64(do)
@@ -180,4 +191,8 @@ def reference_grads(
             cu=cu,
         )
         names = ("q", "k", "v", "g", "beta", "initial_state")
-        return {n: np.asarray(gr, np.float64) for n, gr in zip(names, grads)}
+        out = {n: np.asarray(gr, np.float64) for n, gr in zip(names, grads)}
+    for n in ("q", "k"):  # a key head's gradient is the sum over the value heads that read it
+        B, T, H, K = out[n].shape
+        out[n] = out[n].reshape(B, T, H // G, G, K).sum(3)
+    return out

@@ -64,7 +64,9 @@ def finish_outputs(o, fin, out_dtype, *, guard_finish, valid, packed, output_fin
 
 
 def _check_qkv(q, k, v, lead_names):
-    """q, k ``[*lead, K]`` and v ``[*lead, V]``; returns (lead, K, V)."""
+    """q, k ``[*lead, Hk, K]`` and v ``[*lead, Hv, V]`` with Hv a multiple of Hk (grouped value
+    heads); returns (lead with Hv as the head dim, K, V) -- the gates and states live on the value
+    heads."""
     n = len(lead_names)
     L = ", ".join(lead_names)
     if q.ndim != n + 1:
@@ -72,15 +74,33 @@ def _check_qkv(q, k, v, lead_names):
     lead, K = tuple(q.shape[:n]), q.shape[n]
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q [{L}, K] = {lead + (K,)}, got shape {_shape(k)}")
-    if v.ndim != n + 1 or tuple(v.shape[:n]) != lead:
-        raise ValueError(f"v must have shape [{L}, V] = {lead} + (V,), got shape {_shape(v)}")
-    return lead, K, v.shape[n]
+    Lv = ", ".join(lead_names[:-1] + ("Hv",))
+    if v.ndim != n + 1 or tuple(v.shape[:n - 1]) != lead[:-1]:
+        raise ValueError(f"v must have shape [{Lv}, V] = {lead[:-1]} + (Hv, V), got shape {_shape(v)}")
+    Hk, Hv = lead[-1], v.shape[n - 1]
+    if Hv % Hk:
+        raise ValueError(f"v has {Hv} heads, q and k have {Hk}: the value heads must be a multiple of the key "
+                         f"heads (grouped value heads: value head j reads key head j // (Hv // Hk)); got v of "
+                         f"shape {_shape(v)}, q of shape {_shape(q)}")
+    return lead[:-1] + (Hv,), K, v.shape[n]
+
+
+def value_group(q, v) -> int:
+    """Value heads per key head, Hv // Hk (1 without grouped value heads)."""
+    return v.shape[-2] // q.shape[-2]
+
+
+def repeat_key_heads(x, group: int):
+    """q or k ``[..., Hk, K]`` repeated to the value heads ``[..., Hk * group, K]`` in HF's
+    ``repeat_interleave`` order (value head j reads key head j // group); gradients sum over each
+    group."""
+    return x if group == 1 else jnp.repeat(x, group, axis=-2)
 
 
 def check_step_inputs(q, k, v, g, beta, state) -> GateForms:
-    """Validate a ``gated_delta_rule_step`` call: q, k ``[B,H,K]``, v ``[B,H,V]``, g ``[B,H]`` or
-    ``[B,H,K]``, beta ``[B,H]`` or ``[B,H,V]``, state ``[B,H,K,V]`` (the rules of
-    :func:`check_inputs` without the token axis).
+    """Validate a ``gated_delta_rule_step`` call: q, k ``[B,Hk,K]``, v ``[B,H,V]`` (H a multiple
+    of Hk), g ``[B,H]`` or ``[B,H,K]``, beta ``[B,H]`` or ``[B,H,V]``, state ``[B,H,K,V]`` (the
+    rules of :func:`check_inputs` without the token axis).
 
     Raises:
       TypeError: an argument is not a floating-point array. ValueError: a shape that does not fit.
@@ -99,7 +119,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
     Raises:
       TypeError: an array argument is not floating point (``cu_seqlens`` not integer).
       ValueError: a rank or dimension disagrees with the layout
-        q, k ``[B,T,H,K]``, v ``[B,T,H,V]``, g ``[B,T,H]`` or ``[B,T,H,K]``,
+        q, k ``[B,T,Hk,K]``, v ``[B,T,H,V]`` (H a multiple of Hk), g ``[B,T,H]`` or ``[B,T,H,K]``,
         beta ``[B,T,H]`` or ``[B,T,H,V]``, initial_state ``[B,H,K,V]``
         (``[N,H,K,V]`` with ``cu_seqlens`` of length N+1), or ``chunk_size`` <= 0.
     """

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import GateForms, acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare
+from ._common import (GateForms, acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare,
+                      repeat_key_heads, value_group)
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
 
@@ -101,8 +102,13 @@ def gated_delta_rule(
     differs measurably under strong gates; see the README's operator section). g = 0 gives DeltaNet.
 
     Args:
-      q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
-      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
+      q, k: ``[B, T, Hk, K]`` queries and keys, any float dtype.
+      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``. Grouped value heads (GVA, as in
+        Qwen3-Next / Qwen3.5): H may be a multiple of the key heads Hk; value head j then reads
+        query / key head ``j // (H // Hk)`` (HF's ``repeat_interleave`` order), g, beta and the
+        state live on the H value heads, and dq, dk sum over each group. The pallas kernels read
+        the shared key head through their index maps (q, k are not repeated in memory); scan and
+        chunk (and ``mask_nonfinite``) repeat q, k. H = Hk is the usual one-to-one case.
       g: LOG-space decay (g <= 0; the state is multiplied by exp(g); -inf allowed, a full reset).
         The chunked backends (chunk, pallas) floor g at -87 with float32 accumulation (exp(-87) ~
         1.6e-38, the edge of float32's normal range) and at -1000 in float64, so that cumulative
@@ -170,6 +176,9 @@ def gated_delta_rule(
     which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
+    group = value_group(q, v)
+    if group > 1 and (which != "pallas" or mask_nonfinite):  # the Pallas kernels share key heads in-kernel
+        q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
     if mask_nonfinite:
         (q, k, v, g, beta), guard_finish = nonfinite_guard(
             q, k, v, g, beta, cu_seqlens, g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel

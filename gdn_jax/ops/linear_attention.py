@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk as _chunk
-from ._common import acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare
+from ._common import acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare, repeat_key_heads, value_group
 from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
@@ -100,8 +100,9 @@ def gated_linear_attention(
       ``exp(g[..., c])``.
 
     Args:
-      q, k: ``[B, T, H, K]`` queries and keys, any float dtype.
-      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``.
+      q, k: ``[B, T, Hk, K]`` queries and keys, any float dtype.
+      v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype`` (H a multiple of Hk: grouped
+        value heads, as in :func:`gdn_jax.ops.gated_delta_rule`).
       g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier;
         ``-inf`` allowed); the chunked form floors it at -87 (float32) / -1000 (float64), as
         :func:`gdn_jax.ops.gated_delta_rule` does.
@@ -128,7 +129,7 @@ def gated_linear_attention(
     """
     if backend not in LA_BACKENDS:
         raise ValueError(f"backend must be one of {LA_BACKENDS}, got {backend!r}")
-    lead = tuple(q.shape[:3]) if hasattr(q, "shape") and len(q.shape) == 4 else (1, 1, 1)
+    lead = tuple(v.shape[:3]) if hasattr(v, "shape") and len(v.shape) == 4 else (1, 1, 1)
     g_chk = jax.ShapeDtypeStruct(lead, jnp.float32) if g is None else g
     beta_dummy = jax.ShapeDtypeStruct(lead, jnp.float32)  # no delta rule: a per-head beta of ones
     forms = check_inputs(q, k, v, g_chk, beta_dummy, initial_state, cu_seqlens, chunk_size, scale)
@@ -136,8 +137,10 @@ def gated_linear_attention(
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
     out_dtype = v.dtype
+    group = value_group(q, v)
+    q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
     if g is None:
-        g = jnp.zeros(q.shape[:3], dt)
+        g = jnp.zeros(v.shape[:3], dt)
     if mask_nonfinite:
         (q, k, v, g, _), guard_finish = nonfinite_guard(q, k, v, g, None, cu_seqlens, g_pc=forms.g_per_channel,
                                                         b_pc=False)

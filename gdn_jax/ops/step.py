@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import jax
 
-from ._common import acc_dtype, check_step_inputs, prepare
+from ._common import acc_dtype, check_step_inputs, prepare, repeat_key_heads, value_group
 from .scan import _step
 
 
@@ -34,8 +34,9 @@ def gated_delta_rule_step(
     """One decode step of the gated delta rule (every gate form; jit-able).
 
     Args:
-      q, k: ``[B, H, K]`` query and key of the new token, any float dtype.
-      v: ``[B, H, V]`` value; ``o`` is returned in ``v.dtype``.
+      q, k: ``[B, Hk, K]`` query and key of the new token, any float dtype.
+      v: ``[B, H, V]`` value; ``o`` is returned in ``v.dtype``. H may be a multiple of Hk (grouped
+        value heads: value head j reads key head ``j // (H // Hk)``, as in ``gated_delta_rule``).
       g: log decay, ``[B, H]`` (per head) or ``[B, H, K]`` (per key channel, KDA).
       beta: ``[B, H]`` (per head) or ``[B, H, V]`` (per value channel).
       state: ``[B, H, K, V]`` recurrent state (any float dtype; computed in float32, float64 if
@@ -51,6 +52,8 @@ def gated_delta_rule_step(
       TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above.
     """
     forms = check_step_inputs(q, k, v, g, beta, state)
+    group = value_group(q, v)
+    q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
     dt = acc_dtype(q, k, v, g, beta, state)
     qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
     S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, forms.g_per_channel, forms.beta_per_channel)

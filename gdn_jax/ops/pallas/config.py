@@ -150,7 +150,8 @@ class KernelCall:
     platform: str
     layout: str  # "bthd": token arrays [B, T, H, D] as given; "hm": head-major [B*H, T, D] (TPU)
     BH: int
-    H: int
+    H: int  # value heads (the kernels' bh axis is batch x value heads)
+    group: int  # value heads per key head (grouped value heads; 1: one key head per value head)
     n: int  # chunks
     C: int  # tokens per chunk
     K: int  # key / value head dims as the kernels see them (powers of two >= 16)
@@ -226,9 +227,10 @@ def _block(name: str, explicit: Optional[int], default: int, total: int) -> int:
 
 
 def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: int, K: int, V: int,
-            K0: int, V0: int, scale: float, in_dt, packed: bool, nseq: int) -> KernelCall:
+            K0: int, V0: int, scale: float, in_dt, packed: bool, nseq: int, group: int = 1) -> KernelCall:
     """Resolve ``config`` for one direction of a call: kernel chunk ``C`` (from
-    :func:`kernel_chunk`) and ``n`` chunks, ``BH`` = batch * heads, padded head dims ``K``, ``V``
+    :func:`kernel_chunk`) and ``n`` chunks, ``BH`` = batch * value heads ``H`` (``group`` value
+    heads per key head), padded head dims ``K``, ``V``
     (the call's own ``K0``, ``V0`` pick the intermediates' dtype), ``in_dt`` the dtype q, k, v
     are read in.
 
@@ -267,7 +269,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
     else:
         merge = config.merge_state
     return KernelCall(
-        platform=platform, layout="hm" if tpu else "bthd", BH=BH, H=H, n=n, C=C, K=K, V=V, scale=float(scale),
+        platform=platform, layout="hm" if tpu else "bthd", BH=BH, H=H, group=group, n=n, C=C, K=K, V=V, scale=float(scale),
         in_dt=jnp.dtype(in_dt).name, mid_dt=mid.name, u_dt=u_dt.name, state_dt=state_dt.name, out_dt=out_dt.name,
         f32_inv=config.gpu_f32_inv or f32_auto, f32_mm=config.gpu_f32_mm or f32_auto, packed=packed, nseq=nseq,
         bv_state=bv_state, bv_out=bv_out, bv_grad=bv_grad, grad_nk=nk,

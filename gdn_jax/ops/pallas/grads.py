@@ -178,16 +178,18 @@ def _grad_kernel_ksplit(call: KernelCall, *, q_ref, k_ref, q_cols_ref, k_cols_re
 
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, gam_row, e_gam, e_gam_end, h, dh, vn, dvn, t=None):
     """The gradient kernel over all chunks: grid (B*H, chunks), or (B*H, chunks, K/bk) when
-    ``call.grad_nk > 1``. Returns a dict ``dq, dk, dv`` (token layout, input dtype), ``dbeta,
+    ``call.grad_nk > 1``. Returns a dict ``dq, dk, dv`` (token layout, input dtype; dq, dk per
+    VALUE head: with grouped heads the caller sums each group), ``dbeta,
     dgam, de_gam, de_gam_end`` [BH, T, 1], ``dgam_row`` [BH, n, 1, C], ``de_gam_last``
     [BH, n, 1, 1], all scalars f32 (summed over K blocks)."""
     C, K, V, BH, n, Tp, nk = call.C, call.K, call.V, call.BH, call.n, call.Tp, call.grad_nk
     bk, bvs = K // nk, V // nk
     # grid index (b, c[, j]) -> block indices; j: this program's block of K (and share of V) columns
     ix = lambda f: (lambda b, c, *j: f(b, c, j[0] if j else 0))
-    tk = token_spec(call, C, K, ix(lambda b, c, j: (b, c, 0)))
+    tk = token_spec(call, C, K, ix(lambda b, c, j: (b, c, 0)), key=True)
     tv = token_spec(call, C, V, ix(lambda b, c, j: (b, c, 0)))
-    tks = token_spec(call, C, bk, ix(lambda b, c, j: (b, c, j)))
+    tks_in = token_spec(call, C, bk, ix(lambda b, c, j: (b, c, j)), key=True)  # q, k: key heads
+    tks = token_spec(call, C, bk, ix(lambda b, c, j: (b, c, j)))  # dq, dk: per value head
     tvs = token_spec(call, C, bvs, ix(lambda b, c, j: (b, c, j)))
     col = hm_spec(C, 1, ix(lambda b, c, j: (b, c, 0)))
     hv = hm_spec(C, V, ix(lambda b, c, j: (b, c, 0)))
@@ -213,7 +215,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, gam_row, e_gam, e_gam_
     pcol = pl.BlockSpec((None, None, C, 1), lambda b, c, j: (j, b, c, 0))
     prow = pl.BlockSpec((None, None, None, 1, C), lambda b, c, j: (j, b, c, 0, 0))
     pdec = pl.BlockSpec((None, None, None, 1, 1), lambda b, c, j: (j, b, c, 0, 0))
-    inputs = dict(q=(q, tk), k=(k, tk), q_cols=(q, tks), k_cols=(k, tks), v_cols=(v, tvs), do=(do, tv),
+    inputs = dict(q=(q, tk), k=(k, tk), q_cols=(q, tks_in), k_cols=(k, tks_in), v_cols=(v, tvs), do=(do, tv),
                   **common, dvn_cols=(dvn, hm_spec(C, bvs, lambda b, c, j: (b, c, j))), **t_in)
     outputs = dict(token_grads,
                    dbeta=(sds((nk, BH, Tp, 1), F32), pcol), dgam=(sds((nk, BH, Tp, 1), F32), pcol),

@@ -18,17 +18,29 @@ from . import platform as _plat
 from .config import KernelCall
 
 
-def token_spec(call: KernelCall, rows, cols, f):
+def token_spec(call: KernelCall, rows, cols, f, key: bool = False):
     """A token array in the caller's layout, block [rows, cols]; ``f(*grid) -> (bh, row_block,
-    col_block)``."""
+    col_block)`` with bh the program's (batch, value head). ``key``: an array on the key heads
+    (q, k), which grouped value heads share: value head h reads key head h // group through this
+    index map, so q and k are never repeated in HBM."""
+    H, G = call.H, call.group
     if call.layout == "bthd":
-        H = call.H
-
-        def index_map(*g):
-            bh, r, c = f(*g)
-            return (bh // H, r, bh % H, c)
+        if key and G > 1:
+            def index_map(*g):
+                bh, r, c = f(*g)
+                return (bh // H, r, (bh % H) // G, c)
+        else:
+            def index_map(*g):
+                bh, r, c = f(*g)
+                return (bh // H, r, bh % H, c)
 
         return pl.BlockSpec((None, rows, None, cols), index_map)
+    if key and G > 1:
+        def index_map_hm(*g):
+            bh, r, c = f(*g)
+            return ((bh // H) * (H // G) + (bh % H) // G, r, c)
+
+        return pl.BlockSpec((None, rows, cols), index_map_hm)
     return pl.BlockSpec((None, rows, cols), lambda *g: f(*g))
 
 

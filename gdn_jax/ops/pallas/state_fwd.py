@@ -69,11 +69,12 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
 
 def state_specs(call: KernelCall, bv):
     """BlockSpecs of the state passes (grid (bh, value block j); whole sequences per program):
-    token [T, K], head-major [T, K] and [T, bv], scalar column [T, 1], e^{gamma_C} [n, 1, 1],
+    token [T, K] (q, k: key heads), token [T, bv], head-major [T, K] and [T, bv], scalar column
+    [T, 1], e^{gamma_C} [n, 1, 1],
     states [nseq, K, bv] and per-chunk states [n, K, bv]."""
     Tp, K, n = call.Tp, call.K, call.n
     return dict(
-        tok_k=token_spec(call, Tp, K, lambda b, j: (b, 0, 0)),
+        tok_k=token_spec(call, Tp, K, lambda b, j: (b, 0, 0), key=True),
         tok_v=token_spec(call, Tp, bv, lambda b, j: (b, 0, j)),
         hm_k=hm_spec(Tp, K, lambda b, j: (b, 0, 0)),
         hm_v=hm_spec(Tp, bv, lambda b, j: (b, 0, j)),
@@ -132,7 +133,7 @@ def output(call: KernelCall, q, k, gam, gam_row, e_gam, h, vn):
     chunks, V/bv_out). Returns ``o`` in the token layout and input dtype."""
     bv = call.bv_out
     C, K, V, BH, n = call.C, call.K, call.V, call.BH, call.n
-    tk = token_spec(call, C, K, lambda b, c, j: (b, c, 0))
+    tk = token_spec(call, C, K, lambda b, c, j: (b, c, 0), key=True)
     col = hm_spec(C, 1, lambda b, c, j: (b, c, 0))
     inputs = dict(q=(q, tk), k=(k, tk), gam=(gam, col),
                   gam_row=(gam_row, pl.BlockSpec((None, None, 1, C), lambda b, c, j: (b, c, 0, 0))),

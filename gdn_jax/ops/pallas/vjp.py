@@ -95,8 +95,21 @@ def backward(call: KernelCall, inputs, cts):
     dh0 = st["dh0"]
     if call.packed:
         dh0 = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], dh0, dfin)
-    return (gr["dq"], gr["dk"], gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
+    dq, dk = (_sum_groups(call, x) for x in (gr["dq"], gr["dk"]))
+    return (dq, dk, gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
             gr["de_gam_last"], dh0, None)
+
+
+def _sum_groups(call: KernelCall, x):
+    """dq / dk written per value head -> per key head (the sum over each group of value heads)."""
+    G = call.group
+    if G == 1:
+        return x
+    if call.layout == "bthd":
+        B, Tp, H, D = x.shape
+        return x.astype(F32).reshape(B, Tp, H // G, G, D).sum(3).astype(x.dtype)
+    BH, Tp, D = x.shape
+    return x.astype(F32).reshape(BH // G, G, Tp, D).sum(1).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -183,8 +196,9 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     p = config.platform or _plat.default_platform()
     if p == "gpu":
         _plat.silence_triton_deprecation_at_lowering()
-    B, T, H, K0 = q.shape
-    V0 = v.shape[-1]
+    B, T, Hk, K0 = q.shape
+    H, V0 = v.shape[2], v.shape[-1]  # value heads (grouped value heads: H = group * Hk)
+    G = H // Hk
     in_dt = _in_dtype(q, k, v)
     Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
     Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
@@ -216,7 +230,7 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
     g_hm, beta_hm = hm(g), hm(beta)  # per-token scalars, head-major (tiny arrays; XLA)
     if tpu:
-        tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp, x.shape[-1])
+        tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * x.shape[2], Tp, x.shape[-1])
         q, k, v = map(tok, (q, k, v))
 
     # states: [G, nseq, K, V] with G the kernel's bh axis
@@ -229,7 +243,7 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         h0 = h0.reshape(BH, 1, K, V) if not packed else jnp.swapaxes(h0, 0, 1)
 
     mk = lambda c: resolve(config, platform=p, C=c, n=Tp // c, BH=BH, H=H, K=K, V=V, K0=K0, V0=V0, scale=sc,
-                           in_dt=in_dt, packed=packed, nseq=N)
+                           in_dt=in_dt, packed=packed, nseq=N, group=G)
 
     def finish(o, fin):
         if tpu:

@@ -55,7 +55,7 @@ def wy_repr(call: KernelCall, k, v, beta, gam, gam_row, e_gam, q=None, do=None):
     """
     C, K, V, BH, n, Tp = call.C, call.K, call.V, call.BH, call.n, call.Tp
     backward = do is not None
-    tk = token_spec(call, C, K, lambda b, c: (b, c, 0))
+    tk = token_spec(call, C, K, lambda b, c: (b, c, 0), key=True)
     tv = token_spec(call, C, V, lambda b, c: (b, c, 0))
     col = hm_spec(C, 1, lambda b, c: (b, c, 0))
     tile = pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))
