@@ -9,6 +9,7 @@ from flax import nnx
 
 from ..ops.packing import seq_info
 from . import _checks
+from .norm import NORM_STYLES, rms_norm
 
 
 class KVCache(NamedTuple):
@@ -57,10 +58,15 @@ class Attention(nnx.Module):
     gated attention of Qwen3-Next's hybrid layers.
 
     Args:
-      hidden_size, num_heads, head_dim (default ``hidden_size // num_heads``).
+      hidden_size, num_heads, head_dim (default ``hidden_size // num_heads``; may differ from it,
+        as in Qwen3.5's attention layers).
+      num_kv_heads: key/value heads (grouped-query attention: query head n reads key/value head
+        ``n // (num_heads // num_kv_heads)``, HF's ``repeat_kv`` order); default ``num_heads``.
       rope_theta: RoPE base. rope_fraction: share of each head's channels that are rotated.
       qk_norm, output_gate: Qwen3-Next's gated-attention options (off by default).
       norm_eps: epsilon of the q/k RMSNorm.
+      norm_style: ``"standard"`` (``x/rms * w``) or ``"zero_centered"`` (Qwen's ``x/rms * (1 + w)``)
+        for the q/k RMSNorm.
       dtype, param_dtype, rngs: as usual in NNX.
 
     ``cu_seqlens`` (B = 1): packed sequences; attention is masked to each sequence and RoPE
@@ -69,13 +75,19 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
-                 rope_theta: float = 10000.0, rope_fraction: float = 1.0, qk_norm: bool = False,
-                 output_gate: bool = False, norm_eps: float = 1e-6, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 num_kv_heads: Optional[int] = None, rope_theta: float = 10000.0, rope_fraction: float = 1.0,
+                 qk_norm: bool = False, output_gate: bool = False, norm_eps: float = 1e-6,
+                 norm_style: str = "standard", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.positive_int("hidden_size", hidden_size)
         _checks.positive_int("num_heads", num_heads)
         _checks.positive_float("norm_eps", norm_eps)
         _checks.positive_float("rope_theta", rope_theta)
+        _checks.one_of("norm_style", norm_style, NORM_STYLES)
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        _checks.positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         dtype = _checks.float_dtype("dtype", dtype)
         param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         if not (isinstance(rope_fraction, (int, float)) and 0.0 <= rope_fraction <= 1.0):
@@ -86,28 +98,30 @@ class Attention(nnx.Module):
             head_dim = hidden_size // num_heads
         _checks.positive_int("head_dim", head_dim)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads
         self.rot_dim = int(head_dim * rope_fraction) // 2 * 2
         self.rope_theta, self.dtype = rope_theta, dtype
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = lin(hidden_size, num_heads * head_dim)
-        self.k_proj = lin(hidden_size, num_heads * head_dim)
-        self.v_proj = lin(hidden_size, num_heads * head_dim)
+        self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
+        self.v_proj = lin(hidden_size, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, hidden_size)
         self.qk_norm, self.output_gate = qk_norm, output_gate
         if qk_norm:
-            self.q_norm = nnx.RMSNorm(head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = nnx.RMSNorm(head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            norm = lambda: rms_norm(norm_style, head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                    rngs=rngs)
+            self.q_norm, self.k_norm = norm(), norm()
         if output_gate:
             self.g_proj = lin(hidden_size, num_heads * head_dim)
 
     def qkv(self, x, positions):
-        """q, k, v ``[B, T, N, D]`` of x: projections, the optional q/k RMSNorm, and RoPE at
+        """q ``[B, T, N, D]``, k, v ``[B, T, N_kv, D]`` of x: projections, the optional q/k RMSNorm, and RoPE at
         ``positions`` (``[T]``, or ``[B, T]``) on q and k."""
         B, T, _ = x.shape
-        N, D = self.num_heads, self.head_dim
+        N, D, Nkv = self.num_heads, self.head_dim, self.num_kv_heads
         q = self.q_proj(x).reshape(B, T, N, D)
-        k = self.k_proj(x).reshape(B, T, N, D)
-        v = self.v_proj(x).reshape(B, T, N, D)
+        k = self.k_proj(x).reshape(B, T, Nkv, D)
+        v = self.v_proj(x).reshape(B, T, Nkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions, rot_dim=self.rot_dim, theta=self.rope_theta)
@@ -142,10 +156,10 @@ class Attention(nnx.Module):
 
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache: k, v ``[batch, max_len, N, D]`` in ``self.dtype``, ``pos = 0``."""
+        """An empty KV cache: k, v ``[batch, max_len, N_kv, D]`` in ``self.dtype``, ``pos = 0``."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
-        shape = (batch, max_len, self.num_heads, self.head_dim)
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 
     def prefill(self, x, *, max_len: int):

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers import Attention, GatedDeltaNet, GatedLinearAttention
+from ..layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+from ..layers.norm import NORM_STYLES, rms_norm
 from ..ops import KernelConfig
 from ..ops.linear_attention import LA_BACKENDS
 
@@ -34,6 +35,22 @@ class LMConfig:
         (``deltanet`` takes beta_per_channel and allow_neg_eigval; README "Layer and models").
       norm_eps: RMSNorm epsilon. embed_init_std: token-embedding init std (tied LM head).
       dtype / param_dtype: computation / parameter dtypes.
+
+    Options for imported checkpoints (``gdn_jax.hf``; the defaults keep the original model):
+      norm_style: ``"standard"`` RMSNorm ``x/rms * w`` or ``"zero_centered"`` ``x/rms * (1 + w)``
+        (Qwen3.5 / Qwen3-Next) for the block norms, the final norm and attention's q/k norms (the
+        GDN layer's gated output norm is always standard).
+      tie_embeddings: False gives a separate ``lm_head`` (d_model -> vocab, no bias).
+      mlp_hidden_size: the SwiGLU hidden size (overrides ``mlp_ratio``; > 0 enables the MLP).
+      value_head_dim: GDN value head dim (default head_dim).
+      num_v_heads: GDN value heads (grouped value heads; default num_heads), passed as
+        ``GatedDeltaNet(num_v_heads=...)``.
+      attn_num_heads, attn_num_kv_heads, attn_head_dim: the attention mixers' query heads,
+        key/value heads (GQA) and head dim (defaults num_heads, attn_num_heads, head_dim).
+      rope_theta: RoPE base of the attention mixers.
+      rope_fraction: share of each attention head's channels that RoPE rotates (default: 1 for
+        ``attention``, 1/4 for ``gated_attention``).
+      conv_size: kernel size of the recurrent mixers' short conv.
     """
 
     vocab_size: int = 256
@@ -57,16 +74,37 @@ class LMConfig:
     embed_init_std: float = 0.02
     dtype: str = "float32"
     param_dtype: str = "float32"
+    norm_style: str = "standard"
+    tie_embeddings: bool = True
+    mlp_hidden_size: Optional[int] = None
+    value_head_dim: Optional[int] = None
+    num_v_heads: Optional[int] = None
+    attn_num_heads: Optional[int] = None
+    attn_num_kv_heads: Optional[int] = None
+    attn_head_dim: Optional[int] = None
+    rope_theta: float = 10000.0
+    rope_fraction: Optional[float] = None
+    conv_size: int = 4
 
     def __post_init__(self):
         from ..layers import _checks
         from ..layers.gated_deltanet import DECAY_KINDS
         from ..ops.gated_delta_rule import BACKENDS
 
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "chunk_size"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "chunk_size", "conv_size"):
             _checks.positive_int(name, getattr(self, name))
-        if self.head_dim is not None:
-            _checks.positive_int("head_dim", self.head_dim)
+        for name in ("head_dim", "mlp_hidden_size", "value_head_dim", "num_v_heads", "attn_num_heads",
+                     "attn_num_kv_heads", "attn_head_dim"):
+            if getattr(self, name) is not None:
+                _checks.positive_int(name, getattr(self, name))
+        _checks.one_of("norm_style", self.norm_style, NORM_STYLES)
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        _checks.positive_float("rope_theta", self.rope_theta)
+        if self.rope_fraction is not None and not (
+                isinstance(self.rope_fraction, (int, float)) and not isinstance(self.rope_fraction, bool)
+                and 0.0 <= self.rope_fraction <= 1.0):
+            raise ValueError(f"rope_fraction must be None or a number in [0, 1], got {self.rope_fraction!r}")
         _checks.positive_int("hybrid_every", self.hybrid_every, minimum=0)
         _checks.one_of("backend", self.backend, BACKENDS)
         _checks.kernel_config(self.kernel_config, self.backend)
@@ -81,6 +119,13 @@ class LMConfig:
             raise TypeError(f"mixer must be a name or a tuple of names and hybrid_mixer a name, got "
                             f"{self.mixer!r}, {self.hybrid_mixer!r}")
         self.layer_mixers()  # mixer tuple length
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The SwiGLU hidden size (0: no MLP)."""
+        if self.mlp_hidden_size is not None:
+            return self.mlp_hidden_size
+        return int(self.mlp_ratio * self.d_model) if self.mlp_ratio > 0 else 0
 
     def layer_mixers(self) -> Tuple[str, ...]:
         """The mixer name of each layer."""
@@ -122,10 +167,14 @@ def _dt(name):
 
 def _gdn_layer(cfg: LMConfig, rngs: nnx.Rngs, **override):
     kw = dict(decay=cfg.decay, decay_per_channel=cfg.decay_per_channel, beta_per_channel=cfg.beta_per_channel,
-              allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv, backend=cfg.backend,
+              allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv,
+              conv_size=cfg.conv_size, backend=cfg.backend,
               chunk_size=cfg.chunk_size, kernel_config=cfg.kernel_config, norm_eps=cfg.norm_eps,
               dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype))
-    return GatedDeltaNet(cfg.d_model, cfg.num_heads, cfg.head_dim, **{**kw, **override}, rngs=rngs)
+    if cfg.num_v_heads is not None:  # only when set, so that layers without grouped value heads still build
+        kw["num_v_heads"] = cfg.num_v_heads
+    return GatedDeltaNet(cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.value_head_dim, **{**kw, **override},
+                         rngs=rngs)
 
 
 @register_mixer("gdn")
@@ -145,6 +194,7 @@ def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
         backend = cfg.backend if cfg.backend in LA_BACKENDS else "auto"  # no Pallas kernels: chunk
         return GatedLinearAttention(
             cfg.d_model, cfg.num_heads, cfg.head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
+            conv_size=cfg.conv_size,
             backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
             param_dtype=_dt(cfg.param_dtype), rngs=rngs,
         )
@@ -158,18 +208,33 @@ register_mixer("gla", _linear_attention_factory("gla", "GLA: per-key-channel dec
 register_mixer("linear", _linear_attention_factory("none", "Linear attention: no decay, no delta rule."))
 
 
+def _attention_layer(cfg: LMConfig, rngs: nnx.Rngs, rope_fraction: float, **kw):
+    heads = cfg.attn_num_heads or cfg.num_heads
+    head_dim = cfg.attn_head_dim or cfg.head_dim
+    frac = rope_fraction if cfg.rope_fraction is None else cfg.rope_fraction
+    return Attention(cfg.d_model, heads, head_dim, num_kv_heads=cfg.attn_num_kv_heads, rope_theta=cfg.rope_theta,
+                     rope_fraction=frac, norm_eps=cfg.norm_eps, norm_style=cfg.norm_style, dtype=_dt(cfg.dtype),
+                     param_dtype=_dt(cfg.param_dtype), rngs=rngs, **kw)
+
+
 @register_mixer("attention")
 def _attention(cfg: LMConfig, i: int, rngs: nnx.Rngs):
-    return Attention(cfg.d_model, cfg.num_heads, cfg.head_dim, norm_eps=cfg.norm_eps,
-                     dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+    return _attention_layer(cfg, rngs, 1.0)
 
 
 @register_mixer("gated_attention")
 def _gated_attention(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     """Qwen3-Next's attention: sigmoid output gate, per-head q/k RMSNorm, partial RoPE (1/4)."""
-    return Attention(cfg.d_model, cfg.num_heads, cfg.head_dim, qk_norm=True, output_gate=True,
-                     rope_fraction=0.25, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
-                     param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+    return _attention_layer(cfg, rngs, 0.25, qk_norm=True, output_gate=True)
+
+
+@register_mixer("kda")
+def _kda(cfg: LMConfig, i: int, rngs: nnx.Rngs):
+    """Kimi Delta Attention (Kimi Linear's KDA layer): per-key-channel decay and sigmoid output gate,
+    both from low-rank projections (rank head_dim)."""
+    return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, use_short_conv=cfg.use_short_conv,
+                              conv_size=cfg.conv_size, backend=cfg.backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps,
+                              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs)
 
 
 class SwiGLU(nnx.Module):
@@ -191,11 +256,13 @@ class Block(nnx.Module):
             raise ValueError(f"unknown mixer {mixer!r}; registered: {sorted(MIXERS)}")
         dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
         self.mixer_name = mixer
-        self.norm1 = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+        norm = lambda: rms_norm(cfg.norm_style, cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
+                                rngs=rngs)
+        self.norm1 = norm()
         self.mixer = MIXERS[mixer](cfg, i, rngs)
-        if cfg.mlp_ratio > 0:
-            self.norm2 = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
-            self.mlp = SwiGLU(cfg.d_model, int(cfg.mlp_ratio * cfg.d_model), dtype=dt, param_dtype=pdt, rngs=rngs)
+        if cfg.mlp_hidden > 0:
+            self.norm2 = norm()
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, dtype=dt, param_dtype=pdt, rngs=rngs)
         else:
             self.norm2 = self.mlp = None
 
@@ -241,7 +308,7 @@ def _check_token_range(tokens, vocab_size: int):
 
 
 class LM(nnx.Module):
-    """Token embedding, N pre-norm blocks, final RMSNorm and a tied LM head.
+    """Token embedding, N pre-norm blocks, final RMSNorm and an LM head (tied by default).
 
     ``tokens [B, T] int -> logits [B, T, vocab_size]`` (float32).
     """
@@ -256,7 +323,11 @@ class LM(nnx.Module):
                                embedding_init=nnx.initializers.normal(cfg.embed_init_std), rngs=rngs)
         blocks = [Block(cfg, i, m, rngs=rngs) for i, m in enumerate(cfg.layer_mixers())]
         self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
-        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.norm = rms_norm(cfg.norm_style, cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
+                             rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
+                                      rngs=rngs)
 
     def __call__(self, tokens, *, cu_seqlens=None):
         return self.logits(self.features(tokens, cu_seqlens=cu_seqlens))
@@ -276,8 +347,11 @@ class LM(nnx.Module):
         return self.norm(x)
 
     def logits(self, h):
-        """The tied LM head: ``h [..., d_model] -> logits [..., vocab_size]`` (float32). Applying it
-        to a gathered subset of positions saves the head's cost where only those are scored."""
+        """The LM head (tied to the embedding, or ``lm_head`` with ``tie_embeddings=False``):
+        ``h [..., d_model] -> logits [..., vocab_size]`` (float32). Applying it to a gathered subset
+        of positions saves the head's cost where only those are scored."""
+        if not self.cfg.tie_embeddings:
+            return self.lm_head(h).astype(jnp.float32)
         return self.embed.attend(h).astype(jnp.float32)
 
     # ------------------------------------------------------------------ inference (decode) path

@@ -1,0 +1,86 @@
+"""Reading and writing Hugging Face checkpoint directories (``config.json`` + ``*.safetensors``,
+sharded index included) with the ``safetensors`` package: no hub access, no torch."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Tuple
+
+import jax.numpy as jnp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint gdn_jax cannot load as asked: a missing or unexpected tensor, a shape that does
+    not match the config, a config field with a value gdn_jax does not implement. The message
+    names the tensor or field and what was expected."""
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _safetensors():
+    try:
+        from safetensors import safe_open
+        from safetensors.flax import save_file
+    except ImportError as e:  # pragma: no cover - the test extra installs it
+        raise ImportError("gdn_jax.hf needs the 'safetensors' package: pip install safetensors") from e
+    return safe_open, save_file
+
+
+def read_config(path: str) -> dict:
+    """``config.json`` of the checkpoint directory ``path``."""
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise CheckpointError(f"{path!r} has no config.json (expected a Hugging Face checkpoint directory)")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def read_tensors(path: str) -> Dict[str, jnp.ndarray]:
+    """Every tensor of the checkpoint directory ``path`` as jax arrays in their stored dtype:
+    the shards listed by ``model.safetensors.index.json`` when present, else every ``*.safetensors``
+    file. A shard the index names that is missing, or a tensor stored twice, raises CheckpointError."""
+    safe_open, _ = _safetensors()
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' dict")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        weight_map = None
+    if not files:
+        raise CheckpointError(f"{path!r} holds no *.safetensors file")
+    out: Dict[str, jnp.ndarray] = {}
+    for name in files:
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            raise CheckpointError(f"shard {name!r} listed in {INDEX_NAME} is missing from {path!r}")
+        with safe_open(f, framework="flax") as fh:
+            for key in fh.keys():
+                if key in out:
+                    raise CheckpointError(f"tensor {key!r} is stored in more than one shard")
+                out[key] = fh.get_tensor(key)
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise CheckpointError(f"{INDEX_NAME} lists tensors no shard holds, e.g. {missing[:3]}")
+    return out
+
+
+def read_checkpoint(path: str) -> Tuple[dict, Dict[str, jnp.ndarray]]:
+    """``(config dict, {name: array})`` of a checkpoint directory."""
+    return read_config(path), read_tensors(path)
+
+
+def write_checkpoint(path: str, config: dict, tensors: Dict[str, jnp.ndarray]) -> None:
+    """Write ``config.json`` and one ``model.safetensors`` (metadata format "pt", as transformers
+    expects) into the directory ``path`` (created if needed)."""
+    _, save_file = _safetensors()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True)
+    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
