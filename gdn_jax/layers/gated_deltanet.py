@@ -108,8 +108,11 @@ class GatedDeltaNet(RecurrentMixer):
 
     Args:
       hidden_size: model width d.
-      num_heads: H.
+      num_heads: query / key heads Hk.
       head_dim: key head dim K (default ``hidden_size // num_heads``).
+      num_v_heads: value heads H (default ``num_heads``): a multiple of ``num_heads`` gives grouped
+        value heads (Qwen3-Next / Qwen3.5), value head j reading key head ``j // (H // Hk)``; the
+        state, decay, beta, output gate and norm are per value head.
       value_head_dim: V (default K).
       decay: ``"mamba2"`` (default), ``"sigmoid"`` or ``"none"`` (g = 0: DeltaNet, Yang et al. 2024;
         no a_proj / A_log / dt_bias parameters).
@@ -129,7 +132,7 @@ class GatedDeltaNet(RecurrentMixer):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
-                 value_head_dim: Optional[int] = None, *, decay: str = "mamba2",
+                 value_head_dim: Optional[int] = None, *, num_v_heads: Optional[int] = None, decay: str = "mamba2",
                  decay_per_channel: bool = False, beta_per_channel: bool = False,
                  allow_neg_eigval: bool = False, use_short_conv: bool = True, conv_size: int = 4,
                  backend: str = "auto", chunk_size: int = 64, kernel_config=None, norm_eps: float = 1e-6,
@@ -143,8 +146,15 @@ class GatedDeltaNet(RecurrentMixer):
         _checks.positive_float("norm_eps", norm_eps)
         dtype = _checks.float_dtype("dtype", dtype)
         param_dtype = _checks.float_dtype("param_dtype", param_dtype)
-        H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
-        self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
+        Hk, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
+        if num_v_heads is not None:
+            _checks.positive_int("num_v_heads", num_v_heads)
+            if num_v_heads % Hk:
+                raise ValueError(f"num_v_heads must be a multiple of num_heads (the key heads, {Hk}) for grouped "
+                                 f"value heads, got {num_v_heads}")
+        H = Hk if num_v_heads is None else num_v_heads
+        self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, Hk, K, V
+        self.num_v_heads = H
         self.decay, self.decay_per_channel = decay, decay_per_channel
         self.beta_per_channel, self.allow_neg_eigval = beta_per_channel, allow_neg_eigval
         self.use_short_conv, self.backend, self.chunk_size = use_short_conv, backend, chunk_size
@@ -153,8 +163,8 @@ class GatedDeltaNet(RecurrentMixer):
         self.dtype = dtype
 
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = lin(hidden_size, H * K)
-        self.k_proj = lin(hidden_size, H * K)
+        self.q_proj = lin(hidden_size, Hk * K)
+        self.k_proj = lin(hidden_size, Hk * K)
         self.v_proj = lin(hidden_size, H * V)
         n_decay = H * K if decay_per_channel else H
         if decay != "none":
@@ -170,9 +180,10 @@ class GatedDeltaNet(RecurrentMixer):
         self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
 
     def gates(self, x):
-        """Log decay g ``[B,T,H]`` / ``[B,T,H,K]`` and beta ``[B,T,H]`` / ``[B,T,H,V]`` in float32."""
+        """Log decay g ``[B,T,H]`` / ``[B,T,H,K]`` and beta ``[B,T,H]`` / ``[B,T,H,V]`` in float32
+        (H = the value heads)."""
         B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        H, K, V = self.num_v_heads, self.head_dim, self.value_head_dim
         if self.decay == "none":
             # behind a barrier: a literal zero g lets XLA:GPU constant-fold the op's decay math over the
             # whole batch (compile-time "constant folding" warnings on the H200 for f32[B,H,N,4,16])

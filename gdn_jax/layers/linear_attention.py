@@ -57,6 +57,7 @@ class GatedLinearAttention(RecurrentMixer):
         param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, value_head_dim)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
+        self.num_v_heads = H
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
         self.conv_size = conv_size
         self.gate_logit_normalizer = gate_logit_normalizer

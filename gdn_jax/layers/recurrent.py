@@ -41,37 +41,38 @@ class RecurrentMixer(nnx.Module):
 
     A subclass builds ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj``, ``o_proj``, ``o_norm`` and,
     with ``use_short_conv``, ``q_conv``, ``k_conv``, ``v_conv`` (:meth:`_short_convs`), and sets
-    ``hidden_size``, ``num_heads``, ``head_dim``, ``value_head_dim``, ``use_short_conv``,
-    ``conv_size`` and ``dtype``.
+    ``hidden_size``, ``num_heads`` (query / key heads), ``num_v_heads`` (value heads: the state's
+    heads; a multiple of ``num_heads`` with grouped value heads), ``head_dim``, ``value_head_dim``,
+    ``use_short_conv``, ``conv_size`` and ``dtype``.
     """
 
     def _short_convs(self, param_dtype, rngs: nnx.Rngs):
         """The causal depthwise convs on q, k and v (kernel ``self.conv_size``, SiLU)."""
-        HK, HV = self.num_heads * self.head_dim, self.num_heads * self.value_head_dim
+        HK, HV = self.num_heads * self.head_dim, self.num_v_heads * self.value_head_dim
         self.q_conv = ShortConv(HK, self.conv_size, param_dtype=param_dtype, rngs=rngs)
         self.k_conv = ShortConv(HK, self.conv_size, param_dtype=param_dtype, rngs=rngs)
         self.v_conv = ShortConv(HV, self.conv_size, param_dtype=param_dtype, rngs=rngs)
 
     def init_cache(self, batch: int, max_len=None) -> GDNCache:
         """An empty cache (``max_len`` ignored: the size does not depend on the context): zero state
-        ``[batch, H, K, V]`` float32 and zero conv states ``[batch, conv_size-1, H*K]`` (q, k) /
-        ``[batch, conv_size-1, H*V]`` (v) in ``self.dtype``."""
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
-        state = jnp.zeros((batch, H, K, V), jnp.float32)
+        ``[batch, Hv, K, V]`` float32 (value heads) and zero conv states ``[batch, conv_size-1, Hk*K]``
+        (q, k) / ``[batch, conv_size-1, Hv*V]`` (v) in ``self.dtype``."""
+        Hk, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.value_head_dim
+        state = jnp.zeros((batch, Hv, K, V), jnp.float32)
         if not self.use_short_conv:
             return GDNCache(state)
         z = lambda d: jnp.zeros((batch, self.conv_size - 1, d), self.dtype)
-        return GDNCache(state, z(H * K), z(H * K), z(H * V))
+        return GDNCache(state, z(Hk * K), z(Hk * K), z(Hv * V))
 
     def _qkv(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None):
-        """Projections and short conv: ``(q, k [B,T,H,K], v [B,T,H,V], convs)``.
+        """Projections and short conv: ``(q, k [B,T,Hk,K], v [B,T,Hv,V], convs)``.
 
         Without ``cache`` the convs see zeros before the start of x (or of each packed sequence,
         ``cu_seqlens``) and ``convs`` is ``()``; with it they continue from its conv states and
         ``convs`` holds the new ones (``self.dtype``; ``()`` without short conv), so that
         ``GDNCache(state, *convs)`` is the next cache."""
         B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_head_dim
+        Hk, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.value_head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         convs = ()
         if self.use_short_conv:
@@ -82,12 +83,12 @@ class RecurrentMixer(nnx.Module):
                 (q, cq), (k, ck), (v, cv) = (conv(a, cache=c) for conv, a, c in
                                              zip(layers, (q, k, v), (cache.conv_q, cache.conv_k, cache.conv_v)))
                 convs = tuple(c.astype(self.dtype) for c in (cq, ck, cv))
-        return q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), convs
+        return q.reshape(B, T, Hk, K), k.reshape(B, T, Hk, K), v.reshape(B, T, Hv, V), convs
 
     def _output(self, o, x):
-        """``o [B, T, H, V]`` (the recurrence's output) -> ``W_o (RMSNorm(o) * silu(W_g x))`` in ``self.dtype``."""
+        """``o [B, T, Hv, V]`` (the recurrence's output) -> ``W_o (RMSNorm(o) * silu(W_g x))`` in ``self.dtype``."""
         B, T = x.shape[:2]
-        gate = self.g_proj(x).reshape(B, T, self.num_heads, self.value_head_dim)
+        gate = self.g_proj(x).reshape(B, T, self.num_v_heads, self.value_head_dim)
         o = self.o_norm(o.astype(jnp.float32)) * jax.nn.silu(gate.astype(jnp.float32))
         return self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
 

@@ -207,3 +207,37 @@ def test_kernel_config_reaches_the_op():
         LMConfig(backend="scan", kernel_config=kc)
     m = LM(LMConfig(vocab_size=32, d_model=32, num_layers=1, backend="pallas", kernel_config=kc), rngs=nnx.Rngs(0))
     assert m.blocks[0].mixer.kernel_config == kc
+
+
+@pytest.mark.parametrize("kw", [dict(backend="chunk"), dict(decay_per_channel=True, beta_per_channel=True,
+                                                           backend="scan")])
+def test_gdn_layer_grouped_value_heads(kw):
+    """num_v_heads = 2 * num_heads equals a one-to-one layer whose q / k projections and convs are
+    the grouped layer's repeated in repeat_interleave order (value head j reads key head j // 2);
+    prefill + step-by-step decode agree with the full call; caches are sized by value heads."""
+    d, Hk, Hv, K = 32, 2, 4, 8
+    x = _x((2, 11, d))
+    gva = GatedDeltaNet(d, Hk, K, num_v_heads=Hv, chunk_size=16, rngs=nnx.Rngs(1), **kw)
+    ref = GatedDeltaNet(d, Hv, K, chunk_size=16, rngs=nnx.Rngs(2), **kw)
+    assert gva.q_proj.kernel[...].shape == (d, Hk * K) and gva.v_proj.kernel[...].shape == (d, Hv * K)
+    assert gva.A_log[...].shape == (Hv,)
+    rep = lambda w: jnp.repeat(w.reshape(w.shape[0], Hk, K), Hv // Hk, axis=1).reshape(w.shape[0], Hv * K)
+    for name in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj"):
+        w = getattr(gva, name).kernel[...]
+        getattr(ref, name).kernel[...] = rep(w) if name in ("q_proj", "k_proj") else w
+    for name in ("q_conv", "k_conv", "v_conv"):
+        w = getattr(gva, name).weight[...]
+        getattr(ref, name).weight[...] = rep(w) if name != "v_conv" else w
+    ref.A_log[...], ref.dt_bias[...], ref.o_norm.scale[...] = gva.A_log[...], gva.dt_bias[...], gva.o_norm.scale[...]
+    np.testing.assert_allclose(np.asarray(gva(x)), np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
+    cache = gva.init_cache(2)
+    assert cache.state.shape == (2, Hv, K, K) and cache.conv_q.shape[-1] == Hk * K and cache.conv_v.shape[-1] == Hv * K
+    y_full = gva(x)
+    y_pre, cache = gva.prefill(x[:, :6])
+    outs = [y_pre]
+    for t in range(6, 11):
+        y_t, cache = gva.decode(x[:, t:t + 1], cache)
+        outs.append(y_t)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(y_full), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads"):
+        GatedDeltaNet(d, 2, K, num_v_heads=3, rngs=nnx.Rngs(0))
