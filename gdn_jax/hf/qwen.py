@@ -119,7 +119,7 @@ def _check_dense(tc: dict, n: int):
 
 def gva_supported() -> bool:
     """Whether the installed GatedDeltaNet takes ``num_v_heads`` (grouped value heads)."""
-    return "num_v_heads" in inspect.signature(GatedDeltaNet).parameters
+    return "num_v_heads" in inspect.signature(GatedDeltaNet.__init__).parameters
 
 
 def config_from_hf(hf: dict, **overrides) -> LMConfig:
