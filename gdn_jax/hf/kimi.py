@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -86,8 +87,7 @@ def kda_from_hf(state_dict: Dict[str, jnp.ndarray], hf_config: dict, *, prefix: 
         param_dtype = t["q_proj.weight"].dtype if "q_proj.weight" in t else jnp.float32
     make = lambda: KimiDeltaAttention(d, H, K, conv_size=W, norm_eps=eps, param_dtype=param_dtype,
                                       rngs=nnx.Rngs(0), **layer_kw)
-    abstract = nnx.eval_shape(make)
-    expected = {k: v.shape for k, v in kda_to_hf(abstract).items()}
+    expected = {k: v.shape for k, v in jax.eval_shape(lambda: kda_to_hf(make())).items()}
     for k, shape in expected.items():
         if k not in t:
             raise CheckpointError(f"missing tensor {prefix + k!r} (expected shape {tuple(shape)})")
