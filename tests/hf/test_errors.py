@@ -1,0 +1,130 @@
+"""Bad checkpoints: every field or tensor gdn_jax cannot honour raises an error naming it (no torch needed)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax import hf
+from gdn_jax.hf import CheckpointError
+from gdn_jax.models import LM, LMConfig
+
+BASE = dict(vocab_size=40, d_model=16, num_layers=2, num_heads=2, head_dim=8, mixer=("gdn", "gated_attention"),
+            mlp_hidden_size=24, norm_style="zero_centered", tie_embeddings=False, attn_num_heads=2,
+            attn_num_kv_heads=1, attn_head_dim=8, rope_fraction=0.5)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    model = LM(LMConfig(**BASE), rngs=nnx.Rngs(0))
+    return hf.to_hf(model, "qwen3_5_text")
+
+
+def _load(cfg, tensors):
+    return hf.from_hf(cfg, tensors)
+
+
+def test_good_checkpoint_loads(ckpt):
+    cfg, t = ckpt
+    assert isinstance(_load(cfg, t), LM)
+
+
+@pytest.mark.parametrize("field, value, exc, match", [
+    ("layer_types", ["linear_attention", "sliding_attention"], CheckpointError,
+     r"layer_types\[1\] = 'sliding_attention' is not supported; expected one of \['full_attention', 'linear_attention'\]"),
+    ("layer_types", ["linear_attention"], CheckpointError, r"layer_types must list num_hidden_layers = 2"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, NotImplementedError,
+     r"rope_parameters.rope_type 'yarn' is not supported"),
+    ("hidden_act", "gelu", NotImplementedError, r"hidden_act 'gelu' is not supported \(expected 'silu'\)"),
+    ("attention_bias", True, NotImplementedError, r"attention_bias"),
+    ("linear_num_value_heads", 3, CheckpointError, r"linear_num_value_heads = 3 must be a multiple of linear_num_key_heads = 2"),
+    ("model_type", "llama", CheckpointError, r"model_type 'llama' is not supported"),
+    ("model_type", "qwen3_5_moe", NotImplementedError, r"model_type 'qwen3_5_moe': MoE checkpoints are not supported"),
+    ("hidden_size", None, CheckpointError, r"config.json lacks the field 'hidden_size'"),
+])
+def test_bad_config_fields(ckpt, field, value, exc, match):
+    cfg, t = ckpt
+    bad = dict(cfg)
+    if value is None:
+        del bad[field]
+    else:
+        bad[field] = value
+    with pytest.raises(exc, match=match):
+        _load(bad, t)
+
+
+def test_qwen3_next_moe_layer_named(ckpt):
+    cfg, t = ckpt
+    bad = dict(cfg, model_type="qwen3_next", num_experts=8, decoder_sparse_step=1, mlp_only_layers=[0])
+    with pytest.raises(NotImplementedError, match=r"layer 1 of this Qwen3-Next checkpoint is a MoE layer"):
+        _load(bad, t)
+    ok = dict(cfg, model_type="qwen3_next", num_experts=8, mlp_only_layers=[0, 1])  # every layer dense
+    assert isinstance(_load(ok, t), LM)
+
+
+def test_missing_unexpected_and_misshapen_tensors(ckpt):
+    cfg, t = ckpt
+    bad = {k: v for k, v in t.items() if k != "model.layers.0.linear_attn.A_log"}
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.0.linear_attn.A_log' \(expected shape \(2,\)\)"):
+        _load(cfg, bad)
+    bad = dict(t, **{"model.layers.1.self_attn.k_proj.weight": jnp.zeros((16, 16))})
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.self_attn.k_proj.weight' has shape \(16, 16\), "
+                                              r"expected \(8, 16\)"):
+        _load(cfg, bad)
+    bad = dict(t, **{"model.layers.0.mlp.experts.0.weight": jnp.zeros((2, 2))})
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.0.mlp.experts.0.weight'"):
+        _load(cfg, bad)
+    tied = dict(cfg, tie_word_embeddings=True)  # untied tensors under a tied config: lm_head is dropped
+    assert isinstance(_load(tied, t), LM)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'lm_head.weight'"):
+        _load(cfg, {k: v for k, v in t.items() if k != "lm_head.weight"})
+
+
+def test_odd_rotary_dim(ckpt):
+    cfg, t = ckpt
+    bad = dict(cfg, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.375})
+    with pytest.raises(NotImplementedError, match=r"rotary dim int\(head_dim \* partial_rotary_factor\)"):
+        _load(bad, t)
+
+
+def test_directory_errors(ckpt, tmp_path):
+    cfg, t = ckpt
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        hf.load_pretrained(str(tmp_path))
+    hf.write_checkpoint(str(tmp_path), cfg, t)
+    assert isinstance(hf.load_pretrained(str(tmp_path)), LM)
+    with open(tmp_path / "model.safetensors.index.json", "w") as fh:
+        json.dump({"weight_map": {k: "model-00002-of-00002.safetensors" for k in t}}, fh)
+    with pytest.raises(CheckpointError, match=r"shard 'model-00002-of-00002.safetensors' listed in "
+                                              r"model.safetensors.index.json is missing"):
+        hf.load_pretrained(str(tmp_path))
+
+
+def test_overrides_and_export_checked(ckpt):
+    cfg, t = ckpt
+    with pytest.raises(ValueError, match=r"overrides \['num_layers'\] would change the architecture"):
+        hf.from_hf(cfg, t, num_layers=3)
+    plain = LM(LMConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2, mixer="attention", mlp_ratio=2),
+               rngs=nnx.Rngs(0))
+    with pytest.raises(CheckpointError, match=r"LMConfig.norm_style = 'standard' has no qwen3_5_text counterpart"):
+        hf.to_hf(plain)
+
+
+def test_bfloat16_checkpoint_roundtrip(ckpt, tmp_path):
+    """A bf16 checkpoint loads with bf16 parameters (float32 compute) and writes back bit-exact."""
+    cfg, t = ckpt
+    t16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in t.items()}
+    hf.write_checkpoint(str(tmp_path), dict(cfg, dtype="bfloat16"), t16)
+    model = hf.load_pretrained(str(tmp_path))
+    assert model.cfg.param_dtype == "bfloat16" and model.cfg.dtype == "float32"
+    _, back = hf.to_hf(model)
+    for k in t16:
+        assert back[k].dtype == jnp.bfloat16 and np.array_equal(np.asarray(back[k]).view(np.uint16),
+                                                                np.asarray(t16[k]).view(np.uint16)), k
