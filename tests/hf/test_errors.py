@@ -128,3 +128,20 @@ def test_bfloat16_checkpoint_roundtrip(ckpt, tmp_path):
     for k in t16:
         assert back[k].dtype == jnp.bfloat16 and np.array_equal(np.asarray(back[k]).view(np.uint16),
                                                                 np.asarray(t16[k]).view(np.uint16)), k
+
+
+def test_hf_probe_script(ckpt, tmp_path):
+    """experiments/hf_probe.py on a tiny checkpoint: backends agree, generation and the probe run."""
+    import importlib.util
+
+    cfg, t = ckpt
+    hf.write_checkpoint(str(tmp_path / "ckpt"), cfg, t)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "hf_probe.py")
+    spec = importlib.util.spec_from_file_location("hf_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    r = probe.main([str(tmp_path / "ckpt"), "--max_new_tokens", "3", "--niah_lengths", "24", "--trials", "1",
+                    "--out", str(tmp_path / "out")])
+    assert max(r["backend_rms_rel_vs_scan"].values()) <= 1e-5
+    assert len(r["continuation_ids"]) == 3 and 0.0 <= r["niah"][24] <= 1.0
+    assert os.path.exists(tmp_path / "out" / "probe.json")

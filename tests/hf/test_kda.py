@@ -116,10 +116,10 @@ def test_kda_mixer_in_lm_decodes():
     from flax import nnx
     from gdn_jax.models import LM, LMConfig
 
-    model = LM(LMConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=2, mixer="kda", chunk_size=16),
+    model = LM(LMConfig(vocab_size=50, d_model=32, num_layers=1, num_heads=2, mixer="kda", chunk_size=8),
                rngs=nnx.Rngs(0))
-    tok = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 20)), jnp.int32)
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 12)), jnp.int32)
     full = model(tok)
-    _, cache = model.prefill(tok[:, :-1], max_len=20)
+    _, cache = model.prefill(tok[:, :-1], max_len=12)
     step, _ = model.decode_step(tok[:, -1], cache)
     assert rms_rel(step, full[:, -1]) <= 1e-5
