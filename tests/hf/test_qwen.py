@@ -159,3 +159,19 @@ def test_negative_control_heads_tiled(checkpoints, name):
         o = mx.o_proj.kernel[...]
         mx.o_proj.kernel[...] = o.reshape(Hv, V, -1)[perm].reshape(o.shape)
     assert _corrupt_and_compare(checkpoints, name, tile) > 100 * TOL
+
+
+def test_conditional_generation_text_part(tmp_path):
+    """The text part of a Qwen3_5ForConditionalGeneration checkpoint (model.language_model.*, the
+    vision tower ignored) against its text-only forward."""
+    import transformers
+    from _hf_common import perturb_
+
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=qwen35_config(HYBRID).to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    m = perturb_(transformers.Qwen3_5ForConditionalGeneration(cfg).eval(), 0)
+    m.save_pretrained(str(tmp_path))
+    err, _ = _compare(m, str(tmp_path))
+    assert err <= TOL, f"{err:.2e}"
