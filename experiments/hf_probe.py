@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gdn_jax import hf
 from gdn_jax.inference.generate import generate
@@ -40,12 +41,14 @@ def rms_rel(a, b) -> float:
 
 
 def backend_check(model, tokens, backends):
+    """RMS-relative error of each backend's logits against ``scan``'s (one jit per backend)."""
+    forward = nnx.jit(lambda m, t: m(t))
     set_backend(model, "scan")
-    ref = model(tokens)
+    ref = forward(model, tokens)
     out = {}
     for b in backends:
         set_backend(model, b)
-        out[b] = rms_rel(model(tokens), ref)
+        out[b] = rms_rel(forward(model, tokens), ref)
     set_backend(model, "auto")
     return out
 

@@ -140,8 +140,9 @@ def test_hf_probe_script(ckpt, tmp_path):
     spec = importlib.util.spec_from_file_location("hf_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    r = probe.main([str(tmp_path / "ckpt"), "--max_new_tokens", "3", "--niah_lengths", "24", "--trials", "1",
-                    "--out", str(tmp_path / "out")])
+    ids = ",".join(str(i) for i in range(24))  # the prompt and the probe share one shape: one compile
+    r = probe.main([str(tmp_path / "ckpt"), "--prompt_ids", ids, "--max_new_tokens", "4", "--niah_lengths", "24",
+                    "--trials", "1", "--out", str(tmp_path / "out")])
     assert max(r["backend_rms_rel_vs_scan"].values()) <= 1e-5
-    assert len(r["continuation_ids"]) == 3 and 0.0 <= r["niah"][24] <= 1.0
+    assert len(r["continuation_ids"]) == 4 and 0.0 <= r["niah"][24] <= 1.0
     assert os.path.exists(tmp_path / "out" / "probe.json")
