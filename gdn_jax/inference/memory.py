@@ -43,18 +43,27 @@ def conv_cache_bytes(num_layers: int, num_heads: int, k_dim: int, v_dim: int = N
     return num_layers * (conv_size - 1) * (2 * num_heads * k_dim + num_heads * v_dim) * bytes_per_elem * batch
 
 
-def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size: int = 4) -> int:
-    """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built)."""
+def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size=None) -> int:
+    """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built): GDN
+    layers with grouped value heads (``num_v_heads``, ``value_head_dim``), attention layers with
+    their own head counts (``attn_num_heads``, ``attn_num_kv_heads`` for GQA, ``attn_head_dim``).
+    ``conv_size`` defaults to ``cfg.conv_size``."""
     hd = cfg.head_dim or cfg.d_model // cfg.num_heads
+    vd = getattr(cfg, "value_head_dim", None) or hd
+    hv = getattr(cfg, "num_v_heads", None) or cfg.num_heads
+    conv_size = getattr(cfg, "conv_size", 4) if conv_size is None else conv_size
+    attn_heads = getattr(cfg, "attn_num_heads", None) or cfg.num_heads
+    kv_heads = getattr(cfg, "attn_num_kv_heads", None) or attn_heads
+    attn_hd = getattr(cfg, "attn_head_dim", None) or hd
     nbytes = jnp.dtype(cfg.dtype).itemsize
     total = 0
     for m in cfg.layer_mixers():
         if m == "gdn":
-            total += gdn_state_bytes(1, cfg.num_heads, hd, batch=batch)
+            total += gdn_state_bytes(1, hv, hd, vd, batch=batch)
             if cfg.use_short_conv:
-                total += conv_cache_bytes(1, cfg.num_heads, hd, conv_size=conv_size, bytes_per_elem=nbytes, batch=batch)
+                total += (conv_size - 1) * (2 * cfg.num_heads * hd + hv * vd) * nbytes * batch
         elif m in ("attention", "gated_attention"):
-            total += kv_cache_bytes(1, max_len, cfg.num_heads, hd, bytes_per_elem=nbytes, batch=batch)
+            total += kv_cache_bytes(1, max_len, kv_heads, attn_hd, bytes_per_elem=nbytes, batch=batch)
         else:
             raise ValueError(f"no cache-size formula for mixer {m!r}")
     return total + 4 * sum(m in ("attention", "gated_attention") for m in cfg.layer_mixers())  # int32 pos

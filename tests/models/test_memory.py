@@ -34,7 +34,10 @@ def test_units_are_stated():
 
 @pytest.mark.parametrize("kw", [dict(mixer="gdn"), dict(mixer="attention", dtype="bfloat16"),
                                 dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", dtype="bfloat16"),
-                                dict(use_short_conv=False)])
+                                dict(use_short_conv=False),
+                                dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", num_v_heads=4,
+                                     value_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2, attn_head_dim=8,
+                                     conv_size=3)])
 def test_formula_matches_real_cache(kw):
     cfg = LMConfig(d_model=32, num_heads=2, **kw)
     cache = LM(cfg, rngs=nnx.Rngs(0)).init_cache(2, 37)
