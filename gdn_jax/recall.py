@@ -171,7 +171,8 @@ def make_lm_config(cfg: RecallConfig, vocab_size: int) -> LMConfig:
 
 
 def validate(cfg: RecallConfig) -> None:
-    """Check the settings of ``cfg`` that the task and model configs do not check themselves.
+    """Check the settings of ``cfg`` that the task and model configs do not check themselves (those
+    are checked when :func:`build` makes them: the task's sizes, the model's backend options).
 
     Raises:
       ValueError: naming the field (``RecallConfig.<field>``) and the rule it breaks.
@@ -204,8 +205,20 @@ def validate(cfg: RecallConfig) -> None:
     if not 0 <= cfg.warmup < cfg.steps:
         bad("warmup", f"in [0, RecallConfig.steps) = [0, {cfg.steps})",
             " (the default warmup is 200 steps: pass a smaller RecallConfig.warmup with a short RecallConfig.steps)")
-    if cfg.max_steps is not None and cfg.max_steps < 0:
-        bad("max_steps", ">= 0")
+    if cfg.max_steps is not None and not 0 <= cfg.max_steps <= cfg.steps:
+        bad("max_steps", f"in [0, RecallConfig.steps] = [0, {cfg.steps}]", " (it stops a run early; the schedule "
+            "ends at RecallConfig.steps)")
+    for name, lo, hi in (("b1", 0.0, 1.0), ("b2", 0.0, 1.0)):
+        if not lo <= getattr(cfg, name) < hi:
+            bad(name, f"in [{lo:g}, {hi:g})", " (an Adam moment decay)")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        bad("weight_decay", ">= 0")
+    if not (math.isfinite(cfg.grad_clip) and cfg.grad_clip >= 0):
+        bad("grad_clip", ">= 0 (the global gradient-norm clip; 0: no clipping)")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        bad("min_lr_ratio", "in [0, 1] (the cosine schedule's final lr / peak lr)")
+    if cfg.seed < 0:
+        bad("seed", ">= 0")
     if cfg.max_time_s is not None and not cfg.max_time_s > 0:
         bad("max_time_s", "> 0 (seconds)")
     if not 0 < cfg.target_accuracy <= 1:

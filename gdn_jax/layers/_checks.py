@@ -55,8 +55,13 @@ def mixer_input(x, hidden_size: int, cu_seqlens=None, *, name: str = "x"):
         cu_seqlens_arg(cu_seqlens, x.shape[0])
 
 
-def step_input(x_t, hidden_size: int):
-    """A decode step's input: floating ``[B, 1, hidden_size]`` (named ``x_t`` in the errors)."""
+def step_input(x_t, hidden_size: int, cache=None, cache_type=None):
+    """A decode step's input: floating ``[B, 1, hidden_size]`` (named ``x_t`` in the errors) and,
+    with ``cache_type``, a cache of that type."""
+    if hasattr(x_t, "ndim") and x_t.ndim != 3:
+        raise ValueError(f"x_t must have shape [B, 1, {hidden_size}], got {tuple(x_t.shape)}")
+    if cache_type is not None and not isinstance(cache, cache_type):
+        raise TypeError(f"cache must be a {cache_type.__name__} (from init_cache or prefill), got {type(cache).__name__}")
     mixer_input(x_t, hidden_size, name="x_t")
     if x_t.shape[1] != 1:
         raise ValueError(f"x_t must have shape [B, 1, {hidden_size}], got {tuple(x_t.shape)}")
@@ -85,3 +90,18 @@ def kernel_config(value, backend: str) -> None:
     if backend not in ("pallas", "auto"):
         raise ValueError(f"kernel_config configures the Pallas kernels; backend={backend!r} takes none "
                          "(use backend='pallas' or 'auto')")
+
+
+def pallas_covers(backend: str, *, chunk_size: int, K: int, V: int, decay_per_channel: bool,
+                  beta_per_channel: bool, dtype, owner: str = "") -> None:
+    """With ``backend="pallas"``, the layer's options must be ones the Pallas kernels take (checked
+    when the layer or config is built, not at its first call): ``ValueError`` with the reason."""
+    if backend != "pallas":
+        return
+    from ..ops import pallas
+    from ..ops._common import GateForms
+
+    reason = pallas.supports(GateForms(bool(decay_per_channel), bool(beta_per_channel)), chunk_size=chunk_size,
+                             K=K, V=V, dtype=dtype)
+    if reason is not None:
+        raise ValueError(f"{owner}backend='pallas' {reason}")

@@ -178,7 +178,7 @@ class Attention(nnx.Module):
         """One token ``x_t [B, 1, hidden_size]`` at position ``cache.pos``: write its key/value at
         that slot (``dynamic_update_slice``), attend over slots ``<= pos`` and advance ``pos``.
         Jit-able. A step past ``max_len`` cannot raise under jit: it returns NaN instead."""
-        _checks.step_input(x_t, self.hidden_size)
+        _checks.step_input(x_t, self.hidden_size, cache, KVCache)
         pos = cache.pos
         q, k, v = self.qkv(x_t, pos[None])
         new = cache.write(k, v)

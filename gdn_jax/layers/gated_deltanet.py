@@ -153,6 +153,8 @@ class GatedDeltaNet(RecurrentMixer):
                 raise ValueError(f"num_v_heads must be a multiple of num_heads (the key heads, {Hk}) for grouped "
                                  f"value heads, got {num_v_heads}")
         H = Hk if num_v_heads is None else num_v_heads
+        _checks.pallas_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
+                              beta_per_channel=beta_per_channel, dtype=dtype, owner="GatedDeltaNet: ")
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, Hk, K, V
         self.num_v_heads = H
         self.decay, self.decay_per_channel = decay, decay_per_channel
@@ -238,7 +240,7 @@ class GatedDeltaNet(RecurrentMixer):
     def decode(self, x_t, cache: GDNCache):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``
         through :func:`gdn_jax.ops.gated_delta_rule_step` (float32 state). Jit-able."""
-        _checks.step_input(x_t, self.hidden_size)
+        _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
         q, k, v, convs = self._qkv(x_t, cache=cache)
         g, beta = self.gates(x_t)
         o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,

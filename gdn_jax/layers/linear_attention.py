@@ -116,5 +116,5 @@ class GatedLinearAttention(RecurrentMixer):
 
     def decode(self, x_t, cache: GDNCache):
         """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
-        _checks.step_input(x_t, self.hidden_size)
+        _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
         return self._run(x_t, cache=cache, backend="scan")

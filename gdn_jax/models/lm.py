@@ -118,7 +118,18 @@ class LMConfig:
         if not isinstance(self.mixer, (str, tuple, list)) or not isinstance(self.hybrid_mixer, str):
             raise TypeError(f"mixer must be a name or a tuple of names and hybrid_mixer a name, got "
                             f"{self.mixer!r}, {self.hybrid_mixer!r}")
-        self.layer_mixers()  # mixer tuple length
+        mixers = self.layer_mixers()  # mixer tuple length
+        unknown = sorted(set(mixers) - set(MIXERS))
+        if unknown:
+            raise ValueError(f"unknown mixer {unknown[0]!r} (mixer / hybrid_mixer); registered: {sorted(MIXERS)}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; pass head_dim")
+        K = self.head_dim or self.d_model // self.num_heads
+        for m in sorted(set(mixers) & {"gdn", "deltanet", "kda"}):
+            _checks.pallas_covers(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
+                                  decay_per_channel=self.decay_per_channel or m == "kda",
+                                  beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
+                                  owner=f"LMConfig (mixer {m!r}): ")
 
     @property
     def mlp_hidden(self) -> int:

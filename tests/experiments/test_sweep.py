@@ -131,7 +131,12 @@ def test_recall_rejects_bad_settings(tmp_path):
              (dict(target_accuracy=2.0), r"RecallConfig\.target_accuracy"), (dict(max_steps=-1), r"RecallConfig\.max_steps"),
              (dict(task="parity"), r"RecallConfig\.task"), (dict(backend="cuda"), r"RecallConfig\.backend"),
              (dict(hybrid_mixer="rnn"), r"RecallConfig\.hybrid_mixer"),
-             (dict(task="niah", data_mode="fixed"), r"RecallConfig\.data_mode")]
+             (dict(task="niah", data_mode="fixed"), r"RecallConfig\.data_mode"),
+             (dict(steps=300, max_steps=400), r"RecallConfig\.max_steps"), (dict(b1=1.5), r"RecallConfig\.b1"),
+             (dict(b2=-0.1), r"RecallConfig\.b2"), (dict(weight_decay=-1.0), r"RecallConfig\.weight_decay"),
+             (dict(grad_clip=-1.0), r"RecallConfig\.grad_clip"), (dict(min_lr_ratio=2.0), r"RecallConfig\.min_lr_ratio"),
+             (dict(seed=-1), r"RecallConfig\.seed"), (dict(backend="pallas", chunk_size=48), "chunk_size=48"),
+             (dict(backend="pallas", mixer="kda"), "per-key-channel g")]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
@@ -143,7 +148,8 @@ def test_recall_rejects_bad_settings(tmp_path):
     main = runpy.run_path(os.path.join(REPO, "experiments", "recall.py"))["main"]
     for argv, msg in [(["--lr", "-1"], r"^recall\.py: error: --lr must be a positive finite number, got -1\.0$"),
                       (["--num_heads", "3"], r"--d_model must be divisible by --num_heads 3"),
-                      (["--task", "niah", "--data_mode", "fixed"], r"--data_mode must be 'stream'")]:
+                      (["--task", "niah", "--data_mode", "fixed"], r"--data_mode must be 'stream'"),
+                      (["--backend", "pallas", "--chunk_size", "48"], r"^recall\.py: error: .*chunk_size=48")]:
         with pytest.raises(SystemExit, match=msg):
             main(argv + ["--out", str(tmp_path / "cli")])
 

@@ -241,3 +241,27 @@ def test_gdn_layer_grouped_value_heads(kw):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(y_full), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="num_v_heads must be a multiple of num_heads"):
         GatedDeltaNet(d, 2, K, num_v_heads=3, rngs=nnx.Rngs(0))
+
+
+def test_pallas_options_checked_when_built():
+    """A layer or LMConfig asking backend='pallas' for something the kernels do not take fails when
+    built (ValueError with the kernels' reason), not at its first call; so do unknown mixer names,
+    an indivisible d_model and a decode step without a cache."""
+    with pytest.raises(ValueError, match="chunk_size=48"):
+        GatedDeltaNet(64, 2, backend="pallas", chunk_size=48, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head dim K=24"):
+        LMConfig(d_model=48, num_heads=2, backend="pallas")
+    with pytest.raises(ValueError, match="per-key-channel g"):
+        LMConfig(mixer="kda", backend="pallas")
+    with pytest.raises(ValueError, match="per-key-channel g"):
+        LMConfig(decay_per_channel=True, backend="pallas")
+    LMConfig(decay_per_channel=True, backend="auto")  # auto picks a backend that takes it
+    with pytest.raises(ValueError, match="unknown mixer 'gdm'"):
+        LMConfig(mixer="gdm")
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        LMConfig(d_model=64, num_heads=3)
+    layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="cache must be a GDNCache"):
+        layer.decode(_x((1, 1, 32)), None)
+    with pytest.raises(ValueError, match=r"x_t must have shape \[B, 1, 32\]"):
+        layer.decode(_x((1, 32))[:, 0], layer.init_cache(1))

@@ -150,14 +150,15 @@ def test_tpu_variant_interpret_packed():
     check(got, ref(x, cu_seqlens=cu))
 
 
-def _export(target, packed, K, V, C, dtype=BF16, **tune):
-    """Lower forward and gradient for `target` ("tpu" / "cuda") with the kernels built for it."""
+def _export(target, packed, K, V, C, dtype=BF16, group=1, **tune):
+    """Lower forward and gradient for `target` ("tpu" / "cuda") with the kernels built for it
+    (``group`` value heads per key head)."""
     B, T, H = 1, 200, 2
     cu = jnp.asarray([0, 50, 120, 200], jnp.int32) if packed else None
     n0 = 3 if packed else B
     sds = [jax.ShapeDtypeStruct(s, d) for s, d in (
-        ((B, T, H, K), dtype), ((B, T, H, K), dtype), ((B, T, H, V), dtype), ((B, T, H), F32), ((B, T, H), dtype),
-        ((n0, H, K, V), F32))]
+        ((B, T, H, K), dtype), ((B, T, H, K), dtype), ((B, T, H * group, V), dtype), ((B, T, H * group), F32),
+        ((B, T, H * group), dtype), ((n0, H * group, K, V), F32))]
 
     config = KernelConfig(platform="tpu" if target == "tpu" else "gpu", **tune)
 
@@ -177,17 +178,19 @@ def _export(target, packed, K, V, C, dtype=BF16, **tune):
         assert want in exp.mlir_module()
 
 
-@pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 64, 128, 64, True), (True, 16, 256, 16, False),
-                                                (False, 256, 32, 128, True)])
-def test_tpu_lowering_export(packed, K, V, C, fuse):
-    """Mosaic TPU lowering (block-shape (8,128) rule, SMEM scalars, transposed dots) of fwd and grad."""
-    _export("tpu", packed, K, V, C, fuse_output=fuse)
+@pytest.mark.parametrize("packed,K,V,C,fuse,group", [(False, 64, 128, 64, True, 1), (True, 16, 256, 16, False, 1),
+                                                      (False, 256, 32, 128, True, 1), (False, 128, 128, 64, True, 2)])
+def test_tpu_lowering_export(packed, K, V, C, fuse, group):
+    """Mosaic TPU lowering (block-shape (8,128) rule, SMEM scalars, transposed dots) of fwd and grad,
+    grouped value heads included (the key-head index maps)."""
+    _export("tpu", packed, K, V, C, fuse_output=fuse, group=group)
 
 
-@pytest.mark.parametrize("packed,K,V,C,fuse", [(False, 128, 128, 64, True), (True, 16, 256, 32, False)])
-def test_gpu_triton_lowering_export(packed, K, V, C, fuse):
+@pytest.mark.parametrize("packed,K,V,C,fuse,group", [(False, 128, 128, 64, True, 1), (True, 16, 256, 32, False, 1),
+                                                      (False, 64, 64, 64, True, 2)])
+def test_gpu_triton_lowering_export(packed, K, V, C, fuse, group):
     """Pallas -> Triton IR lowering of fwd and grad (the Triton compiler itself runs only on a GPU)."""
-    _export("cuda", packed, K, V, C, fuse_output=fuse, merge_state=not fuse, save_t=fuse)
+    _export("cuda", packed, K, V, C, fuse_output=fuse, merge_state=not fuse, save_t=fuse, group=group)
 
 
 # ---------------------------------------------------------------------------
@@ -424,7 +427,7 @@ def test_gpu_kernel_chunk_policy():
 
 
 @pytest.mark.parametrize("kw,err", [(dict(fwd_chunk=0), ValueError), (dict(fwd_chunk=48), ValueError),
-                                    (dict(fwd_chunk="64"), ValueError), (dict(mid_dtype="f16"), ValueError),
+                                    (dict(fwd_chunk="64"), TypeError), (dict(warps_out=3), ValueError), (dict(mid_dtype="f16"), ValueError),
                                     (dict(merge_state="yes"), TypeError), (dict(warps_grad=0), ValueError),
                                     (dict(state_dot="bf16"), ValueError), (dict(platform="cuda"), ValueError),
                                     (dict(bwd_chunk=24), ValueError)])

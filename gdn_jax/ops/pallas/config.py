@@ -132,9 +132,13 @@ class KernelConfig:
             val = getattr(self, name)
             if val is None and name in _OPTIONAL_INTS:
                 continue
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"KernelConfig.{name} must be a positive int{'' if name in _INTS else ' or None'}"
-                                 f", got {val!r}")
+            want = f"a positive int{'' if name in _INTS else ' or None'}"
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
+            if val < 1:
+                raise ValueError(f"KernelConfig.{name} must be {want}, got {val!r}")
+            if name.startswith("warps_") and val & (val - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two (Triton's num_warps), got {val!r}")
         for name in ("fwd_chunk", "bwd_chunk"):
             val = getattr(self, name)
             if val is not None and val not in SUPPORTED_CHUNK_SIZES:

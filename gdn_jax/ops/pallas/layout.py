@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from . import platform as _plat
@@ -36,9 +37,9 @@ def token_spec(call: KernelCall, rows, cols, f, key: bool = False):
 
         return pl.BlockSpec((None, rows, None, cols), index_map)
     if key and G > 1:
-        def index_map_hm(*g):
+        def index_map_hm(*g):  # truncating lax.div / rem (bh >= 0): Mosaic lowers floor division via sign
             bh, r, c = f(*g)
-            return ((bh // H) * (H // G) + (bh % H) // G, r, c)
+            return (lax.div(bh, H) * (H // G) + lax.div(lax.rem(bh, H), G), r, c)
 
         return pl.BlockSpec((None, rows, cols), index_map_hm)
     return pl.BlockSpec((None, rows, cols), lambda *g: f(*g))
