@@ -1,0 +1,345 @@
+"""Hopper (sm_90) kernels through Pallas' Mosaic GPU backend (``plgpu.kernel``: TMA copies into
+swizzled shared memory, ``wgmma`` with float32 accumulators in registers).
+
+Forward state pass fused with the output (the Mosaic GPU twin of
+:func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`). One CTA (one warpgroup) per
+(batch x value head, block of ``bv`` value channels) walks the chunks with the state
+S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, with S entering it::
+
+    Vn  = U - W S                              wgmma (W: SMEM, S: bf16 copy in SMEM)
+    O   = e^gamma * scale * (Q S) + Aqk Vn     wgmma x 2, the row scaling on the accumulator
+    S  <- e^{gamma_C} S + K^T (e^{gamma_C - gamma} * Vn)     wgmma with K transposed in SMEM
+
+The next chunk's q, k, W, U, Aqk and gates are copied by TMA into the other of two SMEM slots
+while this one computes; o leaves through SMEM by TMA. Only ``U - W S`` and the K^T update sit
+on the S -> S' chain; Q S is issued beside W S.
+
+On CPU the same kernel runs in Mosaic GPU's interpret mode (``platform="interpret"``): its data
+movement (TMA slots, barriers, indexing) is interpreted and its matmuls computed with ``jnp``
+(the interpreter has no transposed wgmma operands nor register layouts), so CI checks the
+kernel's logic; the wgmma lowering itself is checked by ``jax.export(..., platforms=["cuda"])``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .config import KernelCall
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# shared memory per CTA on an H100 / H200 (227 KB usable)
+SMEM_BYTES = 227 * 1024
+
+
+def _plgpu():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _transforms(dtype, cols):
+    """Tiling + swizzle of a [rows, cols] SMEM tile (wgmma operands and TMA destinations)."""
+    plgpu = _plgpu()
+    item = jnp.dtype(dtype).itemsize
+    sw = plgpu.find_swizzle(cols * item * 8)
+    return (plgpu.TilingTransform((8, sw // item)), plgpu.SwizzleTransform(sw))
+
+
+def _smem(shape, dtype):
+    return _plgpu().SMEM(tuple(shape), jnp.dtype(dtype), transforms=_transforms(dtype, shape[-1]))
+
+
+def _load(ref, layout, interp):
+    """An SMEM tile into registers with the given layout (interpret mode: a plain read)."""
+    return ref[...] if interp else _plgpu().load(ref, (), layout=layout)
+
+
+class _T:
+    """A transposed SMEM operand of :func:`_mmas` (A or B)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+def _operand(x):
+    return _plgpu().transpose_ref(x.ref, (1, 0)) if isinstance(x, _T) else x
+
+
+def _mmas(specs, interp):
+    """Issue the wgmmas ``acc_i (+)= a_i @ b_i`` together, wait, return the accumulators.
+
+    ``specs``: (init, a, b) with ``init`` an (M, N) shape (zero accumulator) or a float32 array in
+    the wgmma layout (accumulate onto it); ``a`` an SMEM ref, a 16-bit array in the wgmma layout
+    (registers) or a tuple of such terms (summed into one accumulator); ``b`` an SMEM ref or
+    ``_T(ref)`` (transposed; 16-bit only; float32 operands run as TF32 and need B transposed). Interpret mode computes them with ``jnp``."""
+    norm = [(init, a if isinstance(a, (tuple, list)) else (a,), b if isinstance(b, (tuple, list)) else (b,))
+            for init, a, b in specs]
+    if interp:
+        out = []
+        for init, As, Bs in norm:
+            r = 0.0
+            for a, b in zip(As, Bs):
+                av, bv = (_load_any(x) for x in (a, b))
+                r = r + jnp.dot(av.astype(F32), bv.astype(F32), preferred_element_type=F32)
+            out.append(r if isinstance(init, tuple) else init + r)
+        return tuple(out)
+    plgpu = _plgpu()
+
+    def issue(accs):
+        for acc, (_, As, Bs) in zip(accs, norm):
+            for a, b in zip(As, Bs):
+                plgpu.wgmma(acc, _operand(a), _operand(b))
+
+    if all(isinstance(x, tuple) for x, *_ in specs):
+        def scoped(*accs):
+            issue(accs)
+            return tuple(a[...] for a in accs)
+
+        return pl.run_scoped(scoped, *[plgpu.ACC(x, F32) for x, *_ in specs])
+    if any(isinstance(x, tuple) for x, *_ in specs):
+        raise ValueError("_mmas: all accumulators zero-initialised or all initialised")
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x, *_ in specs))
+
+
+def _load_any(x):
+    """Interpret mode: the value of an operand (array, ref or transposed ref)."""
+    if isinstance(x, _T):
+        return x.ref[...].T
+    if isinstance(x, jax.Array) or not hasattr(x, "at"):
+        return x
+    return x[...]
+
+
+def _iota(shape, dim, interp):
+    if interp:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    plgpu = _plgpu()
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _split(x):
+    """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative (bf16x3 products)."""
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def state_block(call: KernelCall) -> int:
+    """Value channels per CTA of the Hopper state pass: 64 (two CTAs per head at V = 128)."""
+    return min(64, call.V)
+
+
+def smem_bytes(call: KernelCall, bv: int) -> int:
+    """Shared memory of :func:`forward_states_and_output` (two TMA slots)."""
+    C, K = call.C, call.K
+    isz = jnp.dtype(call.in_dt).itemsize
+    per_slot = 2 * C * K * isz + C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
+    return 2 * per_slot + K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4
+
+
+def covers(call: KernelCall) -> str | None:
+    """None when the Hopper state pass takes this call, else why not."""
+    if call.packed:
+        return "cu_seqlens"
+    if call.layout != "bthd":
+        return "head-major layout"
+    if call.C != 64:
+        return f"chunk {call.C} (needs 64)"
+    if jnp.dtype(call.in_dt) not in (jnp.dtype(BF16), jnp.dtype(jnp.float16)):
+        return f"inputs {call.in_dt} (needs bf16 / f16)"
+    for name in ("mid_dt", "u_dt", "out_dt", "state_dt"):
+        if jnp.dtype(getattr(call, name)) != jnp.dtype(BF16):
+            return f"{name} {getattr(call, name)} (needs bf16)"
+    if call.K not in (64, 128) or call.V % 64:
+        return f"K={call.K}, V={call.V} (needs K in (64, 128), V a multiple of 64)"
+    if smem_bytes(call, state_block(call)) > SMEM_BYTES:
+        return "shared memory"
+    return None
+
+
+def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk):
+    """The fused forward state pass on Hopper; arguments and result as
+    :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output` (``flags`` unused: no
+    ``cu_seqlens``, see :func:`covers`)."""
+    del flags
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    B = BH // H
+    bv = state_block(call)
+    in_dt = jnp.dtype(call.in_dt)
+    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, e^{gamma_C}
+    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C),
+                       jnp.broadcast_to(e_gam_last.reshape(BH, n, 1), (BH, n, C))], axis=2).astype(F32)
+    aqk = aqk.astype(BF16)
+
+    def body(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
+             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar):
+        bh = lax.axis_index("bh")
+        vsl = pl.ds(lax.axis_index("vb") * bv, bv)
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        hk = lax.div(h, G) if G > 1 else h
+
+        def fetch(i, slot):
+            rows = pl.ds(i * C, C)
+            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows], u_ref.at[bh, rows, vsl],
+                    a_ref.at[bh, i], g_ref.at[bh, i])
+            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, u_s, a_s, g_s), bars):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(h0_ref.at[bh, 0, :, vsl], f_s, h0_bar)
+        fetch(0, 0)
+        plgpu.barrier_wait(h0_bar)
+        S0 = _load(f_s, plgpu.Layout.WGMMA, interp)
+
+        def step(i, S):
+            slot = lax.rem(i, 2)
+
+            @pl.when(i + 1 < n)
+            def _():
+                fetch(i + 1, 1 - slot)
+
+            for bar in bars:
+                plgpu.barrier_wait(bar.at[slot])
+            s_s[...] = S.astype(BF16)
+            plgpu.commit_smem()
+            ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
+            vn = _load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32) - ws
+            row = plgpu.Layout.WGMMA.reduce(1)
+            e_o = _load(g_s.at[slot, 0], row, interp)
+            e_end = _load(g_s.at[slot, 1], row, interp)
+            vn_s[...] = vn.astype(BF16)
+            vs_s[...] = (vn * lax.broadcast_in_dim(e_end, vn.shape, [0])).astype(BF16)
+            plgpu.commit_smem()
+            o0 = qs * lax.broadcast_in_dim(e_o, qs.shape, [0])
+            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[...] = o.astype(o_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(i * C, C), h, vsl])
+            return S
+
+        S = lax.fori_loop(0, n, step, S0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        f_s[...] = S
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, 0, :, vsl])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        _smem((2, C, K), in_dt), _smem((2, C, K), in_dt), _smem((2, C, K), BF16), _smem((2, C, bv), BF16),
+        _smem((2, C, C), BF16), plgpu.SMEM((2, 3, C), F32),
+        _smem((K, bv), BF16), _smem((C, bv), BF16), _smem((C, bv), BF16), _smem((C, bv), in_dt),
+        _smem((K, bv), F32),
+        [plgpu.Barrier(num_barriers=2) for _ in range(6)],
+        plgpu.Barrier(num_barriers=1),
+    ]
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv), grid_names=("bh", "vb"),
+                      **kw)
+    o, fin = fn(q, k, w.astype(BF16), u.astype(BF16), aqk, gates, h0)
+    return dict(o=o, final=fin)
+
+
+def wy_smem_bytes(call: KernelCall) -> int:
+    """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs."""
+    C, K, V = call.C, call.K, call.V
+    isz = jnp.dtype(call.in_dt).itemsize
+    return (2 * C * K + C * V) * isz + C * C * 2 + 4 * C * C * 2 + 3 * C * 4
+
+
+def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
+    """The forward's WY representation on Hopper (the Mosaic GPU twin of
+    :func:`gdn_jax.ops.pallas.wy.wy_repr` with ``q``): one CTA per (batch x value head, chunk).
+
+    In SMEM / registers (gamma the in-chunk cumulative log decay, masks applied to exponents)::
+
+        KK, QK = K K^T, Q K^T                                  wgmma (K transposed in SMEM)
+        A   = strictly_lower(beta_i KK_ij e^{gamma_i - gamma_j});  Aqk = tril(scale QK_ij e^{..})
+        T   = (I + A)^-1   recursive blocks T_2s = T_s - (T_s L_s) T_s, s = 1 .. C/2
+        W   = T (beta e^gamma K),  U = T (beta V)
+
+    Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
+    the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel).
+    Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16).
+    """
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    in_dt = jnp.dtype(call.in_dt)
+    rs = lambda x: x.reshape(BH, n, C)
+    gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam)], axis=2).astype(F32)
+    scale = call.scale
+
+    def body(q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars):
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, h = lax.div(bh, H), lax.rem(bh, H)
+        hk = lax.div(h, G) if G > 1 else h
+        rows = pl.ds(c * C, C)
+        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c])
+        for i, (src, dst) in enumerate(zip(srcs, (q_s, k_s, v_s, g_s))):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        for i in range(4):
+            plgpu.barrier_wait(bars.at[i])
+        kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
+        i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+        row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        bcast_r = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
+        gam_r = _load(g_s.at[1], row, interp)
+        dg = bcast_r(gam_r) - lax.broadcast_in_dim(_load(g_s.at[1], col, interp), (C, C), [1])
+        lower, incl = i > j, i >= j
+        A = jnp.where(lower, kk * bcast_r(_load(g_s.at[0], row, interp)) * jnp.exp(jnp.where(lower, dg, 0.0)), 0.0)
+        aqk = jnp.where(incl, qk * (scale * jnp.exp(jnp.where(incl, dg, 0.0))), 0.0)
+        a_s[...] = aqk.astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
+        # T = (I + A)^-1: T_2 exact, then T_2s = T_s - (T_s L_s) T_s with L_s the sub-diagonal s-blocks
+        eye = jnp.where(i == j, 1.0, 0.0)
+        T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
+        lg = 1
+        while (1 << lg) < C:
+            bi = i >> lg
+            L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
+            th, tl = _split(T)
+            lh, ll = _split(L)
+            t_hi[...], t_lo[...], l_hi[...], l_lo[...] = th, tl, lh, ll
+            plgpu.commit_smem()
+            (P,) = _mmas([((C, C), (th, tl, th), (l_hi, l_hi, l_lo))], interp)
+            ph, pl_ = _split(-P)
+            (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
+            lg += 1
+        # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
+        k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
+                    * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
+        v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
+                    * lax.broadcast_in_dim(_load(g_s.at[0], row, interp), (C, V), [0])).astype(v_s.dtype)
+        plgpu.commit_smem()
+        th, tl = _split(T)
+        Wm, Um = _mmas([((C, K), (th, tl), (k_s, k_s)), ((C, V), (th, tl), (v_s, v_s))], interp)
+        q_s[...] = Wm.astype(q_s.dtype)
+        v_s[...] = Um.astype(v_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, w_ref.at[bh, rows])
+        plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
+               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16),
+               plgpu.SMEM((3, C), F32), plgpu.Barrier(num_barriers=4)]
+    out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
+                jax.ShapeDtypeStruct((BH, n, C, C), BF16))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    w, u, aqk = fn(q, k, v, gates)
+    return dict(w=w, u=u, aqk=aqk)
