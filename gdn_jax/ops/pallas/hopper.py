@@ -256,7 +256,7 @@ def wy_smem_bytes(call: KernelCall) -> int:
     """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs."""
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
-    return (2 * C * K + C * V) * isz + C * C * 2 + 4 * C * C * 2 + 3 * C * 4
+    return (2 * C * K + C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
 def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
@@ -279,7 +279,10 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
     in_dt = jnp.dtype(call.in_dt)
     rs = lambda x: x.reshape(BH, n, C)
-    gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam)], axis=2).astype(F32)
+    # rows: beta, gamma, beta e^gamma, gamma again (an SMEM row is read in one register layout
+    # only: JAX 0.11's layout inference finds no solution when one row feeds both the row- and
+    # the column-broadcast layout)
+    gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam), rs(gam)], axis=2).astype(F32)
     scale = call.scale
 
     def body(q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars):
@@ -297,9 +300,10 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
         bcast_r = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
         gam_r = _load(g_s.at[1], row, interp)
-        dg = bcast_r(gam_r) - lax.broadcast_in_dim(_load(g_s.at[1], col, interp), (C, C), [1])
+        dg = (bcast_r(gam_r) - lax.broadcast_in_dim(_load(g_s.at[3], col, interp), (C, C), [1]))
         lower, incl = i > j, i >= j
-        A = jnp.where(lower, kk * bcast_r(_load(g_s.at[0], row, interp)) * jnp.exp(jnp.where(lower, dg, 0.0)), 0.0)
+        beta_r = _load(g_s.at[0], row, interp)
+        A = jnp.where(lower, kk * bcast_r(beta_r) * jnp.exp(jnp.where(lower, dg, 0.0)), 0.0)
         aqk = jnp.where(incl, qk * (scale * jnp.exp(jnp.where(incl, dg, 0.0))), 0.0)
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
@@ -323,7 +327,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
         k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
                     * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
         v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
-                    * lax.broadcast_in_dim(_load(g_s.at[0], row, interp), (C, V), [0])).astype(v_s.dtype)
+                    * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
         plgpu.commit_smem()
         th, tl = _split(T)
         Wm, Um = _mmas([((C, K), (th, tl), (k_s, k_s)), ((C, V), (th, tl), (v_s, v_s))], interp)
@@ -336,7 +340,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
 
     scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16),
-               plgpu.SMEM((3, C), F32), plgpu.Barrier(num_barriers=4)]
+               plgpu.SMEM((4, C), F32), plgpu.Barrier(num_barriers=4)]
     out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
                 jax.ShapeDtypeStruct((BH, n, C, C), BF16))
     kw = dict(interpret=_interpret_params()) if interp else {}
