@@ -41,7 +41,8 @@ BF16_MID_MIN_DIM = 64
 
 _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "state_dot": ("f32", "mid"),
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
-            "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS}
+            "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
+            "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages")
 _INTS = ("warps_wy", "warps_state", "warps_out")
 
@@ -71,6 +72,13 @@ class KernelConfig:
       bk_grad: key-channel block of the gradient kernel; below K the kernel runs on the grid
         (B*H, chunks, K/bk_grad) (at D = 256 the whole-K kernel spills registers at C = 32);
         None: K up to 128, 128 above (TPU: K).
+    GPU kernels:
+      gpu_kernels: "triton" (every stage in Pallas' Triton lowering), "mosaic" (the forward's
+        stages in the Hopper kernels of :mod:`gdn_jax.ops.pallas.hopper` -- Mosaic GPU: TMA,
+        wgmma -- for the calls they cover, see :func:`gdn_jax.ops.pallas.hopper.covers`; Triton
+        for the rest and for the backward); None: "mosaic" on an sm_90 GPU (H100 / H200), else
+        "triton". With ``platform="interpret"``, "mosaic" runs those kernels in Mosaic GPU's
+        interpret mode (CPU).
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
     Precision (the kernels accumulate in float32 in every case):
@@ -81,6 +89,10 @@ class KernelConfig:
         state passes' dots / of the output dots, "mid" or "f32" (float32 keeps U = W S + Vn, a
         small residual of O(|v|) terms, wider: rel. rms of o vs the float32 chunk backend 2.6e-3
         instead of 3.8e-3 at D = 128, 5-11% slower on an H200).
+      f32_inputs: float32 q, k, v as given ("keep": float32 kernels, dots per ``gpu_f32_*``) or
+        rounded to bfloat16 before the kernels ("bf16": the 16-bit path, Hopper kernels included;
+        o, the final state and the gradients are still returned in float32, accumulation is
+        float32 throughout -- the precision of bf16 inputs: rel. rms of o ~4e-3).
       gpu_f32_inv, gpu_f32_mm: Triton precision of float32 dots in the triangular inverse / in
         the others: "tf32", "tf32x3" or "ieee"; None: "tf32" with bf16 intermediates, else
         "tf32x3".
@@ -118,6 +130,8 @@ class KernelConfig:
     fuse_output: bool = True
     save_t: Optional[bool] = None
     merge_state: Optional[bool] = None
+    gpu_kernels: Optional[str] = None
+    f32_inputs: str = "keep"
 
     def __post_init__(self):
         for name, ok in _CHOICES.items():
@@ -182,6 +196,8 @@ class KernelCall:
     fuse_output: bool
     save_t: bool
     merge_state: bool
+    mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
+    bv_mosaic: int = 64  # value block of the Hopper state pass
 
     @property
     def Tp(self) -> int:
@@ -272,7 +288,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         merge = platform == "gpu" and BH * (V // bv_state) <= 128
     else:
         merge = config.merge_state
-    return KernelCall(
+    call = KernelCall(
         platform=platform, layout="hm" if tpu else "bthd", BH=BH, H=H, group=group, n=n, C=C, K=K, V=V, scale=float(scale),
         in_dt=jnp.dtype(in_dt).name, mid_dt=mid.name, u_dt=u_dt.name, state_dt=state_dt.name, out_dt=out_dt.name,
         f32_inv=config.gpu_f32_inv or f32_auto, f32_mm=config.gpu_f32_mm or f32_auto, packed=packed, nseq=nseq,
@@ -282,3 +298,20 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
     )
+    return _with_mosaic(config, call)
+
+
+def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
+    """Turn on the Hopper forward kernels where ``config.gpu_kernels`` asks for them (None: on an
+    sm_90 GPU) and :func:`gdn_jax.ops.pallas.hopper.covers` takes the call."""
+    from . import hopper
+    from .platform import is_hopper
+
+    want = config.gpu_kernels
+    if want is None:
+        want = "mosaic" if call.platform == "gpu" and is_hopper() else "triton"
+    if want != "mosaic" or call.platform not in ("gpu", "interpret"):
+        return call
+    bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V), call.V)
+    call = dataclasses.replace(call, bv_mosaic=bv)
+    return call if hopper.covers(call) is not None else dataclasses.replace(call, mosaic_fwd=True)

@@ -48,16 +48,17 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _transforms(dtype, cols):
-    """Tiling + swizzle of a [rows, cols] SMEM tile (wgmma operands and TMA destinations)."""
+def _transforms(dtype, cols, swizzle=None):
+    """Tiling + swizzle of a [rows, cols] SMEM tile (wgmma operands and TMA destinations): the
+    widest swizzle the row allows, or ``swizzle`` bytes (the two operands of a wgmma must agree)."""
     plgpu = _plgpu()
     item = jnp.dtype(dtype).itemsize
-    sw = plgpu.find_swizzle(cols * item * 8)
+    sw = swizzle or plgpu.find_swizzle(cols * item * 8)
     return (plgpu.TilingTransform((8, sw // item)), plgpu.SwizzleTransform(sw))
 
 
-def _smem(shape, dtype):
-    return _plgpu().SMEM(tuple(shape), jnp.dtype(dtype), transforms=_transforms(dtype, shape[-1]))
+def _smem(shape, dtype, swizzle=None):
+    return _plgpu().SMEM(tuple(shape), jnp.dtype(dtype), transforms=_transforms(dtype, shape[-1], swizzle))
 
 
 def _load(ref, layout, interp):
@@ -134,9 +135,10 @@ def _split(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def state_block(call: KernelCall) -> int:
-    """Value channels per CTA of the Hopper state pass: 64 (two CTAs per head at V = 128)."""
-    return min(64, call.V)
+def default_block(BH: int, V: int) -> int:
+    """Default value channels per CTA of the Hopper state pass (``KernelConfig.bv_state``
+    overrides it): 64, so V = 128 runs two CTAs per head."""
+    return min(64, V)
 
 
 def smem_bytes(call: KernelCall, bv: int) -> int:
@@ -148,21 +150,28 @@ def smem_bytes(call: KernelCall, bv: int) -> int:
 
 
 def covers(call: KernelCall) -> str | None:
-    """None when the Hopper state pass takes this call, else why not."""
+    """None when the Hopper forward kernels take this call, else what they lack: no
+    ``cu_seqlens``; chunk 64; bf16 inputs with bf16 intermediates (the default for bf16, head
+    dims >= 64); K in (64, 128), V a multiple of the value block (16, 32 or 64); the fused
+    output (``fuse_output``); the token layout."""
     if call.packed:
         return "cu_seqlens"
     if call.layout != "bthd":
         return "head-major layout"
+    if not call.fuse_output:
+        return "fuse_output=False"
     if call.C != 64:
         return f"chunk {call.C} (needs 64)"
-    if jnp.dtype(call.in_dt) not in (jnp.dtype(BF16), jnp.dtype(jnp.float16)):
-        return f"inputs {call.in_dt} (needs bf16 / f16)"
+    if jnp.dtype(call.in_dt) != jnp.dtype(BF16):
+        return f"inputs {call.in_dt} (needs bfloat16)"
     for name in ("mid_dt", "u_dt", "out_dt", "state_dt"):
         if jnp.dtype(getattr(call, name)) != jnp.dtype(BF16):
-            return f"{name} {getattr(call, name)} (needs bf16)"
-    if call.K not in (64, 128) or call.V % 64:
-        return f"K={call.K}, V={call.V} (needs K in (64, 128), V a multiple of 64)"
-    if smem_bytes(call, state_block(call)) > SMEM_BYTES:
+            return f"{name} {getattr(call, name)} (needs bfloat16)"
+    if call.K not in (64, 128):
+        return f"K={call.K} (needs 64 or 128)"
+    if call.bv_mosaic not in (16, 32, 64) or call.V % call.bv_mosaic:
+        return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
+    if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES or wy_smem_bytes(call) > SMEM_BYTES:
         return "shared memory"
     return None
 
@@ -176,7 +185,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
     B = BH // H
-    bv = state_block(call)
+    bv = call.bv_mosaic
     in_dt = jnp.dtype(call.in_dt)
     # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, e^{gamma_C}
     gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C),
@@ -236,10 +245,11 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, 0, :, vsl])
         plgpu.wait_smem_to_gmem(0)
 
+    sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
     scratch = [
-        _smem((2, C, K), in_dt), _smem((2, C, K), in_dt), _smem((2, C, K), BF16), _smem((2, C, bv), BF16),
-        _smem((2, C, C), BF16), plgpu.SMEM((2, 3, C), F32),
-        _smem((K, bv), BF16), _smem((C, bv), BF16), _smem((C, bv), BF16), _smem((C, bv), in_dt),
+        _smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
+        _smem((2, C, bv), BF16, sw), _smem((2, C, C), BF16, sw), plgpu.SMEM((2, 3, C), F32),
+        _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), in_dt, sw),
         _smem((K, bv), F32),
         [plgpu.Barrier(num_barriers=2) for _ in range(6)],
         plgpu.Barrier(num_barriers=1),

@@ -36,6 +36,16 @@ def default_platform() -> str:
     return "gpu" if b in ("gpu", "cuda", "rocm") else "tpu" if b == "tpu" else "interpret"
 
 
+def is_hopper() -> bool:
+    """True when JAX's first device is an NVIDIA GPU of compute capability 9.x (H100 / H200):
+    the Mosaic GPU kernels of :mod:`gdn_jax.ops.pallas.hopper` need sm_90 (TMA, wgmma)."""
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).split(".")[0] == "9"
+
+
 def is_tpu_layout(p: str) -> bool:
     """TPU and its interpreter use the head-major, (8, 128)-rule layout."""
     return p in ("tpu", "tpu_interpret")

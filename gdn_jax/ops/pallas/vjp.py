@@ -14,7 +14,9 @@ everything from the inputs, so the residuals are the inputs only, O(T (K + V)) p
 per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D128).
 
 * forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
-  (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output.
+  (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output; on
+  Hopper (``KernelCall.mosaic_fwd``) the Mosaic GPU twins :func:`~.hopper.wy_forward` ->
+  :func:`~.hopper.forward_states_and_output`.
 * backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
   h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`.
 """
@@ -30,6 +32,7 @@ import numpy as np
 
 from .. import packing as _packing
 from .._common import prepare
+from . import hopper
 from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
@@ -62,7 +65,12 @@ def gate_terms(call: KernelCall, beta_hm, g_hm):
 def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags):
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
     ``flags``: per-chunk flags (``cu_seqlens``) or a dummy."""
-    if call.fuse_output:
+    if call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
+        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam)
+        out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
+                                               wy["aqk"])
+        o, fin = out["o"], out["final"]
+    elif call.fuse_output:
         wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
         out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                         wy["aqk"])
@@ -199,7 +207,9 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     B, T, Hk, K0 = q.shape
     H, V0 = v.shape[2], v.shape[-1]  # value heads (grouped value heads: H = group * Hk)
     G = H // Hk
-    in_dt = _in_dtype(q, k, v)
+    in_dt = out_dt = _in_dtype(q, k, v)
+    if in_dt == jnp.dtype(F32) and config.f32_inputs == "bf16":
+        in_dt = jnp.dtype(jnp.bfloat16)  # KernelConfig.f32_inputs: the kernels read bf16 operands
     Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
     Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
     C = max(Cf, Cb)  # the time layout is built for the larger chunk (powers of two: the smaller divides it)
@@ -248,7 +258,7 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     def finish(o, fin):
         if tpu:
             o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
-        o = _packing.from_chunk_layout(o, T, packing)
+        o = _packing.from_chunk_layout(o, T, packing).astype(out_dt)
         if V != V0:
             o = o[..., :V0]
         fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)

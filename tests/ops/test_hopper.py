@@ -1,0 +1,185 @@
+"""Tests of the Hopper (Mosaic GPU) forward kernels of ``backend="pallas"`` without a GPU.
+
+* numerics: ``KernelConfig(platform="interpret", gpu_kernels="mosaic")`` runs the kernels of
+  ``gdn_jax/ops/pallas/hopper.py`` in Mosaic GPU's interpret mode (TMA slots, barriers and
+  indexing interpreted; the matmuls computed with jnp), compared with the float64 reference of
+  ``tests/reference.py`` (o, final state and every gradient: the backward is the Triton path's);
+* dispatch: which calls the Hopper kernels take (``hopper.covers``) and that the others fall
+  back to the Triton kernels with the same numbers;
+* lowering: both kernels lowered for CUDA with ``jax.export(..., platforms=["cuda"])`` (Mosaic
+  GPU's own lowering: TMA descriptors, wgmma, register layouts).
+
+Tolerances (rel_rms against float64 on the same rounded inputs): 5e-3 for o and the final state,
+8e-3 for dq, dk, dv, d initial_state, 2e-2 for dg, dbeta (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
+from reference import reference, reference_grads
+
+from gdn_jax.ops import KernelConfig, gated_delta_rule
+from gdn_jax.ops.pallas import hopper
+from gdn_jax.ops.pallas.config import resolve
+from gdn_jax.ops.pallas.vjp import to_kernel_inputs
+
+MOSAIC = KernelConfig(platform="interpret", gpu_kernels="mosaic")
+
+
+def _run(x, config, *, chunk_size=64, cu_seqlens=None):
+    """(o, S, grads) of backend='pallas' through the public op, jitted."""
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    S0 = x["S0"] if x["S0"] is None else jnp.asarray(x["S0"], F32)
+    fn = functools.partial(gated_delta_rule, output_final_state=True, backend="pallas", chunk_size=chunk_size,
+                           kernel_config=config, cu_seqlens=cu_seqlens)
+    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+
+    def loss(q, k, v, g, b, s):
+        o, S = fn(q, k, v, g, b, initial_state=s)
+        return jnp.sum(o.astype(F32) * do) + jnp.sum(S * dS), (o, S)
+
+    argnums = (0, 1, 2, 3, 4) + ((5,) if S0 is not None else ())
+    gr, (o, S) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, S0)
+    return o, S, dict(zip(GRAD_NAMES, gr))
+
+
+def _check(x, got, *, cu_seqlens=None):
+    o, S, gr = got
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu_seqlens)
+    rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu_seqlens, do=x["do"], dS=x["dS"])
+    pairs = {"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)}
+    for n, val in gr.items():
+        pairs["d" + n] = (val, rg[n], TOL_GATE if n in ("g", "beta") else TOL_GRAD)
+    return check_close(pairs)
+
+
+def _mosaic_taken(x, config, chunk_size=64, cu_seqlens=None):
+    prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size, config=config,
+                            cu_seqlens=cu_seqlens)
+    return prep.calls[0].mosaic_fwd
+
+
+# (gates, B, T, H key heads, group, K, V, init): T not a multiple of the chunk, K != V, GVA,
+# strong and weak gates, with and without an initial state
+CASES = [
+    ("strong", 1, 150, 2, 1, 128, 128, True),
+    ("weak", 2, 64, 1, 1, 64, 128, False),
+    ("strong", 1, 100, 1, 2, 128, 64, True),  # grouped value heads: 2 value heads per key head
+    (("fla", 0.02), 1, 90, 2, 1, 64, 64, False),  # gates -16 .. -35 per token
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_mosaic_forward_matches_float64(case):
+    gates, B, T, H, G, K, V, init = case
+    x = make_inputs(seed_of("hopper", case), B, T, H, K, V, gates=gates, dtype=BF16, init=init)
+    if G > 1:  # grouped value heads: v, g, beta, S0, do, dS on H * G heads
+        y = make_inputs(seed_of("hopper-v", case), B, T, H * G, K, V, gates=gates, dtype=BF16, init=init)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    assert _mosaic_taken(x, MOSAIC), "the Hopper kernels did not take a call they cover"
+    _check(x, _run(x, MOSAIC))
+
+
+def test_mosaic_beta_near_two():
+    """Negative eigenvalues (beta in (0, 2)), no decay: the bound of the 16-bit Pallas path."""
+    x = make_inputs(seed_of("hopper-beta2"), 1, 128, 1, 128, 128, gates="zero", dtype=BF16)
+    x["beta"] = jnp.asarray(1.9 * np.ones(x["beta"].shape), BF16)
+    errs = check_close({"o": (_run(x, MOSAIC)[0], reference(x["q"], x["k"], x["v"], x["g"], x["beta"])[0], 1e-2)})
+    assert errs["o"] > 0
+
+
+def test_mosaic_equals_triton_path_numbers():
+    """The two GPU kernel families compute the same thing (both bf16 intermediates)."""
+    x = make_inputs(seed_of("hopper-vs-triton"), 1, 128, 2, 128, 128, dtype=BF16, init=True)
+    o_m, S_m, _ = _run(x, MOSAIC)
+    o_t, S_t, _ = _run(x, KernelConfig(platform="interpret", gpu_kernels="triton"))
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(F32) - b.astype(F32)).ravel()) / jnp.linalg.norm(b.astype(F32).ravel()))
+    assert rel(o_m, o_t) < 8e-3 and rel(S_m, S_t) < 8e-3
+
+
+def test_f32_inputs_bf16_operands():
+    """``KernelConfig(f32_inputs="bf16")``: float32 inputs take the 16-bit path (the Hopper
+    kernels included); o, S and gradients are float32 and within the bf16 tolerances of the
+    float64 reference on the unrounded inputs."""
+    x = make_inputs(seed_of("hopper-f32"), 1, 96, 2, 128, 128, dtype=F32, init=True)
+    cfg = dataclasses.replace(MOSAIC, f32_inputs="bf16")
+    assert _mosaic_taken(x, cfg)
+    o, S, gr = _run(x, cfg)
+    assert o.dtype == F32 and S.dtype == F32 and all(g.dtype == F32 for g in gr.values())
+    _check(x, (o, S, gr))
+    assert not _mosaic_taken(x, dataclasses.replace(MOSAIC, f32_inputs="keep"))
+
+
+def _call(**kw):
+    base = dict(platform="interpret", C=64, n=4, BH=4, H=2, K=128, V=128, K0=128, V0=128, scale=0.1,
+                in_dt=BF16, packed=False, nseq=1, group=1)
+    cfg = kw.pop("config", MOSAIC)
+    base.update(kw)
+    return resolve(cfg, **base)
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(packed=True, nseq=3), "cu_seqlens"),
+    (dict(C=32), "chunk"),
+    (dict(in_dt=F16), "bfloat16"),
+    (dict(in_dt=F32), "bfloat16"),
+    (dict(K=256, V=256, K0=256, V0=256, C=32), "chunk"),
+    (dict(K=256, V=256, K0=256, V0=256), "K=256"),
+    (dict(K=32, V=32, K0=32, V0=32), "bfloat16"),  # small heads keep f32 intermediates
+    (dict(config=dataclasses.replace(MOSAIC, fuse_output=False)), "fuse_output"),
+    (dict(config=dataclasses.replace(MOSAIC, u_dtype="f32")), "u_dt"),
+])
+def test_coverage_reasons(kw, reason):
+    call = _call(**kw)
+    assert not call.mosaic_fwd
+    assert reason in hopper.covers(call)
+
+
+def test_dispatch():
+    assert _call().mosaic_fwd
+    assert _call(group=2, BH=4, H=2).mosaic_fwd
+    assert _call(config=dataclasses.replace(MOSAIC, bv_state=32)).bv_mosaic == 32
+    assert not _call(config=KernelConfig(platform="interpret")).mosaic_fwd  # None: Hopper GPUs only
+    assert not _call(config=KernelConfig(platform="interpret", gpu_kernels="triton")).mosaic_fwd
+    assert not _call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")).mosaic_fwd
+    with pytest.raises(ValueError, match="gpu_kernels"):
+        KernelConfig(gpu_kernels="cuda")
+    with pytest.raises(ValueError, match="f32_inputs"):
+        KernelConfig(f32_inputs="tf32")
+
+
+def test_uncovered_call_falls_back_with_same_numbers():
+    """cu_seqlens is not covered: gpu_kernels="mosaic" runs the Triton kernels, still exact."""
+    x = make_inputs(seed_of("hopper-packed"), 1, 150, 1, 64, 64, dtype=BF16, init=True, N=3)
+    cu = jnp.asarray([0, 40, 41, 150], jnp.int32)
+    assert not _mosaic_taken(x, MOSAIC, cu_seqlens=cu)
+    _check(x, _run(x, MOSAIC, cu_seqlens=cu), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("K,V,group,bv", [(128, 128, 1, 64), (64, 128, 2, 32), (64, 64, 1, 16)])
+def test_cuda_lowering_export(K, V, group, bv):
+    """Both Hopper kernels through Mosaic GPU's lowering for CUDA (no GPU needed)."""
+    B, T, H = 1, 256, 2
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", bv_state=bv)
+    sds = [jax.ShapeDtypeStruct(s, BF16) for s in ((B, T, H, K), (B, T, H, K), (B, T, H * group, V))]
+    sds += [jax.ShapeDtypeStruct((B, T, H * group), F32), jax.ShapeDtypeStruct((B, T, H * group), BF16)]
+    prep = jax.eval_shape(lambda *a: to_kernel_inputs(*a, chunk_size=64, config=cfg).args, *sds)
+    call = to_kernel_inputs(*[jnp.zeros(s.shape, s.dtype) for s in sds], chunk_size=64, config=cfg).calls[0]
+    assert call.mosaic_fwd and call.bv_mosaic == bv and call.group == group
+
+    def fwd(q, k, v, g, b):
+        return gated_delta_rule(q, k, v, g, b, output_final_state=True, backend="pallas", chunk_size=64,
+                                kernel_config=cfg)
+
+    exp = jax.export.export(jax.jit(fwd), platforms=["cuda"])(*sds)
+    text = exp.mlir_module()
+    assert text.count("mosaic_gpu") >= 2, "expected the two Mosaic GPU kernels in the lowered module"
+    del prep
