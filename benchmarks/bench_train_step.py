@@ -9,6 +9,10 @@ steps on one fixed batch (synchronised)::
     python benchmarks/bench_train_step.py                                   # the H200 MQAR shape
     python benchmarks/bench_train_step.py --mixers gla --d_models 128 --env XLA_FLAGS=--xla_gpu_autotune_level=0
     python benchmarks/bench_train_step.py --quick                           # tiny CPU smoke test
+    python benchmarks/bench_train_step.py --mixers gdn --backend pallas --kernel_config f32_inputs=bf16
+
+``--kernel_config`` takes ``field=value`` items of :class:`gdn_jax.ops.KernelConfig` (several
+``--kernel_config`` groups, ``;``-separated, give one row each: ``"f32_inputs=bf16;gpu_f32_mm=tf32,gpu_f32_inv=tf32"``).
 
 ``--env K=V`` sets environment variables (XLA / JAX flags) before JAX is imported; gdn_jax itself
 reads none (its kernel options are the explicit ``gdn_jax.ops.KernelConfig``).
@@ -31,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--num_heads", type=int, default=2)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kernel_config", default="", help="KernelConfig field=value items (',' within one, ';' between rows)")
     ap.add_argument("--env", nargs="*", default=[], help="KEY=VALUE switches set before tracing")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
@@ -41,20 +46,31 @@ def main(argv=None):
         args.d_models, args.seq_len, args.num_kv_pairs, args.vocab_size, args.batch_size, args.reps = \
             [16], 32, 4, 64, 4, 2
 
+    import dataclasses
+
     import jax
+    from flax import nnx
 
     from gdn_jax import training as T
+    from gdn_jax.cli import parse_overrides
+    from gdn_jax.models import LM
+    from gdn_jax.ops import KernelConfig
     from gdn_jax.recall import RecallConfig, build, max_labels
 
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; L {args.seq_len}, pairs {args.num_kv_pairs}, "
           f"vocab {args.vocab_size}, batch {args.batch_size}, backend {args.backend}, env {args.env or '-'}", flush=True)
+    kcs = [None] if not args.kernel_config else [
+        KernelConfig(**parse_overrides(KernelConfig, [x for x in grp.split(",") if x])) for grp in args.kernel_config.split(";")]
     rows = []
-    for d in args.d_models:
-        for m in args.mixers:
+    for d, m, kc in [(d, m, kc) for d in args.d_models for m in args.mixers for kc in kcs]:
+        if True:
             cfg = RecallConfig(mixer=m, d_model=d, num_heads=args.num_heads, seq_len=args.seq_len,
                                num_kv_pairs=args.num_kv_pairs, vocab_size=args.vocab_size,
                                batch_size=args.batch_size, backend=args.backend)
-            task, loader, _, model_fn, tx = build(cfg)
+            task, loader, lm_cfg, model_fn, tx = build(cfg)
+            if kc is not None:
+                lm_cfg = dataclasses.replace(lm_cfg, kernel_config=kc)
+                model_fn = lambda lm_cfg=lm_cfg: LM(lm_cfg, rngs=nnx.Rngs(cfg.seed))
             mesh = T.make_mesh()
             graphdef, state = T.create_train_state(model_fn(), tx, seed=0, mesh=mesh)
             step = T.make_train_step(graphdef, tx, mesh, loss_fn=T.make_lm_loss(max_labels(task)))
@@ -68,12 +84,14 @@ def main(argv=None):
                 state, met = step(state, batch)
             jax.block_until_ready(met)
             ms = (time.perf_counter() - t0) / args.reps * 1e3
-            rows.append((m, d, ms, compile_s))
-            print(f"  {m:<10} d {d:<4} {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  first step {compile_s:5.1f} s",
+            tag = "-" if kc is None else ",".join(f"{f.name}={getattr(kc, f.name)}" for f in dataclasses.fields(kc)
+                                                  if getattr(kc, f.name) != f.default)
+            rows.append((m, d, ms, compile_s, tag))
+            print(f"  {m:<10} d {d:<4} {tag}  {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  first step {compile_s:5.1f} s",
                   flush=True)
-    print("\nmixer       d     ms/step  steps/s  first-step s")
-    for m, d, ms, c in rows:
-        print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {c:13.1f}")
+    print("\nmixer       d     ms/step  steps/s  first-step s  kernel_config")
+    for m, d, ms, c, tag in rows:
+        print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {c:13.1f}  {tag}")
 
 
 if __name__ == "__main__":
