@@ -12,6 +12,7 @@ from ._common import (GateForms, acc_dtype, check_inputs, clamp_log_decay, finis
                       repeat_key_heads, value_group)
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
+AUTO_F32_MIN_DIM = 64  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured)
 
 
 def _pallas_module():
@@ -36,11 +37,15 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
 
     ``"auto"``: ``"pallas"`` on GPU/TPU for 16-bit (bfloat16/float16) inputs its kernels cover,
-    else ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
-    float32 inputs go to ``"chunk"`` even on GPU: measured on an H200 (JAX 0.11.2, 2026-11-30,
-    ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, B 128, T 512, 2 heads, f32), a training step
-    took 18.7 / 57.6 ms with pallas vs 8.8 / 15.6 ms with chunk at K = V = 64 / 128: the kernels run
-    their float32 dots as 3-pass TF32 (``tf32x3``, for accuracy), XLA's chunk form as 1-pass TF32.
+    and on GPU for float32 inputs with max(K, V) >= :data:`AUTO_F32_MIN_DIM` (64); else
+    ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
+    float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
+    XLA's default for float32 matmuls, which the chunk form runs with). Measured on an H200 (JAX
+    0.11.2, 2026-12-01, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
+    float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass
+    TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms (2026-11-30) at d 256
+    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. Smaller float32 heads stay on chunk
+    (not measured).
 
     Raises:
       ValueError: unknown backend name.
@@ -50,7 +55,9 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         platform = platform or jax.default_backend()
-        if platform in ("gpu", "cuda", "rocm", "tpu") and jnp.dtype(dtype).itemsize == 2:
+        gpu = platform in ("gpu", "cuda", "rocm")
+        f32_ok = gpu and jnp.dtype(dtype) == jnp.float32 and max(K, V) >= AUTO_F32_MIN_DIM
+        if (gpu or platform == "tpu") and (jnp.dtype(dtype).itemsize == 2 or f32_ok):
             try:
                 pl = _pallas_module()
             except ImportError:  # pragma: no cover - Pallas unavailable on this install

@@ -491,17 +491,23 @@ def test_merge_state_policy():
 
 
 def test_auto_backend_policy():
-    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 goes to chunk (the f32
-    kernels, 3-pass TF32, were measured 2.1-3.7x slower than chunk in an H200 training step)."""
+    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 on GPU from head dim 64
+    (1-pass TF32 kernels, measured faster than chunk in an H200 training step), chunk for smaller
+    float32 heads and for float32 on TPU."""
     from gdn_jax.ops import resolve_backend
+    from gdn_jax.ops.gated_delta_rule import AUTO_F32_MIN_DIM
 
     ok = GateForms(False, False)
     kw = dict(chunk_size=64, K=64, V=64)
     for plat in ("gpu", "tpu"):
         assert resolve_backend("auto", ok, dtype=BF16, platform=plat, **kw) == "pallas"
         assert resolve_backend("auto", ok, dtype=jnp.float16, platform=plat, **kw) == "pallas"
-        assert resolve_backend("auto", ok, dtype=F32, platform=plat, **kw) == "chunk"
+        assert resolve_backend("auto", ok, dtype=F32, platform=plat, **kw) == ("pallas" if plat == "gpu" else "chunk")
         assert resolve_backend("auto", GateForms(True, False), dtype=BF16, platform=plat, **kw) == "chunk"
         assert resolve_backend("auto", GateForms(False, True), dtype=BF16, platform=plat, **kw) == "scan"
+    small = dict(chunk_size=64, K=AUTO_F32_MIN_DIM // 2, V=AUTO_F32_MIN_DIM // 2)
+    assert resolve_backend("auto", ok, dtype=F32, platform="gpu", **small) == "chunk"
+    assert resolve_backend("auto", ok, dtype=F32, platform="gpu", chunk_size=64, K=32, V=128) == "pallas"
+    assert resolve_backend("auto", ok, dtype=F32, platform="cpu", **kw) == "chunk"
     assert resolve_backend("auto", ok, dtype=BF16, platform="cpu", **kw) == "chunk"
     assert resolve_backend("pallas", ok, dtype=F32, platform="gpu", **kw) == "pallas"  # explicit: still runs

@@ -11,6 +11,8 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 * :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
 * :mod:`.state_bwd`: the backward state passes (reverse dS pass; merged with the recompute);
 * :mod:`.grads`: the per-chunk gradient kernel (dq, dk, dv, dbeta, gate terms);
+* :mod:`.hopper`: the forward's two stages as Mosaic GPU kernels for sm_90 (TMA, wgmma), chosen
+  by ``KernelConfig.gpu_kernels`` (default: on Hopper GPUs, for the calls they cover);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
 * :mod:`.layout`, :mod:`.tiles`: block specs and in-kernel helpers.
 
@@ -24,7 +26,9 @@ bf16 inputs and max(K, V) >= 64 (``config.BF16_MID_MIN_DIM``) the intermediates 
 (W, U, Vn, h_n, dVl, dVn, dh_n) are bf16 and the state / output dots take bf16 operands (rel.
 rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(u_dtype="f32",
 state_dot="f32", out_dot="f32")`` gives 2.6e-3). float32 inputs keep everything float32 (on
-GPU as 3-pass TF32 dots). The in-chunk triangular inverse is float32 in every case.
+GPU as 1-pass TF32 dots by default, like XLA's; ``gpu_f32_*="tf32x3"`` for ~float32 accuracy;
+``f32_inputs="bf16"`` for the 16-bit path). The in-chunk triangular inverse is float32 (Triton)
+or bf16x3 (the Hopper kernels) in every case.
 
 Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering
 (``jax.export``) only; its state passes hold whole sequences in VMEM (the limit is raised up to
