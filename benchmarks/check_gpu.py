@@ -1,0 +1,136 @@
+"""Device check of ``backend="pallas"``: the CI suite's float64-reference cases on the real GPU path.
+
+Run it whenever the kernels change and commit its output (``results/<name>/check_gpu.txt``)::
+
+    python benchmarks/check_gpu.py                     # on the GPU: default kernels and Triton-only
+    python benchmarks/check_gpu.py --configs gpu_kernels=triton "gpu_kernels=mosaic,bv_state=32"
+    python benchmarks/check_gpu.py --quick             # CPU: interpret mode, a few cases (smoke test)
+
+Cases (``tests/conftest.make_inputs``; compared with ``tests/reference.py`` in float64 on the same
+rounded inputs): strong and weak gates, FLA's strong-gate grid row (gates -16 .. -35 per token), T not
+a multiple of the chunk, ``cu_seqlens`` with an empty and a length-1 sequence, the initial-state
+gradient, beta in (0, 2) without decay, grouped value heads; bf16 and float32 inputs. For each: rel.
+rms of o, the final state and every gradient, against the suite's tolerances (o, S 5e-3; dq, dk, dv,
+dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16, as the suite), and
+which forward kernels ran (Hopper / Triton). Exit status 1 if any case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (_ROOT, os.path.join(_ROOT, "tests")):
+    sys.path.insert(0, p)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from conftest import TOL_GATE, TOL_GRAD, TOL_O, TOL_S, make_inputs, seed_of  # noqa: E402
+from reference import reference, reference_grads, rel_rms, to_f64  # noqa: E402
+
+from gdn_jax.cli import parse_overrides  # noqa: E402
+from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
+from gdn_jax.ops.pallas.vjp import to_kernel_inputs  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+# name, B, T, H key heads, group, K, V, gates, init, cu_seqlens, beta2
+CASES = [
+    ("strong", 2, 300, 4, 1, 128, 128, "strong", True, None, False),
+    ("weak", 1, 256, 4, 1, 128, 128, "weak", False, None, False),
+    ("fla-grid", 1, 200, 2, 1, 64, 64, ("fla", 0.02), True, None, False),
+    ("T-not-chunk", 1, 77, 2, 1, 64, 128, "strong", False, None, False),
+    ("packed-empty-len1", 1, 230, 2, 1, 128, 128, "strong", True, (0, 100, 100, 101, 230), False),
+    ("init-grad", 1, 128, 2, 1, 128, 64, "weak", True, None, False),
+    ("beta-near-2", 1, 192, 2, 1, 128, 128, "zero", False, None, True),
+    ("gva", 1, 160, 2, 2, 128, 128, "strong", True, None, False),
+]
+
+
+def run_case(case, dtype, config):
+    name, B, T, H, G, K, V, gates, init, cu, beta2 = case
+    N = None if cu is None else len(cu) - 1
+    x = make_inputs(seed_of("check_gpu", name), B, T, H, K, V, gates=gates, dtype=dtype, init=init, N=N)
+    if G > 1:
+        y = make_inputs(seed_of("check_gpu-v", name), B, T, H * G, K, V, gates=gates, dtype=dtype, init=init, N=N)
+        x.update(v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    if beta2:
+        x["beta"] = jnp.asarray(1.9 * np.ones(x["beta"].shape), dtype)
+    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    S0 = None if x["S0"] is None else jnp.asarray(x["S0"], F32)
+    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+    fn = functools.partial(gated_delta_rule, backend="pallas", output_final_state=True, chunk_size=64,
+                           kernel_config=config, cu_seqlens=cu_j)
+
+    def loss(q, k, v, g, b, s):
+        o, S = fn(q, k, v, g, b, initial_state=s)
+        return jnp.sum(o.astype(F32) * do) + jnp.sum(S * dS), (o, S)
+
+    argnums = (0, 1, 2, 3, 4) + ((5,) if S0 is not None else ())
+    gr, (o, S) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, S0)
+    mosaic = to_kernel_inputs(q, k, v, g, beta, chunk_size=64, config=config, cu_seqlens=cu_j).calls[0].mosaic_fwd
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu)
+    rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu, do=x["do"], dS=x["dS"])
+    loose = beta2 and dtype == BF16
+    tol = {"o": 1e-2 if loose else TOL_O, "S": 1e-2 if loose else TOL_S}
+    errs = {"o": rel_rms(to_f64(o), ro), "S": rel_rms(to_f64(S), rS)}
+    for n, val in zip(NAMES, gr):
+        errs["d" + n] = rel_rms(to_f64(val), rg[n])
+        tol["d" + n] = (1.2e-2 if loose else TOL_GATE) if n in ("g", "beta") else (1.2e-2 if loose else TOL_GRAD)
+    bad = [f"{n} {e:.1e} > {tol[n]:g}" for n, e in errs.items() if not (np.isfinite(e) and e <= tol[n])]
+    return errs, bad, mosaic
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="KernelConfig field=value items, one config per argument ('' = the defaults)")
+    ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
+    ap.add_argument("--quick", action="store_true", help="CPU interpret mode, three cases")
+    args = ap.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
+    configs = []
+    for sp in specs:
+        kw = parse_overrides(KernelConfig, [x for x in sp.split(",") if x])
+        if not gpu:
+            kw.setdefault("platform", "interpret")
+        configs.append((sp or "defaults", KernelConfig(**kw)))
+    cases = CASES[:3] if (args.quick or not gpu) else CASES
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {len(cases)} cases x {args.dtypes} x "
+          f"{[c for c, _ in configs]}", flush=True)
+    rows, failed = [], 0
+    t0 = time.time()
+    for cname, cfg in configs:
+        for dt in args.dtypes:
+            for case in cases:
+                try:
+                    errs, bad, mosaic = run_case(case, jnp.dtype(dt), cfg)
+                except Exception as e:  # report and go on: device minutes are scarce
+                    errs, bad, mosaic = {}, [f"{type(e).__name__}: {str(e)[:200]}"], None
+                failed += bool(bad)
+                fwd = "hopper" if mosaic else ("triton" if mosaic is not None else "-")
+                rows.append((cname, dt, case[0], fwd, errs, bad))
+                worst = max((e for n, e in errs.items() if n not in ("o", "S")), default=float("nan"))
+                print(f"  {cname:<22} {dt:<9} {case[0]:<18} fwd {fwd:<7} o {errs.get('o', float('nan')):.1e}  "
+                      f"S {errs.get('S', float('nan')):.1e}  worst grad {worst:.1e}  "
+                      f"{'FAIL ' + '; '.join(bad) if bad else 'ok'}", flush=True)
+    print(f"\n{len(rows) - failed} of {len(rows)} cases within the suite's tolerances ({time.time() - t0:.0f} s)")
+    print(f"{'config':<22} {'dtype':<9} {'case':<18} {'fwd':<7} " + " ".join(f"{n:>8}" for n in
+          ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinit")))
+    for cname, dt, name, fwd, errs, bad in rows:
+        vals = [errs.get(n, float("nan")) for n in ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")]
+        print(f"{cname:<22} {dt:<9} {name:<18} {fwd:<7} " + " ".join(f"{v:8.1e}" for v in vals)
+              + ("  FAIL" if bad else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
