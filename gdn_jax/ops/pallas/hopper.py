@@ -150,12 +150,9 @@ def smem_bytes(call: KernelCall, bv: int) -> int:
 
 
 def covers(call: KernelCall) -> str | None:
-    """None when the Hopper forward kernels take this call, else what they lack: no
-    ``cu_seqlens``; chunk 64; bf16 inputs with bf16 intermediates (the default for bf16, head
+    """None when the Hopper forward kernels take this call, else what they lack: chunk 64; bf16 inputs with bf16 intermediates (the default for bf16, head
     dims >= 64); K in (64, 128), V a multiple of the value block (16, 32 or 64); the fused
     output (``fuse_output``); the token layout."""
-    if call.packed:
-        return "cu_seqlens"
     if call.layout != "bthd":
         return "head-major layout"
     if not call.fuse_output:
@@ -178,18 +175,22 @@ def covers(call: KernelCall) -> str | None:
 
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk):
     """The fused forward state pass on Hopper; arguments and result as
-    :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output` (``flags`` unused: no
-    ``cu_seqlens``, see :func:`covers`)."""
-    del flags
+    :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`. With ``cu_seqlens``
+    (``call.packed``) the per-chunk ``flags`` ride in the gates row of each chunk: at a sequence's
+    first chunk S restarts from ``h0[seq]`` (TMA), after its last S is written to ``final[seq]``."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
     B = BH // H
     bv = call.bv_mosaic
     in_dt = jnp.dtype(call.in_dt)
-    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, e^{gamma_C}
-    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C),
-                       jnp.broadcast_to(e_gam_last.reshape(BH, n, 1), (BH, n, C))], axis=2).astype(F32)
+    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, and
+    # [e^{gamma_C}, the chunk's flags (exact in float32 below 2^24), 0, ...]
+    last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
+    if call.packed:
+        last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
+    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C), last_row],
+                      axis=2).astype(F32)
     aqk = aqk.astype(BF16)
 
     def body(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
@@ -206,10 +207,24 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             for src, dst, bar in zip(srcs, (q_s, k_s, w_s, u_s, a_s, g_s), bars):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(h0_ref.at[bh, 0, :, vsl], f_s, h0_bar)
+        def load_state(seq):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
+            plgpu.copy_gmem_to_smem(h0_ref.at[bh, seq, :, vsl], f_s, h0_bar)
+            plgpu.barrier_wait(h0_bar)
+            return _load(f_s, plgpu.Layout.WGMMA, interp)
+
+        def store_state(S, seq):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            f_s[...] = S
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
+
         fetch(0, 0)
-        plgpu.barrier_wait(h0_bar)
-        S0 = _load(f_s, plgpu.Layout.WGMMA, interp)
+        if call.packed:  # every sequence starts at a chunk flagged "first": S0 is never read
+            S0 = jnp.zeros((K, bv), F32) if interp else plgpu.layout_cast(jnp.zeros((K, bv), F32),
+                                                                           plgpu.Layout.WGMMA)
+        else:
+            S0 = load_state(0)
 
         def step(i, S):
             slot = lax.rem(i, 2)
@@ -220,6 +235,10 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
             for bar in bars:
                 plgpu.barrier_wait(bar.at[slot])
+            if call.packed:
+                f = g_s[slot, 2, 1].astype(jnp.int32)
+                seq, first, last = f >> 2, (f & 1) != 0, (f & 2) != 0
+                S = lax.cond(first, lambda: load_state(seq), lambda: S)
             s_s[...] = S.astype(BF16)
             plgpu.commit_smem()
             ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
@@ -236,13 +255,13 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             o_s[...] = o.astype(o_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(i * C, C), h, vsl])
+            if call.packed:
+                pl.when(last)(lambda: store_state(S, seq))
             return S
 
         S = lax.fori_loop(0, n, step, S0)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        f_s[...] = S
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, 0, :, vsl])
+        if not call.packed:
+            store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
