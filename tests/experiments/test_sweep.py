@@ -172,7 +172,7 @@ def test_bench_train_step_runs():
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_train_step.py"), "--quick",
                         "--mixers", "gdn", "gla"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    table = p.stdout.split("first-step s")[-1].split("\n")
+    table = p.stdout.split("first-step s")[-1].split("\n")[1:]  # the rows below the header line
     assert [r.split()[0] for r in table if r.strip()] == ["gdn", "gla"]
 
 
