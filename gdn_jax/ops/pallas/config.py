@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from .platform import PLATFORMS, is_tpu_layout
@@ -309,8 +310,9 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     from .platform import is_hopper
 
     want = config.gpu_kernels
-    if want is None:
-        want = "mosaic" if call.platform == "gpu" and is_hopper() else "triton"
+    if want is None:  # the Mosaic GPU API these kernels use: checked on JAX 0.10.2 (lowering) and 0.11.2
+        new_jax = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10)
+        want = "mosaic" if call.platform == "gpu" and new_jax and is_hopper() else "triton"
     if want != "mosaic" or call.platform not in ("gpu", "interpret"):
         return call
     bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V), call.V)
