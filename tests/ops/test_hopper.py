@@ -130,9 +130,11 @@ def _call(**kw):
     (dict(C=32), "chunk"),
     (dict(in_dt=F16), "bfloat16"),
     (dict(in_dt=F32), "bfloat16"),
-    (dict(K=256, V=256, K0=256, V0=256, C=32), "chunk"),
+    (dict(K=256, V=256, K0=256, V0=256, C=32), "K=256"),
+    (dict(K=128, V=256, K0=128, V0=256, C=32), "chunk 32"),
     (dict(K=256, V=256, K0=256, V0=256), "K=256"),
-    (dict(K=32, V=32, K0=32, V0=32), "bfloat16"),  # small heads keep f32 intermediates
+    (dict(K=32, V=32, K0=32, V0=32), "K=32"),
+    (dict(config=dataclasses.replace(MOSAIC, mid_dtype="f32")), "mid_dt"),
     (dict(config=dataclasses.replace(MOSAIC, fuse_output=False)), "fuse_output"),
     (dict(config=dataclasses.replace(MOSAIC, u_dtype="f32")), "u_dt"),
 ])
@@ -197,3 +199,16 @@ def test_cuda_lowering_export(K, V, group, bv, packed):
     exp = jax.export.export(jax.jit(fwd), platforms=["cuda"])(*sds)
     text = exp.mlir_module()
     assert text.count("mosaic_gpu") >= 2, "expected the two Mosaic GPU kernels in the lowered module"
+
+
+def test_forward_kernels_reports_the_path():
+    from gdn_jax.ops.pallas import forward_kernels
+
+    x = make_inputs(seed_of("hopper-fk"), 1, 70, 2, 128, 128, dtype=BF16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert forward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
+    assert forward_kernels(*args, kernel_config=KernelConfig(platform="interpret")) == ("interpret", None)
+    name, why = forward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert name == "interpret" and "chunk 32" in why
+    y = [a.astype(F16) for a in args]
+    assert "float16" in forward_kernels(*y, kernel_config=MOSAIC)[1]

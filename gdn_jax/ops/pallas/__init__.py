@@ -42,10 +42,11 @@ import jax.numpy as jnp
 
 from .._common import GateForms
 from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype
-from .platform import PLATFORMS
+from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
-__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "pallas_gated_delta_rule", "to_kernel_inputs",
+__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "forward_kernels", "pallas_gated_delta_rule",
+           "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 
 
@@ -68,6 +69,25 @@ def supports(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> Opt
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"does not take dtype {dt}"
     return None
+
+
+def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
+                    kernel_config: Optional[KernelConfig] = None):
+    """Which forward kernels ``gated_delta_rule(..., backend="pallas")`` runs for these arrays
+    (shapes and dtypes are what count): ``("hopper", None)`` for the Mosaic GPU kernels of
+    :mod:`.hopper`, else ``(platform kernels, reason)`` with the platform's kernels ("triton" on
+    GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
+    (:func:`.hopper.covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
+    non-Hopper device under the default)."""
+    from . import hopper
+
+    cfg = KernelConfig() if kernel_config is None else kernel_config
+    call = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls[0]
+    if call.mosaic_fwd:
+        return "hopper", None
+    name = "triton" if call.platform == "gpu" else call.platform
+    asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
+    return name, (hopper.covers(call) if asked else None)
 
 
 def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,

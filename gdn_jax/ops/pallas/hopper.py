@@ -150,22 +150,25 @@ def smem_bytes(call: KernelCall, bv: int) -> int:
 
 
 def covers(call: KernelCall) -> str | None:
-    """None when the Hopper forward kernels take this call, else what they lack: chunk 64; bf16 inputs with bf16 intermediates (the default for bf16, head
-    dims >= 64); K in (64, 128), V a multiple of the value block (16, 32 or 64); the fused
-    output (``fuse_output``); the token layout."""
+    """None when the Hopper forward kernels take this call, else what they lack (the first that
+    fails of): K in (64, 128); the token layout; the fused output (``fuse_output``); bf16 inputs;
+    a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 128, where the
+    forward's chunk cap is 64); bf16 intermediates (the default for bf16); a value block
+    (``KernelConfig.bv_state``, default 64) of 16, 32 or 64 dividing V; shared memory.
+    :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
+    if call.K not in (64, 128):
+        return f"K={call.K} (needs 64 or 128)"
     if call.layout != "bthd":
         return "head-major layout"
     if not call.fuse_output:
         return "fuse_output=False"
-    if call.C != 64:
-        return f"chunk {call.C} (needs 64)"
     if jnp.dtype(call.in_dt) != jnp.dtype(BF16):
         return f"inputs {call.in_dt} (needs bfloat16)"
+    if call.C != 64:
+        return f"forward kernel chunk {call.C} (needs 64: chunk_size >= 64 on GPU, or KernelConfig.fwd_chunk=64)"
     for name in ("mid_dt", "u_dt", "out_dt", "state_dt"):
         if jnp.dtype(getattr(call, name)) != jnp.dtype(BF16):
             return f"{name} {getattr(call, name)} (needs bfloat16)"
-    if call.K not in (64, 128):
-        return f"K={call.K} (needs 64 or 128)"
     if call.bv_mosaic not in (16, 32, 64) or call.V % call.bv_mosaic:
         return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
     if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES or wy_smem_bytes(call) > SMEM_BYTES:
