@@ -12,7 +12,7 @@ a multiple of the chunk, ``cu_seqlens`` with an empty and a length-1 sequence, t
 gradient, beta in (0, 2) without decay, grouped value heads; bf16 and float32 inputs. For each: rel.
 rms of o, the final state and every gradient, against the suite's tolerances (o, S 5e-3; dq, dk, dv,
 dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16, as the suite), and
-which forward kernels ran (Hopper / Triton). Exit status 1 if any case fails.
+which forward kernels ran (``gdn_jax.ops.pallas.forward_kernels``: hopper / triton / interpret). Exit status 1 if any case fails.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from reference import reference, reference_grads, rel_rms, to_f64  # noqa: E402
 
 from gdn_jax.cli import parse_overrides  # noqa: E402
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
-from gdn_jax.ops.pallas.vjp import to_kernel_inputs  # noqa: E402
+from gdn_jax.ops.pallas import forward_kernels  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -74,7 +74,7 @@ def run_case(case, dtype, config):
 
     argnums = (0, 1, 2, 3, 4) + ((5,) if S0 is not None else ())
     gr, (o, S) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, S0)
-    mosaic = to_kernel_inputs(q, k, v, g, beta, chunk_size=64, config=config, cu_seqlens=cu_j).calls[0].mosaic_fwd
+    fwd = forward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, kernel_config=config)[0]
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu)
     rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu, do=x["do"], dS=x["dS"])
@@ -85,7 +85,7 @@ def run_case(case, dtype, config):
         errs["d" + n] = rel_rms(to_f64(val), rg[n])
         tol["d" + n] = (1.2e-2 if loose else TOL_GATE) if n in ("g", "beta") else (1.2e-2 if loose else TOL_GRAD)
     bad = [f"{n} {e:.1e} > {tol[n]:g}" for n, e in errs.items() if not (np.isfinite(e) and e <= tol[n])]
-    return errs, bad, mosaic
+    return errs, bad, fwd
 
 
 def main(argv=None):
@@ -112,14 +112,13 @@ def main(argv=None):
         for dt in args.dtypes:
             for case in cases:
                 try:
-                    errs, bad, mosaic = run_case(case, jnp.dtype(dt), cfg)
+                    errs, bad, fwd = run_case(case, jnp.dtype(dt), cfg)
                 except Exception as e:  # report and go on: device minutes are scarce
-                    errs, bad, mosaic = {}, [f"{type(e).__name__}: {str(e)[:200]}"], None
+                    errs, bad, fwd = {}, [f"{type(e).__name__}: {str(e)[:200]}"], "-"
                 failed += bool(bad)
-                fwd = "hopper" if mosaic else ("triton" if mosaic is not None else "-")
                 rows.append((cname, dt, case[0], fwd, errs, bad))
                 worst = max((e for n, e in errs.items() if n not in ("o", "S")), default=float("nan"))
-                print(f"  {cname:<22} {dt:<9} {case[0]:<18} fwd {fwd:<7} o {errs.get('o', float('nan')):.1e}  "
+                print(f"  {cname:<22} {dt:<9} {case[0]:<18} fwd {fwd:<9} o {errs.get('o', float('nan')):.1e}  "
                       f"S {errs.get('S', float('nan')):.1e}  worst grad {worst:.1e}  "
                       f"{'FAIL ' + '; '.join(bad) if bad else 'ok'}", flush=True)
     print(f"\n{len(rows) - failed} of {len(rows)} cases within the suite's tolerances ({time.time() - t0:.0f} s)")
@@ -127,7 +126,7 @@ def main(argv=None):
           ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinit")))
     for cname, dt, name, fwd, errs, bad in rows:
         vals = [errs.get(n, float("nan")) for n in ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")]
-        print(f"{cname:<22} {dt:<9} {name:<18} {fwd:<7} " + " ".join(f"{v:8.1e}" for v in vals)
+        print(f"{cname:<22} {dt:<9} {name:<18} {fwd:<9} " + " ".join(f"{v:8.1e}" for v in vals)
               + ("  FAIL" if bad else ""))
     return 1 if failed else 0
 

@@ -201,7 +201,7 @@ def test_check_gpu_runs():
                         "float32", "--configs", ""], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "3 of 3 cases within the suite's tolerances" in p.stdout
-    assert p.stdout.count(" triton ") >= 3
+    assert p.stdout.count(" interpret ") >= 3  # the forward kernels that ran (CPU: interpret mode)
 
 
 def test_mqar_filler_switch():
