@@ -15,9 +15,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from ._common import acc_dtype, check_step_inputs, prepare, repeat_key_heads, value_group
 from .scan import _step
+
+STEP_BACKENDS = ("auto", "scan", "pallas")
 
 
 def gated_delta_rule_step(
@@ -30,6 +33,8 @@ def gated_delta_rule_step(
     *,
     scale: Optional[float] = None,
     use_qk_l2norm: bool = False,
+    backend: str = "auto",
+    state_dtype=None,
 ) -> Tuple[jax.Array, jax.Array]:
     """One decode step of the gated delta rule (every gate form; jit-able).
 
@@ -43,18 +48,52 @@ def gated_delta_rule_step(
         any input is float64).
       scale: query scale, ``None`` means ``K ** -0.5``.
       use_qk_l2norm: L2-normalise q and k (eps 1e-6) before the scale, as the op does.
+      backend: ``"scan"`` (one step of the scan backend, plain XLA ops), ``"pallas"`` (one fused
+        kernel, :mod:`gdn_jax.ops.pallas.decode`: normalisation, decay, write and read in one pass
+        over the state; GPU via Triton, CPU in interpret mode) or ``"auto"`` (pallas on GPU where
+        it covers the call -- K and V powers of two from 16 to 256, float32 / bfloat16 / float16
+        -- else scan).
+      state_dtype: dtype of the new state, float32 (default; float64 for float64 inputs) or
+        bfloat16 (half the bytes per step; accumulation stays float32, the state is rounded once
+        per step).
 
     Returns:
-      ``(o, new_state)``: o ``[B, H, V]`` in ``v.dtype``; new_state ``[B, H, K, V]`` float32
-      (float64 for float64 inputs).
+      ``(o, new_state)``: o ``[B, H, V]`` in ``v.dtype``; new_state ``[B, H, K, V]`` in
+      ``state_dtype``.
 
     Raises:
-      TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above.
+      TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above, an
+      unknown backend or state_dtype. NotImplementedError: ``backend="pallas"`` for a call it does
+      not cover (naming why).
     """
     forms = check_step_inputs(q, k, v, g, beta, state)
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
+    dt0 = acc_dtype(q, k, v, g, beta, state)
+    sdt = jnp.dtype(dt0 if state_dtype is None else state_dtype)
+    if sdt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)):
+        raise ValueError(f"state_dtype must be float32 or bfloat16 (float64 for float64 inputs), got {sdt}")
+    if backend != "scan":
+        from .pallas import decode as _decode
+
+        reason = _decode.covers(q.shape[-1], v.shape[-1], dt0, sdt)
+        if backend == "pallas" and reason is not None:
+            raise NotImplementedError(f"backend='pallas' (decode step) does not take {reason}; use backend='scan'")
+        if backend == "pallas" or (reason is None and jax.default_backend() == "gpu"):
+            static = scale is None or not isinstance(scale, jax.core.Tracer)
+            sc = q.shape[-1] ** -0.5 if scale is None else scale
+            if not static:  # a traced scale: folded into q by XLA, the kernel scales by 1
+                q = q.astype(jnp.float32) * sc
+                if use_qk_l2norm:
+                    raise NotImplementedError("backend='pallas' (decode step) with a traced scale and "
+                                              "use_qk_l2norm; use backend='scan'")
+                sc = 1.0
+            return _decode.decode_step(q, k, v, g, beta, state, scale=float(sc), use_qk_l2norm=use_qk_l2norm,
+                                       state_dtype=sdt, g_per_channel=forms.g_per_channel,
+                                       beta_per_channel=forms.beta_per_channel)
     group = value_group(q, v)
     q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
     dt = acc_dtype(q, k, v, g, beta, state)
     qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
     S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, forms.g_per_channel, forms.beta_per_channel)
-    return o.astype(v.dtype), S
+    return o.astype(v.dtype), S.astype(sdt)
