@@ -50,9 +50,10 @@ def gated_delta_rule_step(
       use_qk_l2norm: L2-normalise q and k (eps 1e-6) before the scale, as the op does.
       backend: ``"scan"`` (one step of the scan backend, plain XLA ops), ``"pallas"`` (one fused
         kernel, :mod:`gdn_jax.ops.pallas.decode`: normalisation, decay, write and read in one pass
-        over the state; GPU via Triton, CPU in interpret mode) or ``"auto"`` (pallas on GPU where
-        it covers the call -- K and V powers of two from 16 to 256, float32 / bfloat16 / float16
-        -- else scan).
+        over the state; GPU via Triton, CPU in interpret mode; K and V powers of two from 16 to
+        256, float32 / bfloat16 / float16) or ``"auto"`` (scan: the fused kernel has been
+        checked in interpret mode and lowered for CUDA but not yet compiled and timed on a GPU,
+        so it is opt-in until it has).
       state_dtype: dtype of the new state, float32 (default; float64 for float64 inputs) or
         bfloat16 (half the bytes per step; accumulation stays float32, the state is rounded once
         per step).
@@ -79,7 +80,7 @@ def gated_delta_rule_step(
         reason = _decode.covers(q.shape[-1], v.shape[-1], dt0, sdt)
         if backend == "pallas" and reason is not None:
             raise NotImplementedError(f"backend='pallas' (decode step) does not take {reason}; use backend='scan'")
-        if backend == "pallas" or (reason is None and jax.default_backend() == "gpu"):
+        if backend == "pallas":
             static = scale is None or not isinstance(scale, jax.core.Tracer)
             sc = q.shape[-1] ** -0.5 if scale is None else scale
             if not static:  # a traced scale: folded into q by XLA, the kernel scales by 1
