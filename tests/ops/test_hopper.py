@@ -212,3 +212,17 @@ def test_forward_kernels_reports_the_path():
     assert name == "interpret" and "chunk 32" in why
     y = [a.astype(F16) for a in args]
     assert "float16" in forward_kernels(*y, kernel_config=MOSAIC)[1]
+
+
+def test_default_on_hopper(monkeypatch):
+    """KernelConfig() on an sm_90 GPU: the Hopper forward for covered calls, Triton for cu_seqlens
+    (not yet run on a GPU) and for what it does not cover."""
+    from gdn_jax.ops.pallas import platform as plat
+
+    monkeypatch.setattr(plat, "is_hopper", lambda: True)
+    gpu = dict(platform="gpu", config=KernelConfig())
+    assert _call(**gpu).mosaic_fwd
+    assert not _call(packed=True, nseq=3, **gpu).mosaic_fwd
+    assert not _call(in_dt=F16, **gpu).mosaic_fwd
+    monkeypatch.setattr(plat, "is_hopper", lambda: False)
+    assert not _call(**gpu).mosaic_fwd
