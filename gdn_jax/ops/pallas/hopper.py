@@ -1,7 +1,12 @@
 """Hopper (sm_90) kernels through Pallas' Mosaic GPU backend (``plgpu.kernel``: TMA copies into
-swizzled shared memory, ``wgmma`` with float32 accumulators in registers).
+swizzled shared memory, ``wgmma`` with float32 accumulators in registers): the forward's two
+stages, chosen by ``KernelConfig.gpu_kernels`` for the calls :func:`covers` takes (the backward
+stays on the Triton kernels).
 
-Forward state pass fused with the output (the Mosaic GPU twin of
+:func:`wy_forward`: the WY representation of every chunk (the twin of
+:func:`gdn_jax.ops.pallas.wy.wy_repr`), one CTA per chunk, the triangular inverse as bf16x3 wgmmas.
+
+:func:`forward_states_and_output`: the forward state pass fused with the output (the twin of
 :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`). One CTA (one warpgroup) per
 (batch x value head, block of ``bv`` value channels) walks the chunks with the state
 S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, with S entering it::
