@@ -81,14 +81,12 @@ def gated_delta_rule_step(
         if backend == "pallas" and reason is not None:
             raise NotImplementedError(f"backend='pallas' (decode step) does not take {reason}; use backend='scan'")
         if backend == "pallas":
-            static = scale is None or not isinstance(scale, jax.core.Tracer)
             sc = q.shape[-1] ** -0.5 if scale is None else scale
-            if not static:  # a traced scale: folded into q by XLA, the kernel scales by 1
-                q = q.astype(jnp.float32) * sc
+            if isinstance(sc, jax.core.Tracer):  # a traced scale: folded into q by XLA, the kernel scales by 1
                 if use_qk_l2norm:
                     raise NotImplementedError("backend='pallas' (decode step) with a traced scale and "
                                               "use_qk_l2norm; use backend='scan'")
-                sc = 1.0
+                q, sc = q.astype(jnp.float32) * sc, 1.0
             return _decode.decode_step(q, k, v, g, beta, state, scale=float(sc), use_qk_l2norm=use_qk_l2norm,
                                        state_dtype=sdt, g_per_channel=forms.g_per_channel,
                                        beta_per_channel=forms.beta_per_channel)

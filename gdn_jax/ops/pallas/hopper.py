@@ -88,7 +88,8 @@ def _mmas(specs, interp):
     ``specs``: (init, a, b) with ``init`` an (M, N) shape (zero accumulator) or a float32 array in
     the wgmma layout (accumulate onto it); ``a`` an SMEM ref, a 16-bit array in the wgmma layout
     (registers) or a tuple of such terms (summed into one accumulator); ``b`` an SMEM ref or
-    ``_T(ref)`` (transposed; 16-bit only; float32 operands run as TF32 and need B transposed). Interpret mode computes them with ``jnp``."""
+    ``_T(ref)`` (transposed; 16-bit only; float32 operands run as TF32 and need B transposed).
+    Interpret mode computes them with ``jnp``."""
     norm = [(init, a if isinstance(a, (tuple, list)) else (a,), b if isinstance(b, (tuple, list)) else (b,))
             for init, a, b in specs]
     if interp:
