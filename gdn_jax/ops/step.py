@@ -51,9 +51,9 @@ def gated_delta_rule_step(
       backend: ``"scan"`` (one step of the scan backend, plain XLA ops), ``"pallas"`` (one fused
         kernel, :mod:`gdn_jax.ops.pallas.decode`: normalisation, decay, write and read in one pass
         over the state; GPU via Triton, CPU in interpret mode; K and V powers of two from 16 to
-        256, float32 / bfloat16 / float16) or ``"auto"`` (scan: the fused kernel has been
-        checked in interpret mode and lowered for CUDA but not yet compiled and timed on a GPU,
-        so it is opt-in until it has).
+        256, float32 / bfloat16 / float16) or ``"auto"`` (the fused kernel on a GPU for the calls
+        it takes, scan elsewhere: on an H200, B x 16 heads x 128, per step inside a jitted scan,
+        the kernel took 14.6 / 23.3 / 60.1 us at B = 1 / 16 / 64 against scan's 15.2 / 39.6 / 114).
       state_dtype: dtype of the new state, float32 (default; float64 for float64 inputs) or
         bfloat16 (half the bytes per step; accumulation stays float32, the state is rounded once
         per step).
@@ -78,6 +78,11 @@ def gated_delta_rule_step(
         from .pallas import decode as _decode
 
         reason = _decode.covers(q.shape[-1], v.shape[-1], dt0, sdt)
+        if backend == "auto":
+            from .pallas.platform import default_platform
+
+            traced = isinstance(scale, jax.core.Tracer) and use_qk_l2norm
+            backend = "pallas" if reason is None and not traced and default_platform() == "gpu" else "scan"
         if backend == "pallas" and reason is not None:
             raise NotImplementedError(f"backend='pallas' (decode step) does not take {reason}; use backend='scan'")
         if backend == "pallas":

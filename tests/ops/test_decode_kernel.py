@@ -126,3 +126,25 @@ def test_triton_lowering_export(g_pc, b_pc, sdt):
     dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=dis)(*sds)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_auto_picks_the_kernel_on_gpu(monkeypatch):
+    """backend="auto": the fused kernel on a GPU (patched platform, spied kernel), scan on CPU."""
+    from gdn_jax.ops.pallas import decode as dec
+    from gdn_jax.ops.pallas import platform as plat
+
+    x = inputs(6, 1, 1, 2, 64, 64, False, False)
+
+    class Picked(Exception):
+        pass
+
+    def spy(*a, **kw):
+        raise Picked
+
+    monkeypatch.setattr(dec, "decode_step", spy)
+    gated_delta_rule_step(*x, backend="auto")  # CPU: scan, the spy is not reached
+    monkeypatch.setattr(plat, "default_platform", lambda: "gpu")
+    with pytest.raises(Picked):
+        gated_delta_rule_step(*x, backend="auto")
+    y = inputs(6, 1, 1, 1, 48, 64, False, False)
+    gated_delta_rule_step(*y, backend="auto")  # K=48: not covered, scan

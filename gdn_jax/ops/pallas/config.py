@@ -79,8 +79,7 @@ class KernelConfig:
       gpu_kernels: "triton" (every stage in Pallas' Triton lowering), "mosaic" (the forward's
         stages in the Hopper kernels of :mod:`gdn_jax.ops.pallas.hopper` -- Mosaic GPU: TMA,
         wgmma -- for the calls they cover, see :func:`gdn_jax.ops.pallas.hopper.covers`; Triton
-        for the rest and for the backward); None: "mosaic" on an sm_90 GPU (H100 / H200) except
-        with ``cu_seqlens`` (taken by the Hopper kernels, not yet run on a GPU), else "triton". With ``platform="interpret"``, "mosaic" runs those kernels in Mosaic GPU's
+        for the rest and for the backward); None: "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``, "mosaic" runs those kernels in Mosaic GPU's
         interpret mode (CPU).
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
@@ -314,9 +313,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     want = config.gpu_kernels
     if want is None:  # the Mosaic GPU API these kernels use: checked on JAX 0.10.2 (lowering) and 0.11.2
         new_jax = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10)
-        # cu_seqlens: the Hopper state pass takes it (interpret-mode tests, CUDA lowering) but has
-        # not yet run on a GPU, so by default packed calls stay on Triton until it has
-        want = "mosaic" if call.platform == "gpu" and new_jax and is_hopper() and not call.packed else "triton"
+        want = "mosaic" if call.platform == "gpu" and new_jax and is_hopper() else "triton"
     if want != "mosaic" or call.platform not in ("gpu", "interpret"):
         return call
     bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V), call.V)
