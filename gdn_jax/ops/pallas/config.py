@@ -200,6 +200,7 @@ class KernelCall:
     save_t: bool
     merge_state: bool
     mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
+    mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
     bv_mosaic: int = 64  # value block of the Hopper state pass
 
     @property
@@ -222,6 +223,9 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
     explicit = config.fwd_chunk if direction == "fwd" else config.bwd_chunk
     if explicit is not None:
         return explicit
+    if (direction == "bwd" and platform == "gpu" and _mosaic_wanted(config, platform)
+            and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 64 <= head_dim <= 128 and chunk_size >= 64):
+        return 64  # the Hopper backward's chunk (wgmma tiles are 64 rows)
     if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
         direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
     for d, c in _MAX_CHUNK.get((platform, direction), ()):
@@ -304,18 +308,27 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
     return _with_mosaic(config, call)
 
 
-def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
-    """Turn on the Hopper forward kernels where ``config.gpu_kernels`` asks for them (None: on an
-    sm_90 GPU) and :func:`gdn_jax.ops.pallas.hopper.covers` takes the call."""
-    from . import hopper
+def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
+    """Whether ``config.gpu_kernels`` asks for the Hopper kernels on ``platform`` (None: on an sm_90
+    GPU with a JAX whose Mosaic GPU API they use: checked on 0.10.2 (lowering) and 0.11.2)."""
     from .platform import is_hopper
 
-    want = config.gpu_kernels
-    if want is None:  # the Mosaic GPU API these kernels use: checked on JAX 0.10.2 (lowering) and 0.11.2
+    if platform not in ("gpu", "interpret"):
+        return False
+    if config.gpu_kernels is None:
         new_jax = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10)
-        want = "mosaic" if call.platform == "gpu" and new_jax and is_hopper() else "triton"
-    if want != "mosaic" or call.platform not in ("gpu", "interpret"):
+        return platform == "gpu" and new_jax and is_hopper()
+    return config.gpu_kernels == "mosaic"
+
+
+def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
+    """Turn on the Hopper forward / backward kernels where ``config.gpu_kernels`` asks for them
+    (None: on an sm_90 GPU) and :func:`gdn_jax.ops.pallas.hopper.covers` /
+    :func:`gdn_jax.ops.pallas.hopper_bwd.covers` take the call."""
+    from . import hopper, hopper_bwd
+
+    if not _mosaic_wanted(config, call.platform):
         return call
     bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V), call.V)
     call = dataclasses.replace(call, bv_mosaic=bv)
-    return call if hopper.covers(call) is not None else dataclasses.replace(call, mosaic_fwd=True)
+    return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

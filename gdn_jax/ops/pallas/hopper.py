@@ -182,11 +182,16 @@ def covers(call: KernelCall) -> str | None:
     return None
 
 
-def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk):
+def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q=None, e_gam=None,
+                              aqk=None):
     """The fused forward state pass on Hopper; arguments and result as
     :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`. With ``cu_seqlens``
     (``call.packed``) the per-chunk ``flags`` ride in the gates row of each chunk: at a sequence's
-    first chunk S restarts from ``h0[seq]`` (TMA), after its last S is written to ``final[seq]``."""
+    first chunk S restarts from ``h0[seq]`` (TMA), after its last S is written to ``final[seq]``.
+
+    Without ``q`` (the backward's recompute, :func:`gdn_jax.ops.pallas.hopper_bwd.recompute_states`)
+    no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
+    (bf16) leave by TMA instead of ``o`` and the final state."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -198,12 +203,18 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
     if call.packed:
         last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
-    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C), last_row],
-                      axis=2).astype(F32)
-    aqk = aqk.astype(BF16)
+    rec = q is None
+    e_o = jnp.zeros((BH, n, C), F32) if rec else e_gam.reshape(BH, n, C) * call.scale
+    gates = jnp.stack([e_o, e_gam_end.reshape(BH, n, C), last_row], axis=2).astype(F32)
 
-    def body(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
-             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar):
+    def body(*refs):
+        if rec:
+            (k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, vno_ref, k_s, w_s, u_s, g_s, s_s, vn_s, vs_s, f_s, bars,
+             h0_bar) = refs
+            q_ref = a_ref = q_s = a_s = None
+        else:
+            (q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
+             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
         bh = lax.axis_index("bh")
         vsl = pl.ds(lax.axis_index("vb") * bv, bv)
         b, h = lax.div(bh, H), lax.rem(bh, H)
@@ -211,9 +222,12 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
-            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows], u_ref.at[bh, rows, vsl],
-                    a_ref.at[bh, i], g_ref.at[bh, i])
-            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, u_s, a_s, g_s), bars):
+            srcs = [k_ref.at[b, rows, hk], w_ref.at[bh, rows], u_ref.at[bh, rows, vsl], g_ref.at[bh, i]]
+            dsts = [k_s, w_s, u_s, g_s]
+            if not rec:
+                srcs += [q_ref.at[b, rows, hk], a_ref.at[bh, i]]
+                dsts += [q_s, a_s]
+            for src, dst, bar in zip(srcs, dsts, bars):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
         def load_state(seq):
@@ -248,17 +262,26 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 f = g_s[slot, 2, 1].astype(jnp.int32)
                 seq, first, last = f >> 2, (f & 1) != 0, (f & 2) != 0
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
+            if rec:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             s_s[...] = S.astype(BF16)
             plgpu.commit_smem()
-            ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
+            if rec:
+                plgpu.copy_smem_to_gmem(s_s, h_ref.at[bh, i, :, vsl])
+                (ws,) = _mmas([((C, bv), w_s.at[slot], s_s)], interp)
+            else:
+                ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
             vn = _load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             row = plgpu.Layout.WGMMA.reduce(1)
-            e_o = _load(g_s.at[slot, 0], row, interp)
             e_end = _load(g_s.at[slot, 1], row, interp)
             vn_s[...] = vn.astype(BF16)
             vs_s[...] = (vn * lax.broadcast_in_dim(e_end, vn.shape, [0])).astype(BF16)
             plgpu.commit_smem()
-            o0 = qs * lax.broadcast_in_dim(e_o, qs.shape, [0])
+            if rec:
+                plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
+                (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+                return S
+            o0 = qs * lax.broadcast_in_dim(_load(g_s.at[slot, 0], row, interp), qs.shape, [0])
             o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_s[...] = o.astype(o_s.dtype)
@@ -269,24 +292,30 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             return S
 
         S = lax.fori_loop(0, n, step, S0)
-        if not call.packed:
+        if not call.packed and not rec:
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
-    scratch = [
-        _smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
-        _smem((2, C, bv), BF16, sw), _smem((2, C, C), BF16, sw), plgpu.SMEM((2, 3, C), F32),
-        _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), in_dt, sw),
-        _smem((K, bv), F32),
-        [plgpu.Barrier(num_barriers=2) for _ in range(6)],
-        plgpu.Barrier(num_barriers=1),
-    ]
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
     kw = dict(interpret=_interpret_params()) if interp else {}
+    state = [_smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw)]
+    tiles = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw), _smem((2, C, bv), BF16, sw),
+             plgpu.SMEM((2, 3, C), F32)]
+    if rec:
+        scratch = tiles + state + [_smem((K, bv), F32), [plgpu.Barrier(num_barriers=2) for _ in range(4)],
+                                   plgpu.Barrier(num_barriers=1)]
+        out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
+        fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv),
+                          grid_names=("bh", "vb"), **kw)
+        h, vn = fn(k, w.astype(BF16), u.astype(BF16), gates, h0)
+        return dict(h=h, vn=vn)
+    scratch = [_smem((2, C, K), in_dt, sw)] + tiles[:3] + [_smem((2, C, C), BF16, sw), tiles[3]] + state + [
+        _smem((C, bv), in_dt, sw), _smem((K, bv), F32), [plgpu.Barrier(num_barriers=2) for _ in range(6)],
+        plgpu.Barrier(num_barriers=1)]
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv), grid_names=("bh", "vb"),
                       **kw)
-    o, fin = fn(q, k, w.astype(BF16), u.astype(BF16), aqk, gates, h0)
+    o, fin = fn(q, k, w.astype(BF16), u.astype(BF16), aqk.astype(BF16), gates, h0)
     return dict(o=o, final=fin)
 
 
@@ -294,10 +323,10 @@ def wy_smem_bytes(call: KernelCall) -> int:
     """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs."""
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
-    return (2 * C * K + C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
+    return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
-def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
+def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
     """The forward's WY representation on Hopper (the Mosaic GPU twin of
     :func:`gdn_jax.ops.pallas.wy.wy_repr` with ``q``): one CTA per (batch x value head, chunk).
 
@@ -310,7 +339,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
 
     Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
     the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel).
-    Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16).
+    Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16); with ``do``
+    (the backward, :func:`gdn_jax.ops.pallas.hopper_bwd.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
+    and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``.
     """
     plgpu = _plgpu()
     interp = call.platform == "interpret"
@@ -323,13 +354,24 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
     gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam), rs(gam)], axis=2).astype(F32)
     scale = call.scale
 
-    def body(q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars):
+    backward = do is not None
+
+    def body(*refs):
+        if backward:
+            (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
+             q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
+        else:
+            q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars = refs
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, h = lax.div(bh, H), lax.rem(bh, H)
         hk = lax.div(h, G) if G > 1 else h
         rows = pl.ds(c * C, C)
-        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c])
-        for i, (src, dst) in enumerate(zip(srcs, (q_s, k_s, v_s, g_s))):
+        srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c]]
+        dsts = [q_s, k_s, v_s, g_s]
+        if backward:
+            srcs.append(do_ref.at[b, rows, h])
+            dsts.append(do_s)
+        for i, (src, dst) in enumerate(zip(srcs, dsts)):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
         for i in range(4):
             plgpu.barrier_wait(bars.at[i])
@@ -345,7 +387,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
         aqk = jnp.where(incl, qk * (scale * jnp.exp(jnp.where(incl, dg, 0.0))), 0.0)
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
+        if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
+            plgpu.barrier_wait(bars.at[4])
+            (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
+            do_s[...] = dvl.astype(do_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
+        else:
+            plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
         # T = (I + A)^-1: T_2 exact, then T_2s = T_s - (T_s L_s) T_s with L_s the sub-diagonal s-blocks
         eye = jnp.where(i == j, 1.0, 0.0)
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
@@ -368,6 +417,11 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
                     * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
         plgpu.commit_smem()
         th, tl = _split(T)
+        if backward:  # T for the gradient kernel, as its (hi, lo) pair
+            t_hi[...], t_lo[...] = th, tl
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
+            plgpu.copy_smem_to_gmem(t_lo, tlo_ref.at[bh, c])
         Wm, Um = _mmas([((C, K), (th, tl), (k_s, k_s)), ((C, V), (th, tl), (v_s, v_s))], interp)
         q_s[...] = Wm.astype(q_s.dtype)
         v_s[...] = Um.astype(v_s.dtype)
@@ -378,10 +432,19 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam):
 
     scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16),
-               plgpu.SMEM((4, C), F32), plgpu.Barrier(num_barriers=4)]
-    out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
-                jax.ShapeDtypeStruct((BH, n, C, C), BF16))
+               plgpu.SMEM((4, C), F32)]
+    out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
+    if backward:
+        scratch.append(_smem((C, V), in_dt))
+        out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
+    else:
+        out_type.append(jax.ShapeDtypeStruct((BH, n, C, C), BF16))
+    scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
+                      **kw)
+    if backward:
+        w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
+        return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)
     w, u, aqk = fn(q, k, v, gates)
     return dict(w=w, u=u, aqk=aqk)

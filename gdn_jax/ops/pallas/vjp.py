@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import packing as _packing
 from .._common import prepare
-from . import hopper
+from . import hopper, hopper_bwd
 from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
@@ -92,6 +92,8 @@ def backward(call: KernelCall, inputs, cts):
     do, dfin = cts
     do = do.astype(call.in_dt)
     dfin = dfin.astype(F32)
+    if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
+        return _hopper_backward(call, inputs, do, dfin)
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
     if call.merge_state:
         st = merged_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, q, wy["dvl"], do, e_gam, dfin, flags)
@@ -106,6 +108,22 @@ def backward(call: KernelCall, inputs, cts):
     dq, dk = (_sum_groups(call, x) for x in (gr["dq"], gr["dk"]))
     return (dq, dk, gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
             gr["de_gam_last"], dh0, None)
+
+
+def _hopper_backward(call: KernelCall, inputs, do, dfin):
+    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
+    wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
+    st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
+    rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
+                                   flags)
+    gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
+                                rs["dvn"], wy["t_hi"], wy["t_lo"])
+    dh0 = rs["dh0"]
+    if call.packed:
+        dh0 = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], dh0, dfin)
+    dq, dk = (_sum_groups(call, x) for x in (gr["dq"], gr["dk"]))
+    return (dq, dk, gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
+            rs["de_gam_last"], dh0, None)
 
 
 def _sum_groups(call: KernelCall, x):

@@ -1,0 +1,362 @@
+"""Hopper (sm_90) backward kernels through Pallas' Mosaic GPU backend: the twins of the Triton
+backward's stages at a kernel chunk of C = 64 (one warpgroup per CTA, wgmma with float32
+accumulators, operands in swizzled shared memory by TMA). With S = h_n the state entering chunk n
+and dS = dh_n the gradient of the state leaving it (notation of :mod:`gdn_jax.ops.pallas.grads`):
+
+* :func:`wy_backward` (one CTA per chunk): W, U and dVl = Aqk^T dO, and T = (I + A)^-1 as a bf16
+  (hi, lo) pair for the gradient kernel (the same bf16x3 inverse as :func:`.hopper.wy_forward`).
+* :func:`recompute_states` (:func:`.hopper.forward_states_and_output` in its recompute mode):
+  h_n and Vn per chunk.
+* :func:`reverse_states` (one CTA per head and ``bv`` value channels, dS [K, bv] float32 in
+  registers, the chunks walked backwards with the previous chunk's tiles arriving by TMA)::
+
+      dh_n = dS;   dVn = dVl + e^{gamma_C - gamma} * (K dS)
+      dS  <- e^{gamma_C} dS + Q^T (e^gamma scale * dO) - W^T dVn
+
+  and d e^{gamma_C} = sum(h_n * dS) (float32 dS), d initial_state.
+* :func:`chunk_grads` (one CTA per chunk): every local gradient, ordered to keep at most two
+  [C, K] float32 accumulators live; dT = (dVn Vn^T)(I + A)^T (contracts over V only, no
+  cancellation, see :func:`.grads._grad_kernel_ksplit`); every product with T or with the float32
+  dW / dT / R as bf16x3 or bf16x2 (hi, lo pairs), the rest bf16 with float32 accumulation, as the
+  Triton kernel's intermediates.
+
+Interpret mode (CPU) runs the same bodies with ``jnp`` matmuls (see :mod:`.hopper`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .config import KernelCall
+from .hopper import F32, BF16, _T, _interpret_params, _iota, _load, _mmas, _plgpu, _smem, _split
+
+SMEM_BYTES = 227 * 1024
+
+
+def _scoped(interp, fn, *types):
+    """``pl.run_scoped`` for shared-memory scratch local to one phase of a kernel (its bytes are
+    reused by the next phase's)."""
+    return pl.run_scoped(fn, *types)
+
+
+def covers(call: KernelCall) -> str | None:
+    """None when the Hopper backward kernels take this (backward) call, else what they lack: the
+    forward kernels' conditions (:func:`gdn_jax.ops.pallas.hopper.covers`, the fused-output one
+    aside) at the backward's chunk (64: on GPU the default with ``gpu_kernels`` "mosaic" / None,
+    bf16 inputs and head dims 64 .. 128), and the gradient kernel's shared memory."""
+    from .hopper import covers as fwd_covers
+
+    why = fwd_covers(dataclasses.replace(call, fuse_output=True))
+    if why is not None:
+        return why.replace("forward kernel chunk", "backward kernel chunk")
+    if grads_smem_bytes(call) > SMEM_BYTES:
+        return "shared memory (gradient kernel)"
+    return None
+
+
+def _zeros(shape, interp):
+    z = jnp.zeros(shape, F32)
+    return z if interp else _plgpu().layout_cast(z, _plgpu().Layout.WGMMA)
+
+
+def grads_smem_bytes(call: KernelCall) -> int:
+    """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
+    gates) and the largest phase scratch (dW hi / lo)."""
+    C, K, V = call.C, call.K, call.V
+    return (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2 + 8 * C * 4 + 2 * C * K * 2 + 5 * C * 4
+
+
+def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
+    """The gradient kernel on Hopper (the twin of :func:`gdn_jax.ops.pallas.grads.chunk_grads`
+    without the d e^{gamma_C} output, which :func:`reverse_states` computes): grid (B*H, chunks).
+
+    Args: q, k, v, dO in the token layout (input dtype); beta, gamma, e^gamma, e^{gamma_C - gamma}
+      columns [BH, T, 1] f32; h, dh [BH, n, K, V] bf16; vn, dvn [BH, T, V] bf16; T = t_hi + t_lo
+      [BH, n, C, C] bf16.
+    Returns a dict: ``dq, dk`` (per VALUE head) and ``dv`` in the token layout (input dtype);
+      ``dbeta, dgam, de_gam, de_gam_end`` [BH, T, 1] and ``dgam_row`` [BH, n, 1, C], f32.
+    """
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    B = BH // H
+    in_dt = jnp.dtype(call.in_dt)
+    scale = call.scale
+    rs = lambda x: x.reshape(BH, n, C)
+    # rows: beta, gamma (row use), gamma (column use), e^gamma, e^{gamma_C - gamma}; one layout per row
+    gates = jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
+    WG = plgpu.Layout.WGMMA
+    ROW, COL = WG.reduce(1), WG.reduce(0)
+
+    def body(q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref, th_ref, tl_ref,
+             dq_ref, dk_ref, dv_ref, sc_ref,
+             q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, bars):
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        hk = lax.div(hh, G) if G > 1 else hh
+        rows = pl.ds(c * C, C)
+        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
+                g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
+                th_ref.at[bh, c], tl_ref.at[bh, c])
+        dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
+        for i, (src, dst) in enumerate(zip(srcs, dsts)):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        wait = lambda *ix: [plgpu.barrier_wait(bars.at[i]) for i in ix]
+        ld = lambda ref, lay=WG: _load(ref, lay, interp)
+        bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
+        i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+        strict, incl = i_ > j_, i_ >= j_
+        wait(0, 1, 3, 4, 5, 7)
+        beta_r, gam_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3, 4))
+        dgm = bc_r(gam_r, (C, C)) - lax.broadcast_in_dim(ld(g_s.at[2], COL), (C, C), [1])
+        gi = jnp.where(incl, jnp.exp(jnp.where(incl, dgm, 0.0)), 0.0)  # Gamma, i >= j
+        gs = jnp.where(strict, gi, 0.0)
+
+        # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
+        dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))], interp)
+        m_q = jnp.where(strict, dAqk * qk * gi * scale, 0.0)
+        dgam = jnp.sum(m_q, axis=1)
+        cgam = jnp.sum(m_q, axis=0)
+        dqk = dAqk * gi
+        qv = ld(q_s).astype(F32)
+        de_gam = jnp.sum(dqg * qv, axis=1) * scale
+
+        def q_phase(dqk_s):
+            dqk_s[...] = dqk.astype(BF16)
+            plgpu.commit_smem()
+            return _mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (_zeros((C, K), interp), _T(dqk_s), q_s)],
+                         interp)
+
+        dq, dk = _scoped(interp, q_phase, _smem((C, C), BF16))
+        q_s[...] = (dq * scale).astype(q_s.dtype)  # q_s is free: dq leaves through it
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])
+        dk = dk * scale
+
+        # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
+        wait(6, 8, 9, 10, 2)
+        (dkd,) = _mmas([((C, K), vn_s, _T(dh_s))], interp)
+        kv = ld(k_s).astype(F32)
+        de_end = jnp.sum(dkd * kv, axis=1)
+        dk = dk + dkd * bc_r(ee_r, (C, K))
+
+        # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
+        (dvb,) = _mmas([((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
+        dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
+        v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
+
+        # 4. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW
+        def w_phase(dw_hi, dw_lo):
+            (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
+            hi, lo = _split(-dw)
+            dw_hi[...], dw_lo[...] = hi, lo
+            plgpu.commit_smem()
+            (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s), _T(th_s)), (dw_hi, dw_hi, dw_lo))], interp)
+            return dx
+
+        dx = _scoped(interp, w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
+        de_gam = de_gam + jnp.sum(dx * kv, axis=1) * beta_r
+        dkb = dx * bc_r(eg_r, (C, K))
+
+        # 5. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
+        #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
+        def t_phase(x_hi, x_lo):
+            kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
+            a = jnp.where(strict, kk * bc_r(beta_r, (C, C)) * gs, 0.0)
+            ia_hi, ia_lo = _split(a + jnp.where(i_ == j_, 1.0, 0.0))
+            x_hi[...], x_lo[...] = ia_hi, ia_lo
+            plgpu.commit_smem()
+            ph, pl_ = _split(p)
+            (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
+            dth, dtl = _split(dt)
+            x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
+            plgpu.commit_smem()
+            (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
+            rh, rl = _split(r)
+            (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
+            da = jnp.where(strict, -ra, 0.0)
+            m = da * a
+            dkk = da * gs
+            x_hi[...] = dkk.astype(BF16)
+            x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)  # (beta dKK)^T K = dKK^T (beta K)
+            plgpu.commit_smem()
+            dkb2, dk2 = _mmas([(dkb, x_hi, k_s), (dk, _T(x_lo), k_s)], interp)
+            return m, dkb2, dk2
+
+        m, dkb, dk = _scoped(interp, t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
+        dgam = dgam + jnp.sum(m, axis=1)
+        cgam = cgam + jnp.sum(m, axis=0)
+        dk = dk + dkb * bc_r(beta_r, (C, K))
+        dbeta = dbeta + jnp.sum(dkb * kv, axis=1)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        k_s[...] = dk.astype(k_s.dtype)
+        sc_s[0] = dbeta
+        sc_s[1] = dgam
+        sc_s[2] = -cgam
+        sc_s[3] = de_gam
+        sc_s[4] = de_end
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
+        plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt),
+               plgpu.SMEM((5, C), F32), _smem((K, V), BF16), _smem((K, V), BF16), _smem((C, V), BF16),
+               _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((5, C), F32),
+               plgpu.Barrier(num_barriers=11)]
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
+                jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, 5, C), F32))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
+                        t_hi, t_lo)
+    col = lambda r: sc[:, :, r].reshape(BH, Tp, 1)
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=col(0), dgam=col(1), dgam_row=sc[:, :, 2].reshape(BH, n, 1, C),
+                de_gam=col(3), de_gam_end=col(4))
+
+
+def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
+    """The backward's WY stage on Hopper: :func:`.hopper.wy_forward` with dO. Returns ``w``, ``u``,
+    ``dvl`` = Aqk^T dO [BH, T, *] and T = ``t_hi`` + ``t_lo`` [BH, n, C, C] (bf16)."""
+    from .hopper import wy_forward
+
+    return wy_forward(call, q, k, v, beta, gam, e_gam, do=do)
+
+
+def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
+    """The backward's forward recompute on Hopper: ``h`` [BH, n, K, V] (the state entering each
+    chunk) and ``vn`` [BH, T, V], bf16 (:func:`.hopper.forward_states_and_output` without q)."""
+    from .hopper import forward_states_and_output
+
+    return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
+
+
+def reverse_smem_bytes(call: KernelCall, bv: int) -> int:
+    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots)."""
+    C, K = call.C, call.K
+    per_slot = 3 * C * K * 2 + 2 * C * bv * 2 + K * bv * 2 + 3 * C * 4
+    return 2 * per_slot + K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
+
+
+def reverse_block(call: KernelCall) -> int:
+    """The value block of :func:`reverse_states`: the forward's block (``bv_mosaic``) or the largest
+    smaller one whose two TMA slots fit in shared memory."""
+    bv = call.bv_mosaic
+    while bv > 16 and reverse_smem_bytes(call, bv) > SMEM_BYTES:
+        bv //= 2
+    return bv
+
+
+def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags):
+    """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
+    plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
+    last, the previous chunk's q, k, W, dVl, dO, h_n and gates arriving by TMA while this one runs.
+    With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
+    ``dh0[seq]`` is written after its first.
+
+    Returns ``dh`` [BH, n, K, V], ``dvn`` [BH, T, V] (bf16), ``dh0`` (``dfinal``'s shape, f32) and
+    ``de_gam_last`` [BH, n, 1, 1] f32 (sum(h_n * dS) over the value blocks)."""
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    B = BH // H
+    bv = reverse_block(call)
+    nvb = V // bv
+    in_dt = jnp.dtype(call.in_dt)
+    last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
+    if call.packed:
+        last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
+    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C), last_row],
+                      axis=2).astype(F32)
+    WG = plgpu.Layout.WGMMA
+
+    def body(q_ref, k_ref, w_ref, dvl_ref, do_ref, g_ref, df_ref, h_ref, dh_ref, dvn_ref, dh0_ref, dd_ref,
+             q_s, k_s, w_s, dvl_s, do_s, hs_s, g_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar):
+        bh = lax.axis_index("bh")
+        vb = lax.axis_index("vb")
+        vsl = pl.ds(vb * bv, bv)
+        b, hh = lax.div(bh, H), lax.rem(bh, H)
+        hk = lax.div(hh, G) if G > 1 else hh
+
+        def fetch(i, slot):
+            rows = pl.ds(i * C, C)
+            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows], dvl_ref.at[bh, rows, vsl],
+                    do_ref.at[b, rows, hh, vsl], h_ref.at[bh, i, :, vsl], g_ref.at[bh, i])
+            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, dvl_s, do_s, hs_s, g_s), bars):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+        def load_state(seq):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(df_ref.at[bh, seq, :, vsl], f_s, f_bar)
+            plgpu.barrier_wait(f_bar)
+            return _load(f_s, WG, interp)
+
+        def store_state(dS, seq):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            f_s[...] = dS
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
+
+        fetch(n - 1, 0)
+        dS0 = _zeros((K, bv), interp) if call.packed else load_state(0)
+
+        def step(jj, dS):
+            i = n - 1 - jj
+            slot = lax.rem(jj, 2)
+
+            @pl.when(i > 0)
+            def _():
+                fetch(i - 1, 1 - slot)
+
+            for bar in bars:
+                plgpu.barrier_wait(bar.at[slot])
+            if call.packed:
+                f = g_s[slot, 2, 1].astype(jnp.int32)
+                seq, first, last = f >> 2, (f & 1) != 0, (f & 2) != 0
+                dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
+            ds_s[...] = dS.astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
+            (kd,) = _mmas([((C, bv), k_s.at[slot], ds_s)], interp)
+            row = WG.reduce(1)
+            e_end = _load(g_s.at[slot, 1], row, interp)
+            e_o = _load(g_s.at[slot, 0], row, interp)
+            dvn = _load(dvl_s.at[slot], WG, interp).astype(F32) + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
+            dvn_s[...] = dvn.astype(BF16)
+            ndvn_s[...] = (-dvn).astype(BF16)
+            dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
+                          * lax.broadcast_in_dim(e_o, kd.shape, [0])).astype(BF16)
+            dd_s[...] = jnp.sum(_load(hs_s.at[slot], WG, interp).astype(F32) * dS, axis=1)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
+            plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
+            (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(q_s.at[slot]), _T(w_s.at[slot])), (dos_s, ndvn_s))], interp)
+            if call.packed:
+                pl.when(first)(lambda: store_state(dS, seq))
+            return dS
+
+        dS = lax.fori_loop(0, n, step, dS0)
+        if not call.packed:
+            store_state(dS, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    sw = min(128, 2 * bv)
+    scratch = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
+               _smem((2, C, bv), BF16, sw), _smem((2, C, bv), in_dt, sw), _smem((2, K, bv), BF16, sw),
+               plgpu.SMEM((2, 3, C), F32), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
+               _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((K, bv), F32), plgpu.SMEM((K,), F32),
+               [plgpu.Barrier(num_barriers=2) for _ in range(7)], plgpu.Barrier(num_barriers=1)]
+    out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
+                jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
+    dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), dvl.astype(BF16), do, gates, dfinal.astype(F32), h.astype(BF16))
+    return dict(dh=dh, dvn=dvn, dh0=dh0, de_gam_last=dd.sum((1, 3)).reshape(BH, n, 1, 1))
