@@ -139,13 +139,11 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
 
         # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
         wait(6, 8, 9, 10, 2)
-        (dkd,) = _mmas([((C, K), vn_s, _T(dh_s))], interp)
+        # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v) (issued with step 2's)
+        dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
         kv = ld(k_s).astype(F32)
         de_end = jnp.sum(dkd * kv, axis=1)
         dk = dk + dkd * bc_r(ee_r, (C, K))
-
-        # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
-        (dvb,) = _mmas([((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
         dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
         v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
         plgpu.commit_smem()
@@ -241,8 +239,8 @@ def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags
 def reverse_smem_bytes(call: KernelCall, bv: int) -> int:
     """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots)."""
     C, K = call.C, call.K
-    per_slot = 3 * C * K * 2 + 2 * C * bv * 2 + K * bv * 2 + 3 * C * 4
-    return 2 * per_slot + K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
+    per_slot = 3 * C * K * 2 + 2 * C * bv * 2 + 3 * C * 4
+    return 2 * per_slot + 2 * K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
 
 
 def reverse_block(call: KernelCall) -> int:
@@ -257,7 +255,8 @@ def reverse_block(call: KernelCall) -> int:
 def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags):
     """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
     plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
-    last, the previous chunk's q, k, W, dVl, dO, h_n and gates arriving by TMA while this one runs.
+    last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
+which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
     ``dh0[seq]`` is written after its first.
 
@@ -278,7 +277,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     WG = plgpu.Layout.WGMMA
 
     def body(q_ref, k_ref, w_ref, dvl_ref, do_ref, g_ref, df_ref, h_ref, dh_ref, dvn_ref, dh0_ref, dd_ref,
-             q_s, k_s, w_s, dvl_s, do_s, hs_s, g_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar):
+             q_s, k_s, w_s, dvl_s, do_s, g_s, hs_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar, h_bar):
         bh = lax.axis_index("bh")
         vb = lax.axis_index("vb")
         vsl = pl.ds(vb * bv, bv)
@@ -288,8 +287,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
             srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows], dvl_ref.at[bh, rows, vsl],
-                    do_ref.at[b, rows, hh, vsl], h_ref.at[bh, i, :, vsl], g_ref.at[bh, i])
-            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, dvl_s, do_s, hs_s, g_s), bars):
+                    do_ref.at[b, rows, hh, vsl], g_ref.at[bh, i])
+            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, dvl_s, do_s, g_s), bars):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
         def load_state(seq):
@@ -310,6 +309,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         def step(jj, dS):
             i = n - 1 - jj
             slot = lax.rem(jj, 2)
+            # h_n only feeds d e^{gamma_C} (off the dS chain): one buffer, waited for when needed
+            plgpu.copy_gmem_to_smem(h_ref.at[bh, i, :, vsl], hs_s, h_bar)
 
             @pl.when(i > 0)
             def _():
@@ -334,7 +335,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
             ndvn_s[...] = (-dvn).astype(BF16)
             dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
                           * lax.broadcast_in_dim(e_o, kd.shape, [0])).astype(BF16)
-            dd_s[...] = jnp.sum(_load(hs_s.at[slot], WG, interp).astype(F32) * dS, axis=1)
+            plgpu.barrier_wait(h_bar)
+            dd_s[...] = jnp.sum(_load(hs_s, WG, interp).astype(F32) * dS, axis=1)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
             plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
@@ -350,10 +352,11 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
 
     sw = min(128, 2 * bv)
     scratch = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
-               _smem((2, C, bv), BF16, sw), _smem((2, C, bv), in_dt, sw), _smem((2, K, bv), BF16, sw),
-               plgpu.SMEM((2, 3, C), F32), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
+               _smem((2, C, bv), BF16, sw), _smem((2, C, bv), in_dt, sw), plgpu.SMEM((2, 3, C), F32),
+               _smem((K, bv), BF16, sw), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
                _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((K, bv), F32), plgpu.SMEM((K,), F32),
-               [plgpu.Barrier(num_barriers=2) for _ in range(7)], plgpu.Barrier(num_barriers=1)]
+               [plgpu.Barrier(num_barriers=2) for _ in range(6)], plgpu.Barrier(num_barriers=1),
+               plgpu.Barrier(num_barriers=1)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
     kw = dict(interpret=_interpret_params()) if interp else {}
