@@ -2,15 +2,18 @@
 
 (a) Prints the exact cache sizes of that setting (emb 2048, 16 x 128 heads, 48 layers, bf16,
     batch 1): full-attention KV cache at 4K / 32K / 128K against the GDN state (the notes' bf16
-    figure and what gdn_jax keeps: float32 state + bf16 short-conv cache), and a 3:1 hybrid
-    (formulas in :mod:`gdn_jax.inference.memory`).
+    figure and what gdn_jax keeps: its state + bf16 short-conv cache), and a 3:1 hybrid (formulas
+    in :mod:`gdn_jax.inference.memory`), once for each decode-state dtype (float32, the default,
+    and bfloat16: ``LMConfig.state_dtype``).
 (b) Measures, on this machine, the per-token decode latency (jitted ``LM.decode_step``, batch 1,
     median of ``--reps`` calls) and the cache bytes of a GDN model, an attention model and a 3:1
     hybrid (every 4th layer gated attention) at each context of ``--contexts``. The attention
     KV cache has exactly ``context`` slots, filled with random keys/values (the cost does not depend on
     the values) up to ``context - reps - 2``; each timed step writes the next slot (the last one
     writes slot ``context - 1``), with the cache donated as a serving loop would. A masked
-    attention over the static ``context`` slots costs the same at every position.
+    attention over the static ``context`` slots costs the same at every position. ``--state_dtype``
+    and ``--decode_backend`` set the GDN layers' decode-state dtype and step backend. (The per-token
+    cost inside ``generate``'s on-device loop, against its floor: ``benchmarks/bench_decode.py``.)
 
     python experiments/memory.py                                  # CPU: contexts 1K..8K
     python experiments/memory.py --contexts 1024,4096,16384,32768 --out runs/memory_gpu
@@ -38,10 +41,11 @@ from gdn_jax.models import LM, LMConfig
 def model_configs(args):
     base = dict(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
                 dtype=args.dtype, param_dtype=args.dtype)
+    gdn = dict(state_dtype=args.state_dtype, decode_backend=args.decode_backend)
     return {
-        "gdn": LMConfig(**base, mixer="gdn"),
+        "gdn": LMConfig(**base, **gdn, mixer="gdn"),
         "attention": LMConfig(**base, mixer="attention"),
-        "hybrid_3to1": LMConfig(**base, mixer="gdn", hybrid_every=4, hybrid_mixer="gated_attention"),
+        "hybrid_3to1": LMConfig(**base, **gdn, mixer="gdn", hybrid_every=4, hybrid_mixer="gated_attention"),
     }
 
 
@@ -93,20 +97,24 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--state_dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the measured GDN layers' decode-state dtype (the seed table is printed for both)")
+    ap.add_argument("--decode_backend", default="auto", choices=("auto", "scan", "pallas"))
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     os.makedirs(args.out, exist_ok=True)
 
-    table = seed_table_markdown()
+    table = "\n\n".join(seed_table_markdown(state_dtype=sdt) for sdt in ("float32", "bfloat16"))
     print(table)
     with open(os.path.join(args.out, "seed_table.md"), "w") as f:
         f.write(table + "\n")
 
     results = dict(device=str(jax.devices()[0]), platform=jax.default_backend(), jax=jax.__version__,
                    machine=platform.machine(), cpu_count=os.cpu_count(), args=vars(args),
-                   seed_table=seed_table(), measured={})
+                   seed_table=seed_table(), seed_table_bf16_state=seed_table(state_dtype="bfloat16"), measured={})
     print(f"\nMeasured on {results['device']} (jax {jax.__version__}): d_model {args.d_model}, {args.layers} layers, "
-          f"{args.heads} heads, {args.dtype}, batch 1; per-token decode latency (median of {args.reps}) and cache bytes")
+          f"{args.heads} heads, {args.dtype}, GDN state {args.state_dtype}, decode backend {args.decode_backend}, batch 1; "
+          f"per-token decode latency (median of {args.reps}) and cache bytes")
     print("| model | context | latency ms (median) | p10-p90 ms | cache bytes |")
     print("|---|---|---|---|---|")
     for name, cfg in model_configs(args).items():

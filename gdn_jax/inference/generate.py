@@ -2,12 +2,19 @@
 
 ``generate`` jits one function per (graph, batch, prompt length, max_new_tokens, max_len, top_k):
 the prompt goes through :meth:`LM.prefill` (chunked / Pallas GDN op), then a ``lax.scan`` of
-:meth:`LM.decode_step` over the new tokens, so nothing is retraced per token. ``temperature`` is a
-traced scalar (changing it does not recompile); ``temperature == 0`` is greedy (argmax).
+:meth:`LM.decode_step` over the new tokens, so the whole token loop runs on the device in one call
+(no host round trip per token) and nothing is retraced per token. ``temperature`` is a traced
+scalar (changing it does not recompile); ``temperature == 0`` is greedy (argmax).
+
+:func:`decode_loop` is that loop alone, from a given cache (its buffers donated, so the states and
+KV caches are updated in place): timing one call and dividing by its tokens gives the per-token
+cost inside the loop (``benchmarks/bench_decode.py``). ``generate(..., timings={})`` runs prefill and
+the loop as two such calls and reports both times.
 """
 from __future__ import annotations
 
 import functools
+import time
 from typing import Optional
 
 import jax
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-TRACE_COUNT = {"generate": 0}  # incremented at trace time (tests check there is one trace per shape)
+TRACE_COUNT = {"generate": 0, "decode_loop": 0}  # incremented at trace time (tests check there is one trace per shape)
 
 
 def _sample(logits, key, temperature, top_k: Optional[int]):
@@ -29,26 +36,150 @@ def _sample(logits, key, temperature, top_k: Optional[int]):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
+def _loop(model, cache, tok, keys, temperature, top_k, num_steps=None):
+    """Decode steps on the device: step i feeds ``tok [B]``, samples the next token from its logits
+    with ``keys[i]`` and writes it to column i of the output ``[B, len(keys)]`` int32 (columns past
+    the last step stay 0). ``num_steps`` None runs ``len(keys)`` steps (a ``lax.scan``); a traced
+    int runs that many (a ``while`` loop: one compile serves any count up to ``len(keys)``).
+    Returns (output, cache)."""
+    n = keys.shape[0]
+    out = jnp.zeros((tok.shape[0], n), jnp.int32)
+
+    def body(i, carry):
+        cache, tok, out = carry
+        lg, cache = model.decode_step(tok, cache)
+        nxt = _sample(lg, keys[i], temperature, top_k)
+        return cache, nxt, jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
+
+    cache, _, out = jax.lax.fori_loop(0, n if num_steps is None else num_steps, body, (cache, tok, out))
+    return out, cache
+
+
+def _prefill_sample(model, prompt, key0, temperature, top_k, max_len):
+    logits, cache = model.prefill(prompt, max_len)
+    return _sample(logits[:, -1], key0, temperature, top_k), cache
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_new_tokens", "max_len", "top_k"))
 def _generate(graphdef, state, prompt, key, temperature, *, max_new_tokens: int, max_len: int, top_k):
     TRACE_COUNT["generate"] += 1
     model = nnx.merge(graphdef, state)
     keys = jax.random.split(key, max_new_tokens)
-    logits, cache = model.prefill(prompt, max_len)
-    tok = _sample(logits[:, -1], keys[0], temperature, top_k)
+    tok, cache = _prefill_sample(model, prompt, keys[0], temperature, top_k, max_len)
+    rest, _ = _loop(model, cache, tok, keys[1:], temperature, top_k)
+    return jnp.concatenate([tok[:, None], rest], axis=1)
 
-    def body(carry, k):
-        cache, tok = carry
-        lg, cache = model.decode_step(tok, cache)
-        nxt = _sample(lg, k, temperature, top_k)
-        return (cache, nxt), nxt
 
-    _, rest = jax.lax.scan(body, (cache, tok), keys[1:])
-    return jnp.concatenate([tok[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_len", "top_k"))
+def _prefill_jit(graphdef, state, prompt, key0, temperature, *, max_len: int, top_k):
+    return _prefill_sample(nnx.merge(graphdef, state), prompt, key0, temperature, top_k, max_len)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("top_k",), donate_argnums=(2,))
+def _decode_loop(graphdef, state, cache, tok, keys, temperature, num_steps, *, top_k):
+    TRACE_COUNT["decode_loop"] += 1
+    return _loop(nnx.merge(graphdef, state), cache, tok, keys, temperature, top_k, num_steps)
+
+
+def _check_sampling(model, temperature, top_k):
+    if float(temperature) < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    vocab = model.cfg.vocab_size
+    if top_k is not None and not (1 <= int(top_k) <= vocab):
+        raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
+
+
+def _check_count(name, n):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    return int(n)
+
+
+def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float = 0.0,
+                top_k: Optional[int] = None):
+    """``num_tokens`` decode steps from ``cache`` in one device call (a ``lax.scan`` inside one jit).
+
+    Step i feeds the current token (``token`` first) through :meth:`LM.decode_step` and samples the
+    next one from its logits (key ``jax.random.split(key, num_tokens)[i]``; greedy where
+    ``temperature == 0``). The cache is **donated**: its buffers are reused for the new cache (the
+    GDN states and the attention KV caches are updated in place, as a serving loop would), so the
+    ``cache`` passed in must not be used afterwards. One compile per (graph, cache shapes, batch,
+    num_tokens, top_k). Timing one call (``jax.block_until_ready``) and dividing by ``num_tokens``
+    gives the per-token cost inside the loop: no host round trip per token, one dispatch per call.
+
+    Args:
+      model: an :class:`gdn_jax.models.LM`.
+      cache: its cache (``model.init_cache`` / ``model.prefill``, or arrays of the same shapes and
+        dtypes); an attention layer must have ``num_tokens`` free slots after ``pos``.
+      token: int ``[B]``, the last token already in the context (its logits are not yet computed).
+      num_tokens: steps to run (>= 0).
+      key, temperature, top_k: as in :func:`generate`.
+
+    Returns:
+      (int32 ``[B, num_tokens]``: the token sampled after each step, the cache after the last step).
+
+    Raises:
+      ValueError: a non-integer ``token`` not of shape ``[B]``, a negative ``num_tokens``,
+        ``temperature`` or an out-of-range ``top_k``.
+    """
+    token = jnp.asarray(token)
+    if token.ndim != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
+        raise ValueError(f"token must be an integer array [B], got {token.dtype} {tuple(token.shape)}")
+    num_tokens = _check_count("num_tokens", num_tokens)
+    _check_sampling(model, temperature, top_k)
+    if num_tokens == 0:
+        return jnp.zeros((token.shape[0], 0), jnp.int32), cache
+    graphdef, state = nnx.split(model)
+    return _decode_loop(graphdef, state, cache, token.astype(jnp.int32), jax.random.split(key, num_tokens),
+                        jnp.asarray(temperature, jnp.float32), jnp.asarray(num_tokens, jnp.int32),
+                        top_k=None if top_k is None else int(top_k))
+
+
+def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key=None):
+    """Per-token cost of the decode loop measured inside it (greedy; README "Inference").
+
+    Compiles one :func:`decode_loop` of ``2 * num_tokens`` slots whose step count is a traced
+    argument, runs it once for ``num_tokens`` steps (warm-up: compile + run, ``first_call_s``),
+    then ``reps`` times for ``num_tokens`` and for ``2 * num_tokens`` steps, each call synchronised
+    (``jax.block_until_ready``) and timed on the host clock. The cache is donated to every call (in
+    place) and the last one is returned; an attention layer needs ``num_tokens * (1 + 3 * reps)``
+    free slots after its ``pos``.
+
+    Returns a dict (seconds): ``per_token_s`` = median over reps of ``t(2n) / 2n`` (total loop time
+    over its tokens, one dispatch included); ``slope_s`` = median of ``(t(2n) - t(n)) / n`` (the
+    cost of one more step: dispatch and fixed costs cancel); ``call_s`` / ``call2_s`` (the
+    ``t(n)`` / ``t(2n)`` of each rep); ``first_call_s``; ``tokens`` (n); ``cache`` (after the last
+    call). Raises ValueError for ``num_tokens < 1`` or ``reps < 1``.
+    """
+    num_tokens = _check_count("num_tokens", num_tokens)
+    reps = _check_count("reps", reps)
+    if num_tokens < 1 or reps < 1:
+        raise ValueError(f"num_tokens and reps must be >= 1, got {num_tokens}, {reps}")
+    token = jnp.asarray(token, jnp.int32)
+    graphdef, state = nnx.split(model)
+    keys = jax.random.split(jax.random.key(0) if key is None else key, 2 * num_tokens)
+    temp = jnp.asarray(0.0, jnp.float32)
+    steps = {m: jnp.asarray(m * num_tokens, jnp.int32) for m in (1, 2)}
+
+    def call(m, cache):
+        t0 = time.perf_counter()
+        out, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, token, keys, temp, steps[m], top_k=None))
+        return time.perf_counter() - t0, cache
+
+    first, cache = call(1, cache)
+    t1, t2 = [], []
+    for _ in range(reps):
+        a, cache = call(1, cache)
+        b, cache = call(2, cache)
+        t1.append(a)
+        t2.append(b)
+    t1, t2 = np.asarray(t1), np.asarray(t2)
+    return dict(per_token_s=float(np.median(t2 / (2 * num_tokens))), slope_s=float(np.median((t2 - t1) / num_tokens)),
+                call_s=t1.tolist(), call2_s=t2.tolist(), first_call_s=first, tokens=num_tokens, cache=cache)
 
 
 def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.0,
-             top_k: Optional[int] = None, max_len: Optional[int] = None):
+             top_k: Optional[int] = None, max_len: Optional[int] = None, timings: Optional[dict] = None):
     """Sample ``max_new_tokens`` tokens after ``prompt``.
 
     Args:
@@ -59,6 +190,12 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
       temperature: softmax temperature (>= 0); 0 means greedy argmax. Traced: no recompilation.
       top_k: keep only the k most likely tokens before sampling (``None``: all).
       max_len: attention KV-cache slots (default ``T + max_new_tokens``, the least that fits).
+      timings: ``None`` (default): prefill and the token loop run in one jitted call. A dict: they
+        run as two synchronised calls (prefill + first token, then :func:`decode_loop` on the donated
+        cache; the same tokens) and the dict receives ``prefill_s``, ``decode_s`` (seconds, wall
+        clock of each call), ``decode_tokens`` (``max_new_tokens - 1``: the loop's steps) and
+        ``per_token_s`` (``decode_s / decode_tokens``; nan without loop steps). The first call of a
+        shape includes its compilation: time the second.
 
     Returns:
       int32 ``[B, max_new_tokens]``: the new tokens only.
@@ -73,8 +210,7 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
     B, T = prompt.shape
     if T == 0:
         raise ValueError("empty prompt (T = 0): generate needs at least one prompt token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
     if max_len is None:
         max_len = T + int(max_new_tokens)
     if T > max_len:
@@ -82,17 +218,25 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
     if T + max_new_tokens > max_len:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
                          f"exceeds the attention cache's max_len = {max_len}")
-    if float(temperature) < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    vocab = model.cfg.vocab_size
-    if top_k is not None and not (1 <= int(top_k) <= vocab):
-        raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
+    _check_sampling(model, temperature, top_k)
     if max_new_tokens == 0:
         return jnp.zeros((B, 0), jnp.int32)
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, key, jnp.asarray(temperature, jnp.float32),
-                     max_new_tokens=int(max_new_tokens), max_len=int(max_len),
-                     top_k=None if top_k is None else int(top_k))
+    temp, top_k = jnp.asarray(temperature, jnp.float32), None if top_k is None else int(top_k)
+    if timings is None:
+        return _generate(graphdef, state, prompt, key, temp, max_new_tokens=max_new_tokens, max_len=int(max_len),
+                         top_k=top_k)
+    keys = jax.random.split(key, max_new_tokens)
+    t0 = time.perf_counter()
+    tok, cache = jax.block_until_ready(_prefill_jit(graphdef, state, prompt, keys[0], temp, max_len=int(max_len),
+                                                    top_k=top_k))
+    t1 = time.perf_counter()
+    rest, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, tok, keys[1:], temp,
+                                                     jnp.asarray(max_new_tokens - 1, jnp.int32), top_k=top_k))
+    t2 = time.perf_counter()
+    n = max_new_tokens - 1
+    timings.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_tokens=n, per_token_s=(t2 - t1) / n if n else float("nan"))
+    return jnp.concatenate([tok[:, None], rest], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("n_prompt",))
@@ -109,20 +253,37 @@ def _teacher_forced_decode(graphdef, state, tokens, *, n_prompt: int):
     return jnp.moveaxis(lg, 0, 1), cache
 
 
-def decode_drift(model, tokens, *, n_prompt: int = 1):
-    """Drift of step-by-step decoding against one parallel (chunked) forward over the same tokens.
+def teacher_forced_logits(model, tokens, *, n_prompt: int = 1):
+    """Prefill ``tokens[:, :n_prompt]``, then decode ``tokens[:, n_prompt:]`` one at a time (teacher
+    forcing: a jitted ``lax.scan`` of :meth:`LM.decode_step`). Returns (logits ``[B, T - n_prompt,
+    vocab]`` float32, the logits of each decode step, i.e. of positions ``n_prompt .. T-1``; the
+    cache after the last token)."""
+    graphdef, state = nnx.split(model)
+    return _teacher_forced_decode(graphdef, state, tokens, n_prompt=n_prompt)
+
+
+def rel_rms_per_step(a, b):
+    """Per-step RMS-relative error ``||a - b|| / ||b||`` over batch and vocab of logits
+    ``[B, S, vocab]``: numpy float64 ``[S]``."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.sqrt(((a - b) ** 2).mean(axis=(0, 2)) / (b ** 2).mean(axis=(0, 2)))
+
+
+def decode_drift(model, tokens, *, n_prompt: int = 1, reference=None):
+    """Drift of step-by-step decoding against a reference over the same tokens.
 
     Prefills ``tokens[:, :n_prompt]``, then decodes ``tokens[:, n_prompt:]`` one at a time
-    (teacher forcing, a jitted ``lax.scan``) and compares each step's logits with ``model(tokens)``
-    at the same position.
+    (:func:`teacher_forced_logits`) and compares each step's logits with the reference at the same
+    position: ``model(tokens)`` (one parallel, chunked forward) by default, or ``reference``, the
+    ``[B, T - n_prompt, vocab]`` logits of another decode (e.g. the float32-state run of a
+    bfloat16-state model).
 
     Returns:
       (rel ``[T - n_prompt]`` numpy float64: per-step RMS-relative logit error
-      ``||l_dec - l_fwd|| / ||l_fwd||`` over batch and vocab, decode cache after the last token).
+      ``||l_dec - l_ref|| / ||l_ref||`` over batch and vocab, decode cache after the last token).
     """
-    graphdef, state = nnx.split(model)
-    lg, cache = _teacher_forced_decode(graphdef, state, tokens, n_prompt=n_prompt)
-    ref = model(tokens)[:, n_prompt:]
-    d = np.asarray(lg, np.float64) - np.asarray(ref, np.float64)
-    rel = np.sqrt((d ** 2).mean(axis=(0, 2)) / (np.asarray(ref, np.float64) ** 2).mean(axis=(0, 2)))
-    return rel, cache
+    lg, cache = teacher_forced_logits(model, tokens, n_prompt=n_prompt)
+    ref = model(tokens)[:, n_prompt:] if reference is None else reference
+    if tuple(np.shape(ref)) != tuple(lg.shape):
+        raise ValueError(f"reference must have the decode logits' shape {tuple(lg.shape)}, got {tuple(np.shape(ref))}")
+    return rel_rms_per_step(lg, ref), cache

@@ -8,7 +8,8 @@ Every function counts exactly what the arrays hold (no allocator overhead, no ac
 Formulas (L layers, context n, H heads, head dims K, V, batch B, short conv kernel W):
 
 * KV cache (per attention layer, keys and values): ``2 · n · H · K · bytes · B``
-* GDN state (per GDN layer): ``H · K · V · bytes · B`` (gdn_jax keeps it in float32: 4 bytes)
+* GDN state (per GDN layer): ``H · K · V · bytes · B`` (gdn_jax keeps it in float32 by default: 4
+  bytes; ``LMConfig(state_dtype="bfloat16")``: 2 bytes)
 * GDN short-conv cache (per GDN layer, q, k and v): ``(W - 1) · (2·H·K + H·V) · bytes · B``
   (compute dtype, e.g. bf16)
 """
@@ -46,8 +47,8 @@ def conv_cache_bytes(num_layers: int, num_heads: int, k_dim: int, v_dim: int = N
 def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size=None) -> int:
     """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built): GDN
     layers with grouped value heads (``num_v_heads``, ``value_head_dim``), attention layers with
-    their own head counts (``attn_num_heads``, ``attn_num_kv_heads`` for GQA, ``attn_head_dim``).
-    ``conv_size`` defaults to ``cfg.conv_size``."""
+    their own head counts (``attn_num_heads``, ``attn_num_kv_heads`` for GQA, ``attn_head_dim``), the
+    GDN state in ``cfg.state_dtype``. ``conv_size`` defaults to ``cfg.conv_size``."""
     hd = cfg.head_dim or cfg.d_model // cfg.num_heads
     vd = getattr(cfg, "value_head_dim", None) or hd
     hv = getattr(cfg, "num_v_heads", None) or cfg.num_heads
@@ -56,10 +57,11 @@ def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size=None) -> int:
     kv_heads = getattr(cfg, "attn_num_kv_heads", None) or attn_heads
     attn_hd = getattr(cfg, "attn_head_dim", None) or hd
     nbytes = jnp.dtype(cfg.dtype).itemsize
+    state_bytes = jnp.dtype(getattr(cfg, "state_dtype", "float32")).itemsize
     total = 0
     for m in cfg.layer_mixers():
         if m == "gdn":
-            total += gdn_state_bytes(1, hv, hd, vd, batch=batch)
+            total += gdn_state_bytes(1, hv, hd, vd, bytes_per_elem=state_bytes, batch=batch)
             if cfg.use_short_conv:
                 total += (conv_size - 1) * (2 * cfg.num_heads * hd + hv * vd) * nbytes * batch
         elif m in ("attention", "gated_attention"):
@@ -76,17 +78,29 @@ def fmt_bytes(n: int) -> str:
     return f"{n:,} B ({n / 2 ** 20:.3f} MiB = {n / 1e6:.3f} MB)"
 
 
-def seed_table(hybrid_every: int = 4) -> List[Dict]:
-    """Rows of the comparison in the :data:`SEED` setting (emb 2048, 16x128 heads, 48 layers, bf16,
-    batch 1), one per context in :data:`SEED_CONTEXTS`.
+STATE_DTYPES = {"float32": 4, "bfloat16": 2}  # gdn_jax's decode-state dtypes (LMConfig.state_dtype): bytes
 
-    Keys: ``context``; ``kv_full`` (48 attention layers, bf16); ``gdn_state_bf16`` (the commonly
-    quoted figure: 48 bf16 states, no conv); ``gdn_state_f32`` (gdn_jax's float32 states); ``gdn_conv_bf16``
-    (gdn_jax's short-conv caches); ``gdn_jax_total``; ``hybrid_kv`` / ``hybrid_gdn`` /
-    ``hybrid_total`` (3:1 hybrid: every ``hybrid_every``-th layer attention, the rest GDN with
-    float32 state + bf16 conv cache); the ratios ``ratio_seed`` = kv_full / gdn_state_bf16 and
+
+def _state_bytes(state_dtype: str) -> int:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
+    return STATE_DTYPES[state_dtype]
+
+
+def seed_table(hybrid_every: int = 4, state_dtype: str = "float32") -> List[Dict]:
+    """Rows of the comparison in the :data:`SEED` setting (emb 2048, 16x128 heads, 48 layers, bf16,
+    batch 1), one per context in :data:`SEED_CONTEXTS`, with gdn_jax's GDN state in ``state_dtype``
+    (``"float32"``, the default, or ``"bfloat16"``: ``LMConfig.state_dtype``).
+
+    Keys: ``context``; ``state_dtype``; ``kv_full`` (48 attention layers, bf16); ``gdn_state_bf16``
+    (the commonly quoted figure: 48 bf16 states, no conv); ``gdn_state_f32`` (48 float32 states);
+    ``gdn_state`` (48 states in ``state_dtype``); ``gdn_conv_bf16`` (gdn_jax's short-conv caches);
+    ``gdn_jax_total`` (``gdn_state`` + conv); ``hybrid_kv`` / ``hybrid_gdn`` / ``hybrid_total`` (3:1
+    hybrid: every ``hybrid_every``-th layer attention, the rest GDN with the state in
+    ``state_dtype`` + bf16 conv cache); the ratios ``ratio_seed`` = kv_full / gdn_state_bf16 and
     ``ratio_gdn_jax`` = kv_full / gdn_jax_total, ``ratio_hybrid`` = kv_full / hybrid_total.
     """
+    sb = _state_bytes(state_dtype)
     L, H, d, b, W = SEED["num_layers"], SEED["num_heads"], SEED["head_dim"], SEED["bytes_bf16"], SEED["conv_size"]
     n_attn = L // hybrid_every
     n_gdn = L - n_attn
@@ -95,24 +109,33 @@ def seed_table(hybrid_every: int = 4) -> List[Dict]:
         kv = kv_cache_bytes(L, n, H, d, bytes_per_elem=b)
         s16 = gdn_state_bytes(L, H, d, bytes_per_elem=2)
         s32 = gdn_state_bytes(L, H, d, bytes_per_elem=4)
+        st = gdn_state_bytes(L, H, d, bytes_per_elem=sb)
         conv = conv_cache_bytes(L, H, d, conv_size=W, bytes_per_elem=b)
         hkv = kv_cache_bytes(n_attn, n, H, d, bytes_per_elem=b)
-        hg = gdn_state_bytes(n_gdn, H, d) + conv_cache_bytes(n_gdn, H, d, conv_size=W, bytes_per_elem=b)
-        rows.append(dict(context=n, kv_full=kv, gdn_state_bf16=s16, gdn_state_f32=s32, gdn_conv_bf16=conv,
-                         gdn_jax_total=s32 + conv, hybrid_kv=hkv, hybrid_gdn=hg, hybrid_total=hkv + hg,
-                         ratio_seed=kv / s16, ratio_gdn_jax=kv / (s32 + conv), ratio_hybrid=kv / (hkv + hg)))
+        hg = gdn_state_bytes(n_gdn, H, d, bytes_per_elem=sb) + conv_cache_bytes(n_gdn, H, d, conv_size=W,
+                                                                                 bytes_per_elem=b)
+        rows.append(dict(context=n, state_dtype=state_dtype, kv_full=kv, gdn_state_bf16=s16, gdn_state_f32=s32,
+                         gdn_state=st, gdn_conv_bf16=conv, gdn_jax_total=st + conv, hybrid_kv=hkv, hybrid_gdn=hg,
+                         hybrid_total=hkv + hg, ratio_seed=kv / s16, ratio_gdn_jax=kv / (st + conv),
+                         ratio_hybrid=kv / (hkv + hg)))
     return rows
 
 
-def seed_table_markdown(rows=None) -> str:
-    """:func:`seed_table` as Markdown (exact bytes, GiB/MiB and GB/MB stated), as in README "Inference"."""
-    rows = seed_table() if rows is None else rows
+def seed_table_markdown(rows=None, state_dtype: str = None) -> str:
+    """:func:`seed_table` as Markdown (exact bytes, GiB/MiB and GB/MB stated), as in README "Inference",
+    for gdn_jax's state in ``state_dtype`` (default: the rows' own, float32 without rows)."""
+    if rows is None:
+        rows = seed_table(state_dtype=state_dtype or "float32")
+    sdt = rows[0].get("state_dtype", "float32")
+    if state_dtype is not None and state_dtype != sdt:
+        raise ValueError(f"state_dtype {state_dtype!r} does not match the rows' ({sdt!r})")
+    short = {"float32": "f32", "bfloat16": "bf16"}[sdt]
     r0 = rows[0]
     out = [
         "Setting of the source notes (textbook §6.6.6): emb 2048, 16 heads x 128, 48 layers, bf16 activations/KV, batch 1. "
-        "GiB/MiB = 2^30/2^20 B, GB/MB = 10^9/10^6 B.",
+        f"gdn_jax's GDN state in {sdt}. GiB/MiB = 2^30/2^20 B, GB/MB = 10^9/10^6 B.",
         "",
-        "| context | KV cache, 48 attention layers (bf16) | 3:1 hybrid: KV of 12 attention layers + 36 GDN layers (f32 state + bf16 conv) | KV / hybrid |",
+        f"| context | KV cache, 48 attention layers (bf16) | 3:1 hybrid: KV of 12 attention layers + 36 GDN layers ({short} state + bf16 conv) | KV / hybrid |",
         "|---|---|---|---|",
     ]
     for r in rows:
@@ -126,9 +149,9 @@ def seed_table_markdown(rows=None) -> str:
         "|---|---|---|---|---|",
     ]
     items = [("the notes' figure: state in bf16, no conv cache", "gdn_state_bf16"),
-             ("gdn_jax state (float32)", "gdn_state_f32"),
+             (f"gdn_jax state ({sdt})", "gdn_state" if "gdn_state" in r0 else "gdn_state_f32"),
              ("gdn_jax short-conv cache (bf16, 3 x 3 x 2048 per layer)", "gdn_conv_bf16"),
-             ("gdn_jax total (float32 state + bf16 conv)", "gdn_jax_total")]
+             (f"gdn_jax total ({sdt} state + bf16 conv)", "gdn_jax_total")]
     for name, key in items:
         ratios = " | ".join("—" if key == "gdn_conv_bf16" else f"{r['kv_full'] / r0[key]:,.1f}x" for r in rows)
         out.append(f"| {name} | {fmt_bytes(r0[key])} | {ratios} |")

@@ -105,3 +105,31 @@ def pallas_covers(backend: str, *, chunk_size: int, K: int, V: int, decay_per_ch
                              K=K, V=V, dtype=dtype)
     if reason is not None:
         raise ValueError(f"{owner}backend='pallas' {reason}")
+
+
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def decode_options(decode_backend: str, state_dtype, *, K: int, V: int, dtype, owner: str = "",
+                   check_kernel: bool = True):
+    """The decode step's options of a delta-rule mixer, checked when the layer or config is built.
+
+    ``decode_backend`` one of ``gdn_jax.ops.step.STEP_BACKENDS`` ("auto", "scan", "pallas");
+    ``state_dtype`` float32 or bfloat16 (the dtype of the cache's recurrent state). With
+    ``decode_backend="pallas"`` (and ``check_kernel``) the fused decode kernel must take the head
+    dims and dtypes (``ValueError`` with its reason). Returns ``state_dtype`` as a ``jnp.dtype``."""
+    from ..ops.step import STEP_BACKENDS
+
+    one_of("decode_backend", decode_backend, STEP_BACKENDS)
+    sdt = float_dtype("state_dtype", state_dtype)
+    if sdt.name not in STATE_DTYPES:
+        raise ValueError(f"{owner}state_dtype must be one of {STATE_DTYPES}, got {sdt.name!r}")
+    if decode_backend == "pallas" and check_kernel:
+        from ..ops.pallas import decode as _decode
+
+        # the step's inputs: q, k, v in the compute dtype, g and beta in float32
+        reason = _decode.covers(K, V, jnp.promote_types(jnp.dtype(dtype), jnp.float32), sdt)
+        if reason is not None:
+            raise ValueError(f"{owner}decode_backend='pallas' (the fused decode kernel) does not take {reason}; "
+                             "use decode_backend='scan' or 'auto'")
+    return sdt

@@ -97,7 +97,8 @@ class GatedDeltaNet(RecurrentMixer):
     The three paths share the projections, short conv, gates and output (:meth:`_qkv`,
     :meth:`gates`, :meth:`_output`): ``self(x)`` and :meth:`prefill` run the chunked / Pallas /
     scan op over the sequence, :meth:`decode` one token of the recurrence
-    (:func:`gdn_jax.ops.gated_delta_rule_step`) on a :class:`GDNCache`.
+    (:func:`gdn_jax.ops.gated_delta_rule_step` with ``decode_backend``, e.g. the fused Pallas
+    decode kernel) on a :class:`GDNCache` whose state is kept in ``state_dtype``.
 
     Init (Mamba2, Dao & Gu 2024, as in FLA): ``A ~ U(0, 16)`` sampled in float32 and clipped to
     >= 1e-4 (a bf16 sample can be exactly 0 and give A_log = -inf); ``dt`` log-uniform in
@@ -121,12 +122,22 @@ class GatedDeltaNet(RecurrentMixer):
         ``backend="auto"`` picks it).
       allow_neg_eigval: beta = 2 sigmoid(.) in (0, 2) (negative eigenvalues; Grazzi et al. 2024).
       use_short_conv, conv_size: the causal depthwise conv on q, k, v (on by default).
-      backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule`.
+      backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule` (the full-sequence call
+        and prefill).
+      decode_backend: the single-token step's backend, passed to
+        :func:`gdn_jax.ops.gated_delta_rule_step` by :meth:`decode`: ``"auto"`` (default: the fused
+        kernel on a GPU where it applies, the plain XLA step elsewhere; see the op), ``"scan"`` or
+        ``"pallas"`` (the fused decode kernel: q/k L2
+        norm and scale, decay, delta-rule write and read in one pass over the state; K and V powers
+        of two from 16 to 256, checked when the layer is built).
+      state_dtype: dtype of the decode cache's recurrent state, float32 (default) or bfloat16
+        (half the state bytes read and written per step; the step accumulates in float32 and rounds
+        the state once per token). :meth:`init_cache` and :meth:`prefill` build the cache in it.
       kernel_config: a :class:`gdn_jax.ops.KernelConfig` for the Pallas kernels (backend "pallas"
         or "auto"), passed to the op; None: the defaults.
       norm_eps: RMSNorm epsilon.
       dt_min, dt_max, A_init_range: the mamba2 decay's init (see :func:`mamba2_decay_init`).
-      dtype: computation dtype of the projections (the recurrence state is always float32).
+      dtype: computation dtype of the projections (the recurrence accumulates in float32).
       param_dtype: parameter dtype.
       rngs: ``nnx.Rngs``.
     """
@@ -137,7 +148,8 @@ class GatedDeltaNet(RecurrentMixer):
                  allow_neg_eigval: bool = False, use_short_conv: bool = True, conv_size: int = 4,
                  backend: str = "auto", chunk_size: int = 64, kernel_config=None, norm_eps: float = 1e-6,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
+                 state_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.one_of("decay", decay, DECAY_KINDS)
         _checks.one_of("backend", backend, BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
@@ -155,6 +167,9 @@ class GatedDeltaNet(RecurrentMixer):
         H = Hk if num_v_heads is None else num_v_heads
         _checks.pallas_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
                               beta_per_channel=beta_per_channel, dtype=dtype, owner="GatedDeltaNet: ")
+        self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
+                                                  owner="GatedDeltaNet: ")
+        self.decode_backend = decode_backend
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, Hk, K, V
         self.num_v_heads = H
         self.decay, self.decay_per_channel = decay, decay_per_channel
@@ -219,7 +234,7 @@ class GatedDeltaNet(RecurrentMixer):
             chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
         )
         y = self._output(o, x)
-        return (y, GDNCache(state.astype(jnp.float32), *convs)) if with_cache else y
+        return (y, GDNCache(state.astype(self.state_dtype), *convs)) if with_cache else y
 
     def __call__(self, x, *, cu_seqlens=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]`` (dtype ``self.dtype``).
@@ -238,11 +253,23 @@ class GatedDeltaNet(RecurrentMixer):
         return self._sequence(x, with_cache=True)
 
     def decode(self, x_t, cache: GDNCache):
-        """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``
-        through :func:`gdn_jax.ops.gated_delta_rule_step` (float32 state). Jit-able."""
+        """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able.
+
+        The projections of the one token, the short-conv update (conv states shifted by one), the
+        gates, then :func:`gdn_jax.ops.gated_delta_rule_step` with ``backend=self.decode_backend``
+        and ``state_dtype=self.state_dtype`` (``"pallas"``: one fused kernel for q/k norm, decay,
+        write and read; the state buffer is updated in place when the cache is donated to the
+        enclosing ``jax.jit``), then the gated RMSNorm and the output projection.
+
+        ``cache.state`` must be in the layer's ``state_dtype`` (``TypeError`` otherwise: a decode
+        loop carries the cache, so its dtype may not change between steps)."""
         _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
+        if jnp.dtype(cache.state.dtype) != self.state_dtype:
+            raise TypeError(f"cache.state is {jnp.dtype(cache.state.dtype).name} but the layer's state_dtype is "
+                            f"{self.state_dtype.name} (build the cache with this layer's init_cache or prefill)")
         q, k, v, convs = self._qkv(x_t, cache=cache)
         g, beta = self.gates(x_t)
         o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,
-                                         use_qk_l2norm=True)
+                                         use_qk_l2norm=True, backend=self.decode_backend,
+                                         state_dtype=self.state_dtype)
         return self._output(o[:, None], x_t), GDNCache(state, *convs)

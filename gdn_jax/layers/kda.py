@@ -36,14 +36,15 @@ class KimiDeltaAttention(GatedDeltaNet):
       head_dim: K = V (default ``hidden_size // num_heads``).
       gate_rank: r of the two low-rank gates (default head_dim, as in Kimi Linear).
       use_short_conv, conv_size, backend, chunk_size, kernel_config, norm_eps, dt_min, dt_max,
-      A_init_range, dtype, param_dtype, rngs: as in :class:`GatedDeltaNet`.
+      A_init_range, dtype, param_dtype, decode_backend, state_dtype, rngs: as in :class:`GatedDeltaNet`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
                  gate_rank: Optional[int] = None, use_short_conv: bool = True, conv_size: int = 4,
                  backend: str = "auto", chunk_size: int = 64, kernel_config=None, norm_eps: float = 1e-6,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(1.0, 16.0),
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
+                 state_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.one_of("backend", backend, BACKENDS)
         _checks.kernel_config(kernel_config, backend)
         for name, value in (("chunk_size", chunk_size), ("conv_size", conv_size)):
@@ -51,6 +52,9 @@ class KimiDeltaAttention(GatedDeltaNet):
         _checks.positive_float("norm_eps", norm_eps)
         dtype, param_dtype = (_checks.float_dtype(n, v) for n, v in (("dtype", dtype), ("param_dtype", param_dtype)))
         H, K, V = head_dims(hidden_size, num_heads, head_dim, None)
+        self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
+                                                  owner="KimiDeltaAttention: ")
+        self.decode_backend = decode_backend
         r = K if gate_rank is None else _checks.positive_int("gate_rank", gate_rank)
         self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim = hidden_size, H, K, V
         self.num_v_heads = H

@@ -25,12 +25,14 @@ from .conv import ShortConv
 class GDNCache(NamedTuple):
     """Decode cache of a recurrent mixer (fixed size, independent of the context length).
 
-    ``state`` is the recurrent state ``[B, H, K, V]`` in float32; ``conv_q``, ``conv_k``,
+    ``state`` is the recurrent state ``[B, H, K, V]`` in the layer's ``state_dtype`` (float32 by
+    default; bfloat16 with ``GatedDeltaNet(state_dtype=jnp.bfloat16)``: half the bytes, accumulation
+    stays float32); ``conv_q``, ``conv_k``,
     ``conv_v`` are the short-conv states, the last ``conv_size - 1`` inputs of the q, k and v
     convolutions (``[B, W-1, H*K]`` / ``[B, W-1, H*V]`` in the layer's compute dtype; ``None``
     without short conv)."""
 
-    state: jax.Array  # [B, H, K, V] float32
+    state: jax.Array  # [B, H, K, V] float32 (or the layer's state_dtype)
     conv_q: Optional[jax.Array] = None  # [B, W-1, H*K]
     conv_k: Optional[jax.Array] = None  # [B, W-1, H*K]
     conv_v: Optional[jax.Array] = None  # [B, W-1, H*V]
@@ -43,8 +45,11 @@ class RecurrentMixer(nnx.Module):
     with ``use_short_conv``, ``q_conv``, ``k_conv``, ``v_conv`` (:meth:`_short_convs`), and sets
     ``hidden_size``, ``num_heads`` (query / key heads), ``num_v_heads`` (value heads: the state's
     heads; a multiple of ``num_heads`` with grouped value heads), ``head_dim``, ``value_head_dim``,
-    ``use_short_conv``, ``conv_size`` and ``dtype``.
+    ``use_short_conv``, ``conv_size`` and ``dtype``; a subclass whose decode keeps a state in
+    another dtype sets ``state_dtype`` (default float32).
     """
+
+    state_dtype = jnp.dtype(jnp.float32)  # the cache state's dtype (GatedDeltaNet: an option)
 
     def _short_convs(self, param_dtype, rngs: nnx.Rngs):
         """The causal depthwise convs on q, k and v (kernel ``self.conv_size``, SiLU)."""
@@ -55,10 +60,11 @@ class RecurrentMixer(nnx.Module):
 
     def init_cache(self, batch: int, max_len=None) -> GDNCache:
         """An empty cache (``max_len`` ignored: the size does not depend on the context): zero state
-        ``[batch, Hv, K, V]`` float32 (value heads) and zero conv states ``[batch, conv_size-1, Hk*K]``
-        (q, k) / ``[batch, conv_size-1, Hv*V]`` (v) in ``self.dtype``."""
+        ``[batch, Hv, K, V]`` in ``self.state_dtype`` (float32 by default; value heads) and zero conv
+        states ``[batch, conv_size-1, Hk*K]`` (q, k) / ``[batch, conv_size-1, Hv*V]`` (v) in
+        ``self.dtype``."""
         Hk, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.value_head_dim
-        state = jnp.zeros((batch, Hv, K, V), jnp.float32)
+        state = jnp.zeros((batch, Hv, K, V), self.state_dtype)
         if not self.use_short_conv:
             return GDNCache(state)
         z = lambda d: jnp.zeros((batch, self.conv_size - 1, d), self.dtype)

@@ -51,6 +51,15 @@ class LMConfig:
       rope_fraction: share of each attention head's channels that RoPE rotates (default: 1 for
         ``attention``, 1/4 for ``gated_attention``).
       conv_size: kernel size of the recurrent mixers' short conv.
+
+    Decoding (``decode_step`` / ``generate``; README "Inference"):
+      decode_backend: backend of the delta-rule mixers' single-token step (``gdn``, ``deltanet``,
+        ``kda``): ``"auto"`` (default), ``"scan"`` or ``"pallas"`` (the fused decode kernel),
+        passed to ``gated_delta_rule_step``. The no-delta-rule mixers (``mamba2``, ``gla``,
+        ``linear``) have no fused step and ignore it, as they run ``backend="pallas"`` as auto.
+      state_dtype: dtype of the delta-rule mixers' cached state, ``"float32"`` (default) or
+        ``"bfloat16"`` (half the state bytes per step; accumulation stays float32). The no-delta-rule
+        mixers keep a float32 state: ``"bfloat16"`` with one of them is a ``ValueError``.
     """
 
     vocab_size: int = 256
@@ -85,6 +94,8 @@ class LMConfig:
     rope_theta: float = 10000.0
     rope_fraction: Optional[float] = None
     conv_size: int = 4
+    decode_backend: str = "auto"
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         from ..layers import _checks
@@ -130,6 +141,13 @@ class LMConfig:
                                   decay_per_channel=self.decay_per_channel or m == "kda",
                                   beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
                                   owner=f"LMConfig (mixer {m!r}): ")
+        sdt = _checks.decode_options(self.decode_backend, self.state_dtype, K=K, V=self.value_head_dim or K,
+                                     dtype=self.dtype, owner="LMConfig: ",
+                                     check_kernel=bool(set(mixers) & {"gdn", "deltanet", "kda"}))
+        fixed = sorted(set(mixers) & {"mamba2", "gla", "linear"})
+        if sdt != jnp.dtype(jnp.float32) and fixed:
+            raise ValueError(f"state_dtype={self.state_dtype!r} is implemented for the delta-rule mixers (gdn, "
+                             f"deltanet, kda); mixer {fixed[0]!r} keeps a float32 state")
 
     @property
     def mlp_hidden(self) -> int:
@@ -181,7 +199,8 @@ def _gdn_layer(cfg: LMConfig, rngs: nnx.Rngs, **override):
               allow_neg_eigval=cfg.allow_neg_eigval, use_short_conv=cfg.use_short_conv,
               conv_size=cfg.conv_size, backend=cfg.backend,
               chunk_size=cfg.chunk_size, kernel_config=cfg.kernel_config, norm_eps=cfg.norm_eps,
-              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype))
+              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), decode_backend=cfg.decode_backend,
+              state_dtype=_dt(cfg.state_dtype))
     if cfg.num_v_heads is not None:  # only when set, so that layers without grouped value heads still build
         kw["num_v_heads"] = cfg.num_v_heads
     return GatedDeltaNet(cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.value_head_dim, **{**kw, **override},
@@ -245,7 +264,8 @@ def _kda(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     both from low-rank projections (rank head_dim)."""
     return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, use_short_conv=cfg.use_short_conv,
                               conv_size=cfg.conv_size, backend=cfg.backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps,
-                              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype), rngs=rngs)
+                              dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype),
+                              decode_backend=cfg.decode_backend, state_dtype=_dt(cfg.state_dtype), rngs=rngs)
 
 
 class SwiGLU(nnx.Module):
@@ -390,7 +410,8 @@ class LM(nnx.Module):
 
     def decode_step(self, token, cache):
         """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
-        Jit-able; GDN layers use the single-token recurrence on their float32 state."""
+        Jit-able; GDN layers use the single-token recurrence (``cfg.decode_backend``) on their state
+        (``cfg.state_dtype``)."""
         if token.ndim == 1:
             token = token[:, None]
         if token.ndim != 2 or token.shape[1] != 1 or not jnp.issubdtype(token.dtype, jnp.integer):

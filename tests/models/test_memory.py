@@ -24,6 +24,18 @@ def test_seed_numbers_exact():
     assert rows[0]["hybrid_gdn"] == 36 * (16 * 128 * 128 * 4 + 3 * 3 * 2048 * 2)
 
 
+def test_seed_table_bf16_state():
+    """The seed table with gdn_jax's state in bfloat16 (LMConfig.state_dtype): half the state bytes."""
+    r32, r16 = seed_table()[0], seed_table(state_dtype="bfloat16")[0]
+    assert r16["gdn_state"] == r16["gdn_state_bf16"] == 25_165_824 and r32["gdn_state"] == 50_331_648
+    assert r16["gdn_jax_total"] == 25_165_824 + 1_769_472
+    assert r16["hybrid_gdn"] == 36 * (16 * 128 * 128 * 2 + 3 * 3 * 2048 * 2)
+    md = seed_table_markdown(state_dtype="bfloat16")
+    assert "gdn_jax total (bfloat16 state + bf16 conv) | 26,935,296 B" in md and "(bf16 state + bf16 conv)" in md
+    with pytest.raises(ValueError, match="state_dtype"):
+        seed_table(state_dtype="float16")
+
+
 def test_units_are_stated():
     assert fmt_bytes(1_610_612_736) == "1,610,612,736 B (1.500 GiB = 1.611 GB)"
     assert fmt_bytes(25_165_824) == "25,165,824 B (24.000 MiB = 25.166 MB)"
@@ -35,6 +47,7 @@ def test_units_are_stated():
 @pytest.mark.parametrize("kw", [dict(mixer="gdn"), dict(mixer="attention", dtype="bfloat16"),
                                 dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", dtype="bfloat16"),
                                 dict(use_short_conv=False),
+                                dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", state_dtype="bfloat16"),
                                 dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", num_v_heads=4,
                                      value_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2, attn_head_dim=8,
                                      conv_size=3)])

@@ -1,0 +1,48 @@
+"""Smoke test of benchmarks/bench_decode.py (``--tiny`` on CPU, in process): a timed row per cell with
+its floor, the JSON and the plot; the time-budget skip."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(REPO, "benchmarks", "bench_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_decode_tiny(bench, tmp_path, capsys):
+    out = tmp_path / "bench"
+    # gdn + hybrid: both cache kinds (the hybrid has a gated-attention layer); two compiles
+    bench.main(["--tiny", "--contexts", "64", "--batches", "2", "--mixers", "gdn,hybrid", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "random values of the right shapes (no prefill" in text and "floor µs" in text
+    res = json.load(open(out / "results.json"))
+    assert os.path.getsize(out / "latency.png") > 0
+    rows = res["rows"]
+    assert [(r["mixer"], r["batch"], r["context"]) for r in rows] == [("gdn", 2, 64), ("hybrid", 2, 64)]
+    m = res["model"]
+    K, L, d = m["head_dim"], m["num_layers"], m["d_model"]
+    for r in rows:
+        assert r["ms_per_token"] > 0 and r["floor_ms"] > 0 and r["ratio"] == pytest.approx(r["ms_per_token"] / r["floor_ms"])
+        assert r["decode_backend"] == "auto=scan" and r["state_dtype"] == "float32"
+        n_attn = 1 if r["mixer"] == "hybrid" else 0
+        # per layer: GDN f32 state [2, 2, 16, 16] + bf16 conv states 3 x [2, 3, 32], read and written;
+        # attention: bf16 k, v [2, 64, 2, 16] read, one slot written
+        gdn = 2 * (2 * 2 * K * K * 4 + 3 * 2 * 3 * d * 2)
+        attn = 2 * 2 * 64 * 2 * K * 2 + 2 * 2 * 2 * K * 2
+        assert r["bytes_per_token"] == r["weight_bytes"] + (L - n_attn) * gdn + n_attn * attn
+        assert r["floor_ms"] == pytest.approx(r["bytes_per_token"] / res["bandwidth"] * 1e3)
+    # an exhausted time budget: every cell skipped and listed, the JSON still written
+    bench.main(["--tiny", "--contexts", "64", "--batches", "1", "--mixers", "attention", "--max_seconds", "1e-9",
+                "--out", str(out)])
+    rows = json.load(open(out / "results.json"))["rows"]
+    assert len(rows) == 1 and "time budget" in rows[0]["skipped"]
+    with pytest.raises(SystemExit, match="must exceed"):
+        bench.main(["--tiny", "--contexts", "8", "--out", str(out)])
