@@ -11,8 +11,9 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 * :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
 * :mod:`.state_bwd`: the backward state passes (reverse dS pass; merged with the recompute);
 * :mod:`.grads`: the per-chunk gradient kernel (dq, dk, dv, dbeta, gate terms);
-* :mod:`.hopper`: the forward's two stages as Mosaic GPU kernels for sm_90 (TMA, wgmma), chosen
-  by ``KernelConfig.gpu_kernels`` (default: on Hopper GPUs, for the calls they cover);
+* :mod:`.hopper`, :mod:`.hopper_bwd`: the forward's two stages and the backward's four as Mosaic
+  GPU kernels for sm_90 (TMA, wgmma), chosen by ``KernelConfig.gpu_kernels`` (default: on
+  Hopper GPUs, for the calls they cover);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
 * :mod:`.layout`, :mod:`.tiles`: block specs and in-kernel helpers.
 

@@ -28,7 +28,8 @@ MAX_DIM = 256  # largest head dim K or V the kernels take
 # backward 6.4 ms at C = 64, 3.1-3.3 ms at C = 32). The forward kernels have no such tiles and
 # the backward recomputes what it needs from the inputs, so the forward runs at its own, larger
 # chunk for 16-bit inputs (half the sequential steps of the state pass: 1.02 vs 1.18 ms at
-# B4 T4096 H16 D128); float32 inputs (3-pass TF32 dots) keep the backward's chunk.
+# B4 T4096 H16 D128); float32 inputs (3-pass TF32 dots) keep the backward's chunk. The Hopper
+# backward (Mosaic GPU, hopper_bwd.py) runs at 64 (:func:`kernel_chunk`).
 _MAX_CHUNK = {
     ("gpu", "bwd"): ((128, 32), (256, 32)),
     ("gpu", "fwd"): ((128, 64), (256, 32)),
@@ -65,7 +66,9 @@ class KernelConfig:
         platform's forward cap (GPU: 64 up to head dim 128, 32 above; float32 inputs use the
         backward's cap).
       bwd_chunk: chunk of the backward kernels (which recompute everything from the inputs);
-        None: ``min(chunk_size, cap)`` (GPU: 32).
+        None: ``min(chunk_size, cap)`` (GPU: 32; 64 where the Hopper backward is wanted:
+        ``gpu_kernels`` "mosaic" or None on sm_90, bf16 inputs, head dims 64 .. 128,
+        ``chunk_size >= 64``).
     Blocking:
       bv_state, bv_out, bv_grad: value-channel block of the state passes (grid B*H x V/bv), of
         the unfused output kernel and of the V loop of the gradient kernel; None: automatic
@@ -77,10 +80,11 @@ class KernelConfig:
         None: K up to 128, 128 above (TPU: K).
     GPU kernels:
       gpu_kernels: "triton" (every stage in Pallas' Triton lowering), "mosaic" (the forward's
-        stages in the Hopper kernels of :mod:`gdn_jax.ops.pallas.hopper` -- Mosaic GPU: TMA,
-        wgmma -- for the calls they cover, see :func:`gdn_jax.ops.pallas.hopper.covers`; Triton
-        for the rest and for the backward); None: "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``, "mosaic" runs those kernels in Mosaic GPU's
-        interpret mode (CPU).
+        and the backward's stages in the Hopper kernels of :mod:`gdn_jax.ops.pallas.hopper` and
+        :mod:`gdn_jax.ops.pallas.hopper_bwd` -- Mosaic GPU: TMA, wgmma -- for the calls they
+        cover, see ``hopper.covers`` / ``hopper_bwd.covers``; Triton for the rest); None:
+        "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``,
+        "mosaic" runs those kernels in Mosaic GPU's interpret mode (CPU).
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
     Precision (the kernels accumulate in float32 in every case):

@@ -1,7 +1,7 @@
 """Hopper (sm_90) kernels through Pallas' Mosaic GPU backend (``plgpu.kernel``: TMA copies into
 swizzled shared memory, ``wgmma`` with float32 accumulators in registers): the forward's two
-stages, chosen by ``KernelConfig.gpu_kernels`` for the calls :func:`covers` takes (the backward
-stays on the Triton kernels).
+stages, chosen by ``KernelConfig.gpu_kernels`` for the calls :func:`covers` takes (the backward's
+kernels, which reuse both in their backward modes, are in :mod:`.hopper_bwd`).
 
 :func:`wy_forward`: the WY representation of every chunk (the twin of
 :func:`gdn_jax.ops.pallas.wy.wy_repr`), one CTA per chunk, the triangular inverse as bf16x3 wgmmas.
@@ -26,7 +26,6 @@ kernel's logic; the wgmma lowering itself is checked by ``jax.export(..., platfo
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +138,20 @@ def _split(x):
     """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative (bf16x3 products)."""
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _wait_slot(bars, slot):
+    """Wait for every TMA copy into ``slot`` of the double-buffered tiles (one barrier pair each)."""
+    for bar in bars:
+        _plgpu().barrier_wait(bar.at[slot])
+
+
+def _slot_flags(g_s, slot):
+    """(sequence id, first chunk of it, last chunk of it) of the chunk in ``slot``: its
+    ``cu_seqlens`` flags, carried as a float in row 2, column 1 of the gates tile (the encoding
+    of :func:`gdn_jax.ops.packing.chunk_flags`)."""
+    f = g_s[slot, 2, 1].astype(jnp.int32)
+    return f >> 2, (f & 1) != 0, (f & 2) != 0
 
 
 def default_block(BH: int, V: int) -> int:
@@ -256,11 +269,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             def _():
                 fetch(i + 1, 1 - slot)
 
-            for bar in bars:
-                plgpu.barrier_wait(bar.at[slot])
+            _wait_slot(bars, slot)
             if call.packed:
-                f = g_s[slot, 2, 1].astype(jnp.int32)
-                seq, first, last = f >> 2, (f & 1) != 0, (f & 2) != 0
+                seq, first, last = _slot_flags(g_s, slot)
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
             if rec:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -32,15 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
-from .hopper import F32, BF16, _T, _interpret_params, _iota, _load, _mmas, _plgpu, _smem, _split
+from .hopper import (F32, BF16, _T, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem, _split,
+                     _wait_slot)
 
 SMEM_BYTES = 227 * 1024
-
-
-def _scoped(interp, fn, *types):
-    """``pl.run_scoped`` for shared-memory scratch local to one phase of a kernel (its bytes are
-    reused by the next phase's)."""
-    return pl.run_scoped(fn, *types)
 
 
 def covers(call: KernelCall) -> str | None:
@@ -131,7 +126,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             return _mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (_zeros((C, K), interp), _T(dqk_s), q_s)],
                          interp)
 
-        dq, dk = _scoped(interp, q_phase, _smem((C, C), BF16))
+        dq, dk = pl.run_scoped(q_phase, _smem((C, C), BF16))
         q_s[...] = (dq * scale).astype(q_s.dtype)  # q_s is free: dq leaves through it
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])
@@ -158,7 +153,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s), _T(th_s)), (dw_hi, dw_hi, dw_lo))], interp)
             return dx
 
-        dx = _scoped(interp, w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
+        dx = pl.run_scoped(w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
         de_gam = de_gam + jnp.sum(dx * kv, axis=1) * beta_r
         dkb = dx * bc_r(eg_r, (C, K))
 
@@ -187,7 +182,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             dkb2, dk2 = _mmas([(dkb, x_hi, k_s), (dk, _T(x_lo), k_s)], interp)
             return m, dkb2, dk2
 
-        m, dkb, dk = _scoped(interp, t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
+        m, dkb, dk = pl.run_scoped(t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
         dgam = dgam + jnp.sum(m, axis=1)
         cgam = cgam + jnp.sum(m, axis=0)
         dk = dk + dkb * bc_r(beta_r, (C, K))
@@ -265,7 +260,6 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
-    B = BH // H
     bv = reverse_block(call)
     nvb = V // bv
     in_dt = jnp.dtype(call.in_dt)
@@ -316,11 +310,9 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
             def _():
                 fetch(i - 1, 1 - slot)
 
-            for bar in bars:
-                plgpu.barrier_wait(bar.at[slot])
+            _wait_slot(bars, slot)
             if call.packed:
-                f = g_s[slot, 2, 1].astype(jnp.int32)
-                seq, first, last = f >> 2, (f & 1) != 0, (f & 2) != 0
+                seq, first, last = _slot_flags(g_s, slot)
                 dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
             ds_s[...] = dS.astype(BF16)

@@ -18,7 +18,9 @@ per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D1
   Hopper (``KernelCall.mosaic_fwd``) the Mosaic GPU twins :func:`~.hopper.wy_forward` ->
   :func:`~.hopper.forward_states_and_output`.
 * backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
-  h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`.
+  h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`;
+  on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper_bwd`:
+  wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads.
 """
 from __future__ import annotations
 
@@ -102,12 +104,7 @@ def backward(call: KernelCall, inputs, cts):
         st.update(reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, flags))
     gr = chunk_grads(call, q, k, v, do, beta, gam, gam_row, e_gam, e_gam_end, st["h"], st["dh"], st["vn"], st["dvn"],
                      wy.get("t"))
-    dh0 = st["dh0"]
-    if call.packed:
-        dh0 = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], dh0, dfin)
-    dq, dk = (_sum_groups(call, x) for x in (gr["dq"], gr["dk"]))
-    return (dq, dk, gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
-            gr["de_gam_last"], dh0, None)
+    return _cotangents(call, gr, st["dh0"], gr["de_gam_last"], flags, dfin)
 
 
 def _hopper_backward(call: KernelCall, inputs, do, dfin):
@@ -118,12 +115,17 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin):
                                    flags)
     gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
                                 rs["dvn"], wy["t_hi"], wy["t_lo"])
-    dh0 = rs["dh0"]
+    return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
+
+
+def _cotangents(call: KernelCall, gr, dh0, de_gam_last, flags, dfin):
+    """The backward's results in :func:`forward`'s argument order: d initial_state kept at d final
+    for packed sequences without chunks, dq / dk summed over each group of value heads."""
     if call.packed:
         dh0 = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], dh0, dfin)
     dq, dk = (_sum_groups(call, x) for x in (gr["dq"], gr["dk"]))
     return (dq, dk, gr["dv"], gr["dbeta"], gr["dgam"], gr["dgam_row"], gr["de_gam"], gr["de_gam_end"],
-            rs["de_gam_last"], dh0, None)
+            de_gam_last, dh0, None)
 
 
 def _sum_groups(call: KernelCall, x):
