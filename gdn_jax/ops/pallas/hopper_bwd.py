@@ -15,7 +15,7 @@ and dS = dh_n the gradient of the state leaving it (notation of :mod:`gdn_jax.op
 
   and d e^{gamma_C} = sum(h_n * dS) (float32 dS), d initial_state.
 * :func:`chunk_grads` (one CTA per chunk): every local gradient, ordered to keep at most two
-  [C, K] float32 accumulators live; dT = (dVn Vn^T)(I + A)^T (contracts over V only, no
+  [C, K] float32 accumulators live and the masks / decay matrices recomputed per phase; dT = (dVn Vn^T)(I + A)^T (contracts over V only, no
   cancellation, see :func:`.grads._grad_kernel_ksplit`); every product with T or with the float32
   dW / dT / R as bf16x3 or bf16x2 (hi, lo pairs), the rest bf16 with float32 accumulation, as the
   Triton kernel's intermediates.
@@ -60,9 +60,9 @@ def _zeros(shape, interp):
 
 def grads_smem_bytes(call: KernelCall) -> int:
     """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
-    gates) and the largest phase scratch (dW hi / lo)."""
+    gates), the output scalars and the largest phase scratch (dKK + dW hi / lo)."""
     C, K, V = call.C, call.K, call.V
-    return (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2 + 8 * C * 4 + 2 * C * K * 2 + 5 * C * 4
+    return (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2 + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
 
 
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
@@ -103,22 +103,28 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         wait = lambda *ix: [plgpu.barrier_wait(bars.at[i]) for i in ix]
         ld = lambda ref, lay=WG: _load(ref, lay, interp)
         bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
-        i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
-        strict, incl = i_ > j_, i_ >= j_
         wait(0, 1, 3, 4, 5, 7)
         beta_r, gam_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3, 4))
-        dgm = bc_r(gam_r, (C, C)) - lax.broadcast_in_dim(ld(g_s.at[2], COL), (C, C), [1])
-        gi = jnp.where(incl, jnp.exp(jnp.where(incl, dgm, 0.0)), 0.0)  # Gamma, i >= j
-        gs = jnp.where(strict, gi, 0.0)
+
+        # masks and decay matrices are recomputed in each phase rather than kept live: each is a
+        # [C, C] register tile, and the phases' accumulators need the registers
+        def masks():
+            i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+            return i_ > j_, i_ >= j_, i_ == j_
+
+        def gamma(m):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m, exponent masked first
+            dgm = bc_r(gam_r, (C, C)) - lax.broadcast_in_dim(ld(g_s.at[2], COL), (C, C), [1])
+            return jnp.where(m, jnp.exp(jnp.where(m, dgm, 0.0)), 0.0)
 
         # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
         dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))], interp)
+        strict, incl, _ = masks()
+        gi = gamma(incl)
         m_q = jnp.where(strict, dAqk * qk * gi * scale, 0.0)
         dgam = jnp.sum(m_q, axis=1)
         cgam = jnp.sum(m_q, axis=0)
         dqk = dAqk * gi
-        qv = ld(q_s).astype(F32)
-        de_gam = jnp.sum(dqg * qv, axis=1) * scale
+        de_gam = jnp.sum(dqg * ld(q_s).astype(F32), axis=1) * scale
 
         def q_phase(dqk_s):
             dqk_s[...] = dqk.astype(BF16)
@@ -136,57 +142,66 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         wait(6, 8, 9, 10, 2)
         # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v) (issued with step 2's)
         dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
-        kv = ld(k_s).astype(F32)
-        de_end = jnp.sum(dkd * kv, axis=1)
+        de_end = jnp.sum(dkd * ld(k_s).astype(F32), axis=1)
         dk = dk + dkd * bc_r(ee_r, (C, K))
         dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
         v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
 
-        # 4. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW
-        def w_phase(dw_hi, dw_lo):
-            (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
-            hi, lo = _split(-dw)
-            dw_hi[...], dw_lo[...] = hi, lo
-            plgpu.commit_smem()
-            (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s), _T(th_s)), (dw_hi, dw_hi, dw_lo))], interp)
-            return dx
+        def tw_phases(dkk_s):
+            # 4. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
+            #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma;
+            #    dk += (beta dKK)^T K = dKK^T (beta K); dKK stays in SMEM for step 5
+            def t_phase(x_hi, x_lo):
+                kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
+                strict, _, diag = masks()
+                gs = gamma(strict)
+                a = kk * bc_r(beta_r, (C, C)) * gs
+                ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
+                x_hi[...], x_lo[...] = ia_hi, ia_lo
+                plgpu.commit_smem()
+                ph, pl_ = _split(p)
+                (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
+                dth, dtl = _split(dt)
+                x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
+                plgpu.commit_smem()
+                (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
+                rh, rl = _split(r)
+                (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
+                strict, _, _ = masks()
+                da = jnp.where(strict, -ra, 0.0)
+                m = da * a
+                dkk = da * gs
+                dkk_s[...] = dkk.astype(BF16)
+                x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
+                plgpu.commit_smem()
+                (dk2,) = _mmas([(dk, _T(x_lo), k_s)], interp)
+                return jnp.sum(m, axis=1), jnp.sum(m, axis=0), dk2
 
-        dx = pl.run_scoped(w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
-        de_gam = de_gam + jnp.sum(dx * kv, axis=1) * beta_r
-        dkb = dx * bc_r(eg_r, (C, K))
+            dg, cg, dk2 = pl.run_scoped(t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
 
-        # 5. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
-        #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
-        def t_phase(x_hi, x_lo):
-            kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
-            a = jnp.where(strict, kk * bc_r(beta_r, (C, C)) * gs, 0.0)
-            ia_hi, ia_lo = _split(a + jnp.where(i_ == j_, 1.0, 0.0))
-            x_hi[...], x_lo[...] = ia_hi, ia_lo
-            plgpu.commit_smem()
-            ph, pl_ = _split(p)
-            (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
-            dth, dtl = _split(dt)
-            x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
-            plgpu.commit_smem()
-            (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
-            rh, rl = _split(r)
-            (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
-            da = jnp.where(strict, -ra, 0.0)
-            m = da * a
-            dkk = da * gs
-            x_hi[...] = dkk.astype(BF16)
-            x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)  # (beta dKK)^T K = dKK^T (beta K)
-            plgpu.commit_smem()
-            dkb2, dk2 = _mmas([(dkb, x_hi, k_s), (dk, _T(x_lo), k_s)], interp)
-            return m, dkb2, dk2
+            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW;
+            #    d(beta K) = dX e^gamma + dKK K
+            def w_phase(dw_hi, dw_lo):
+                (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
+                hi, lo = _split(-dw)
+                dw_hi[...], dw_lo[...] = hi, lo
+                plgpu.commit_smem()
+                (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s), _T(th_s)), (dw_hi, dw_hi, dw_lo))], interp)
+                deg = jnp.sum(dx * ld(k_s).astype(F32), axis=1) * beta_r
+                (dkb,) = _mmas([(dx * bc_r(eg_r, (C, K)), dkk_s, k_s)], interp)
+                return deg, dkb
 
-        m, dkb, dk = pl.run_scoped(t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
-        dgam = dgam + jnp.sum(m, axis=1)
-        cgam = cgam + jnp.sum(m, axis=0)
+            deg, dkb = pl.run_scoped(w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
+            return dg, cg, dk2, deg, dkb
+
+        dg, cg, dk, deg, dkb = pl.run_scoped(tw_phases, _smem((C, C), BF16))
+        dgam = dgam + dg
+        cgam = cgam + cg
+        de_gam = de_gam + deg
         dk = dk + dkb * bc_r(beta_r, (C, K))
-        dbeta = dbeta + jnp.sum(dkb * kv, axis=1)
+        dbeta = dbeta + jnp.sum(dkb * ld(k_s).astype(F32), axis=1)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         k_s[...] = dk.astype(k_s.dtype)
