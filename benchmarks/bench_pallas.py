@@ -48,6 +48,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops import pallas as P  # noqa: E402
+from gdn_jax.ops.pallas import hopper as HF  # noqa: E402
+from gdn_jax.ops.pallas import hopper_bwd as HB  # noqa: E402
 from gdn_jax.ops.pallas.grads import chunk_grads  # noqa: E402
 from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
 from gdn_jax.ops.pallas.state_fwd import forward_states, forward_states_and_output, output  # noqa: E402
@@ -233,10 +235,11 @@ def _nbytes(*xs):
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(xs))
 
 
-def kernel_breakdown(x, chunk, reps):
-    """Time each pallas_call of forward and backward alone. Returns ((forward call, backward call),
-    rows (name, ms, MB, GB/s), number of forward rows)."""
-    prep = P.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk)
+def kernel_breakdown(x, chunk, reps, config=KernelConfig()):
+    """Time each pallas_call of forward and backward alone (the Hopper kernels where ``config``
+    takes them). Returns ((forward call, backward call), rows (name, ms, MB, GB/s), number of
+    forward rows)."""
+    prep = P.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk, config=config)
     cf = prep.calls[0]
     do_l = x["do"] if cf.layout == "bthd" else jnp.moveaxis(x["do"], 2, 1).reshape(cf.BH, -1, cf.V)
     pad = cf.Tp - x["do"].shape[1]
@@ -249,7 +252,12 @@ def kernel_breakdown(x, chunk, reps):
 def _fwd_steps(prep, reps):
     """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
-    if cfg.fuse_output:
+    if cfg.mosaic_fwd:  # the Hopper (Mosaic GPU) forward
+        names = ["fwd WY (W, U, Aqk) [hopper]", "fwd state pass + output [hopper]"]
+        wy = jax.jit(lambda: HF.wy_forward(cfg, q, k, v, beta, gc, eg))()
+        fns = [lambda: HF.wy_forward(cfg, q, k, v, beta, gc, eg),
+               lambda: HF.forward_states_and_output(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info, q, eg, wy["aqk"])]
+    elif cfg.fuse_output:
         names = ["fwd WY (W, U, Aqk)", "fwd state pass + output"]
         wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q))()
         fns = [lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q),
@@ -268,6 +276,20 @@ def _bwd_steps(prep, do_l, reps):
     """Backward kernels at the backward chunking."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
+    if cfg.mosaic_bwd:  # the Hopper (Mosaic GPU) backward
+        wy = jax.jit(lambda: HB.wy_backward(cfg, q, k, v, do_l, beta, gc, eg))()
+        st = jax.jit(lambda: HB.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info))()
+        rs = jax.jit(lambda: HB.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd, dec, dfin, st["h"],
+                                               info))()
+        steps = [
+            ("bwd WY (+dVl, T) [hopper]", lambda: HB.wy_backward(cfg, q, k, v, do_l, beta, gc, eg)),
+            ("bwd recompute h [hopper]", lambda: HB.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info)),
+            ("bwd reverse state pass [hopper]", lambda: HB.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd,
+                                                                         dec, dfin, st["h"], info)),
+            ("bwd local grads [hopper]", lambda: HB.chunk_grads(cfg, q, k, v, do_l, beta, gc, eg, ekd, st["h"], rs["dh"],
+                                                                st["vn"], rs["dvn"], wy["t_hi"], wy["t_lo"])),
+        ]
+        return _time_steps(cfg, steps, reps)
     wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
     w, u, dvl, t = wy["w"], wy["u"], wy["dvl"], wy.get("t")
     st = jax.jit(lambda: forward_states(cfg, w, u, k, ekd, dec, h0, info))()
@@ -305,6 +327,7 @@ def _in_bytes(name, cfg):
     hb = BH * n * K * V * m
     o = jnp.dtype(cfg.out_dt).itemsize
     aq = BH * n * cfg.C * cfg.C * o
+    name = name.replace(" [hopper]", "").replace("(+dVl, T)", "(+dVl)").replace("recompute h", "state pass (recompute h)")
     return {
         "fwd WY (W, U, Aqk)": 2 * tok(K, i) + tok(V, i) + 4 * sc,
         "fwd state pass + output": tok(K, m) + tok(V, u) + 2 * tok(K, i) + 3 * sc + aq,

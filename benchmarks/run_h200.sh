@@ -5,6 +5,11 @@
 #   bash benchmarks/run_h200.sh                 # check_gpu, the five bench shapes, float32 train steps
 #   STEPS="check bench" bash benchmarks/run_h200.sh
 #
+# A device call is limited to 600 s: split the steps over calls, e.g. STEPS="check breakdown",
+# STEPS="bench_a", STEPS="bench_b decode" (bench = bench_a + bench_b: shapes 0-2 and 3-4 with FLA
+# and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
+# benchmarks/bench_decode.py).
+#
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
 # one cannot eat the others' (LIMIT_CHECK, LIMIT_BENCH, LIMIT_TRAIN seconds).
@@ -18,17 +23,24 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=.:${PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
+# (the device's copy of .git can be stale: the working tree is what runs; record the commit by hand)
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for s in $STEPS; do
   case $s in
-    check) timeout "${LIMIT_CHECK:-150}" python benchmarks/check_gpu.py 2>&1 | grep -v -i warning | tee "$OUT/check_gpu.txt" | tail -3 ;;
-    bench) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --reps 20 --no-fla --no-breakdown --no-chunk \
-             --variants gpu_kernels=triton 2>&1 | grep -v -i warning | tee "$OUT/bench_pallas.txt" | tail -3 ;;
+    check) timeout "${LIMIT_CHECK:-240}" python benchmarks/check_gpu.py 2>&1 | grep -v -i warning | tee "$OUT/check_gpu.txt" | tail -3 ;;
+    bench|bench_a) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes 0,1,2 --reps 20 --no-breakdown \
+             2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_a.txt" | tail -3 ;;&
+    bench|bench_b) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes 3,4 --reps 20 --no-breakdown \
+             2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_b.txt" | tail -3 ;;&
+    breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes 0 --reps 20 --no-fla --no-jla \
+             --no-chunk 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
+    decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
+             2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
 done
 echo "=== tables"
-for f in check_gpu bench_pallas train_auto; do
+for f in check_gpu bench_pallas_a bench_pallas_b breakdown train_auto; do
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; }
 done
