@@ -114,6 +114,15 @@ class RecallConfig:
     use_short_conv: bool = True
     backend: str = "auto"  # GDN op backend: auto / scan / chunk / pallas
     chunk_size: int = 64
+    head_dim: Optional[int] = None  # per-head key dim (default d_model // num_heads)
+    # baselines as published (gdn_jax.models.LMConfig; defaults keep gdn_jax's forms)
+    attn_bias: str = ""  # attention projections with a bias, letters of "qkvo" ("qkvo": Zoology's MHA)
+    pos_embedding: str = "none"  # "learned": absolute position embeddings (Zoology), max_seq_len from the task
+    rope_fraction: Optional[float] = None  # attention's RoPE share (0: no RoPE, as Zoology's MHA)
+    la_qk_l2norm: Optional[bool] = None  # mamba2/gla/linear q,k L2 norm (None: mixer default)
+    mamba2_dt_input: bool = False  # mamba2: input scaled by dt (Mamba2's discretisation)
+    gla_gate_low_rank: int = 16
+    gla_gate_normalizer: float = 16.0
     # optimisation (AdamW, warmup + cosine; no decay on 1-D params)
     lr: float = 3e-3
     warmup: int = 200
@@ -125,6 +134,7 @@ class RecallConfig:
     b2: float = 0.98
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.1
+    lr_per_epoch: bool = False  # data_mode="fixed": the schedule stepped once per epoch (Zoology's cosine)
     # data
     data_mode: Literal["stream", "fixed"] = "stream"  # fresh batch every step / Zoology's fixed train set (MQAR)
     train_examples: int = 100_000  # size of the fixed training set (data_mode="fixed", MQAR only)
@@ -141,12 +151,14 @@ class RecallConfig:
     resume: bool = False
     keep_checkpoints: int = 3
     progress: bool = True  # tqdm bar
+    session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
+    device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
 
 
 #: Fields that may differ between a run and its resumption without changing the result.
 RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints",
                                 "progress", "log_every", "eval_every", "target_accuracy", "eval_batch_size",
-                                "backend", "chunk_size"})
+                                "backend", "chunk_size", "session_time_s", "device_data"})
 
 
 def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
@@ -167,7 +179,18 @@ def make_task(cfg: RecallConfig):
 def make_lm_config(cfg: RecallConfig, vocab_size: int) -> LMConfig:
     """The :class:`gdn_jax.models.LMConfig` of ``cfg``: its fields of LMConfig's names (d_model,
     num_layers, mixer, backend, ...), with the task's ``vocab_size`` (``model_vocab_size``)."""
-    return LMConfig(**dict(_shared_fields(LMConfig, cfg), vocab_size=vocab_size))
+    kw = dict(_shared_fields(LMConfig, cfg), vocab_size=vocab_size)
+    if cfg.pos_embedding == "learned":
+        kw["max_seq_len"] = max_seq_len(cfg)
+    return LMConfig(**kw)
+
+
+def max_seq_len(cfg: RecallConfig) -> int:
+    """The longest sequence the task of ``cfg`` produces (learned position embeddings need it):
+    ``seq_len`` (MQAR, NIAH) or ``max(train_max_len, test_max_len)`` (state tracking)."""
+    if cfg.task == "state_tracking":
+        return max(cfg.train_max_len, cfg.test_max_len)
+    return cfg.seq_len
 
 
 def validate(cfg: RecallConfig) -> None:
@@ -221,6 +244,10 @@ def validate(cfg: RecallConfig) -> None:
         bad("seed", ">= 0")
     if cfg.max_time_s is not None and not cfg.max_time_s > 0:
         bad("max_time_s", "> 0 (seconds)")
+    if cfg.session_time_s is not None and not cfg.session_time_s > 0:
+        bad("session_time_s", "> 0 (seconds)")
+    if cfg.lr_per_epoch and cfg.data_mode != "fixed":
+        bad("lr_per_epoch", "False unless RecallConfig.data_mode is 'fixed'", " (epochs of the fixed training set)")
     if not 0 < cfg.target_accuracy <= 1:
         bad("target_accuracy", "in (0, 1]")
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
@@ -249,7 +276,8 @@ def build(cfg: RecallConfig):
     model_fn = lambda: LM(lm_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = T.make_optimizer(cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps,
                           weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
-                          b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip)
+                          b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip,
+                          steps_per_epoch=loader.steps_per_epoch if cfg.lr_per_epoch else None)
     return task, loader, lm_cfg, model_fn, tx
 
 
@@ -324,11 +352,15 @@ class _Run:
         self.history: Dict[str, Any] = {"train": [], "evals": []}
         self.wall_before = 0.0
         self.resumed = False
-        self.pending: List[Dict[str, jax.Array]] = []  # train metrics not yet fetched from the device
+        self.pending: List[Dict[str, jax.Array]] = []  # train metrics of steps since the last log point
+        self.staged: List[Tuple[int, Dict[str, jax.Array]]] = []  # stacked on the device, not yet fetched
         self.since_eval: List[float] = []  # train losses since the last evaluation
-        self.eval_s = 0.0  # time in evaluate() (evaluation incl. its compile, checkpoint save) this session
+        self.eval_s = 0.0  # time in evaluations (incl. their compile) this session
+        self.ckpt_s = 0.0  # time in checkpoint saves (orbax: device->host copy, then async write) this session
+        self.data_wait_s = 0.0  # time the loop waited for its next batch this session
+        self.fetch_s = 0.0  # time spent fetching train metrics to the host this session
         self.first_step_s: Optional[float] = None
-        self.stopped_by_time = self.diverged = False
+        self.stopped_by_time = self.diverged = self.interrupted = False
 
     # -- restore or init ----------------------------------------------------------------------------
 
@@ -369,6 +401,7 @@ class _Run:
         self.train_step = T.make_train_step(self.graphdef, self.tx, self.mesh, loss_fn=T.make_lm_loss(n_labels))
         self.eval_step = T.make_eval_step(self.graphdef, self.mesh, max_scored=n_labels)
         self.test_set = make_test_set(self.task)
+        self.test_batches = T.device_eval_batches(self.test_set, batch_size=cfg.eval_batch_size, mesh=self.mesh)
 
     # -- train loop ---------------------------------------------------------------------------------
 
@@ -376,19 +409,50 @@ class _Run:
         """Wall time of the run so far (earlier sessions included)."""
         return self.wall_before + time.perf_counter() - self.t0
 
-    def flush(self) -> Optional[Tuple[float, float]]:
-        """Fetch the pending train metrics: one train-curve point at the current step; (loss, accuracy)."""
+    def stage(self) -> None:
+        """Stack the pending train metrics on the device (asynchronous: no host sync) for one
+        train-curve point at the current step; :meth:`fetch` brings them to the host later."""
         if not self.pending:
-            return None
-        vals = jax.device_get(self.pending)
+            return
+        keys = ("loss", "accuracy", "unscored")
+        stacked = {k: jax.numpy.stack([m[k] for m in self.pending]) for k in keys if k in self.pending[0]}
+        self.staged.append((self.step, stacked))
         self.pending.clear()
-        if any(int(v.get("unscored", 0)) for v in vals):
-            raise RuntimeError(f"training batches have more labels per row than max_labels={self.task.max_labels}")
-        loss = float(np.mean([v["loss"] for v in vals]))
-        acc = float(np.mean([v["accuracy"] for v in vals]))
-        self.history["train"].append([self.step, loss, acc])
-        self.since_eval.extend(float(v["loss"]) for v in vals)
-        return loss, acc
+
+    def fetch(self, keep: int = 0) -> Optional[Tuple[float, float]]:
+        """Fetch all staged train-curve points but the newest ``keep`` (those whose steps have long
+        finished, so that the device queue never drains for a log line); returns the last fetched
+        point's (loss, accuracy)."""
+        if len(self.staged) <= keep:
+            return None
+        t = time.perf_counter()
+        todo, self.staged = self.staged[:len(self.staged) - keep], self.staged[len(self.staged) - keep:]
+        vals = jax.device_get([v for _, v in todo])
+        self.fetch_s += time.perf_counter() - t
+        la = None
+        for (step, _), v in zip(todo, vals):
+            if int(np.max(v.get("unscored", 0))):
+                raise RuntimeError(f"training batches have more labels per row than max_labels={self.task.max_labels}")
+            la = float(np.mean(v["loss"])), float(np.mean(v["accuracy"]))
+            self.history["train"].append([step, *la])
+            self.since_eval.extend(float(x) for x in np.ravel(v["loss"]))
+        return la
+
+    def flush(self) -> Optional[Tuple[float, float]]:
+        """Stage the pending train metrics and fetch everything staged (a host sync: before an
+        evaluation, a checkpoint and at the end); (loss, accuracy) of the last point."""
+        self.stage()
+        return self.fetch()
+
+    def batches(self):
+        """``(step, batch on the devices)`` from the current step to ``stop``: fixed data from the
+        device-resident set (:class:`gdn_jax.training.DeviceFixedLoader`, ``device_data``), else the
+        loader's batches made and copied in a background thread (:func:`gdn_jax.training.prefetch_batches`)."""
+        steps = range(self.start, self.stop)
+        if self.cfg.data_mode == "fixed" and self.cfg.device_data:
+            dl = T.DeviceFixedLoader(self.loader, self.mesh)
+            return ((s, dl.batch(s)) for s in steps)
+        return T.prefetch_batches(self.loader.batch, steps, self.mesh)
 
     def train(self) -> None:
         """Train from the current step to ``stop``: evaluate every ``eval_every`` steps; stop early at
@@ -400,10 +464,16 @@ class _Run:
         done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
         bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not cfg.progress,
                    dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")
-        batches = T.prefetch_batches(self.loader.batch, range(self.start, self.stop), self.mesh) if not done else iter(())
+        batches = self.batches() if not done else iter(())
         try:
-            for s, batch in batches:
+            while True:
+                t_wait = time.perf_counter()
+                nxt = next(batches, None)
+                if nxt is None:
+                    break
+                s, batch = nxt
                 t_step = time.perf_counter()
+                self.data_wait_s += t_step - t_wait
                 self.state, metrics = self.train_step(self.state, batch)
                 if self.first_step_s is None:
                     jax.block_until_ready(metrics)
@@ -423,8 +493,12 @@ class _Run:
         cfg, history, step = self.cfg, self.history, self.step
         out_of_time = cfg.max_time_s is not None and self.wall() > cfg.max_time_s
         is_eval = step % cfg.eval_every == 0
+        if cfg.session_time_s is not None and time.perf_counter() - self.t0 > cfg.session_time_s and not is_eval:
+            self.interrupted = True  # run() checkpoints; the run stays unfinished (a resume continues it)
+            return True
         if step % cfg.log_every == 0 or is_eval or step == self.stop:
-            la = self.flush()
+            self.stage()
+            la = self.flush() if is_eval or step == self.stop else self.fetch(keep=1)
             if la is not None:
                 bar.set_postfix(loss=f"{la[0]:.3f}", acc=f"{la[1]:.3f}",
                                 test=f"{history['evals'][-1]['test_accuracy']:.3f}" if history["evals"] else "-")
@@ -449,16 +523,36 @@ class _Run:
     def evaluate(self) -> Dict[str, Any]:
         """Test loss and accuracy at the current step (appended to the history), then a checkpoint."""
         cfg, step = self.cfg, self.step
+        self.flush()
         t_eval = time.perf_counter()
-        ev = T.evaluate(self.eval_step, self.state, self.test_set, batch_size=cfg.eval_batch_size, mesh=self.mesh)
+        ev = T.evaluate(self.eval_step, self.state, batches=self.test_batches)
         rec = {"step": step, "loss": float(np.mean(self.since_eval)) if self.since_eval else None,
                "test_loss": ev["loss"], "test_accuracy": ev["accuracy"], "wall_s": round(self.wall(), 3)}
         self.since_eval.clear()
         self.history["evals"].append(rec)
+        self.eval_s += time.perf_counter() - t_eval
+        self.save()
+        return rec
+
+    def save(self) -> None:
+        """A checkpoint of the current state (with the history and wall time), timed in ``ckpt_s``."""
+        cfg, step = self.cfg, self.step
+        t = time.perf_counter()
         self.ckpt.save(self.state, {"config": dataclasses.asdict(cfg), "history": self.history, "wall_s": self.wall(),
                                     "loader_step": step, "data_mode": cfg.data_mode}, step=step)
-        self.eval_s += time.perf_counter() - t_eval
-        return rec
+        self.ckpt_s += time.perf_counter() - t
+
+    def suspend(self) -> Dict[str, Any]:
+        """End an interrupted session (``session_time_s``): fetch the metrics, checkpoint the current
+        step, write no results.json; returns a short record (``interrupted: True``)."""
+        self.flush()
+        self.save()
+        self.ckpt.close()
+        print(f"{self.cfg.task} {mixer_label(self.cfg)} d={self.cfg.d_model} lr={self.cfg.lr:g}: session time "
+              f"{self.cfg.session_time_s:g} s used; checkpointed at step {self.step} in {self.ckpt.directory} "
+              f"(resume to continue)", file=sys.stderr, flush=True)
+        return {"interrupted": True, "steps": self.step, "out": os.path.abspath(self.out),
+                "ckpt_dir": self.ckpt.directory, "wall_s": round(self.wall(), 3)}
 
     def finish(self) -> None:
         """The last train-curve point and, unless the last step was just evaluated, a final evaluation."""
@@ -476,6 +570,7 @@ class _Run:
         final, best = evals[-1], max(e["test_accuracy"] for e in evals)
         backends = resolved_backends(T.merge_model(self.graphdef, self.state))
         ran, wall, first = self.step - self.start, self.train_wall, self.first_step_s
+        busy = wall - self.eval_s - self.ckpt_s
 
         def rate(busy: float):  # steps/s after the first (compile) step over ``busy`` seconds
             return round((ran - 1) / (busy - first), 2) if first is not None and ran > 1 and busy > first else None
@@ -506,7 +601,10 @@ class _Run:
             "first_step_s": None if first is None else round(first, 3),
             "steps_per_s": rate(wall),
             "eval_s": round(self.eval_s, 3),
-            "train_steps_per_s": rate(wall - self.eval_s),
+            "ckpt_s": round(self.ckpt_s, 3),
+            "data_wait_s": round(self.data_wait_s, 3),
+            "metrics_fetch_s": round(self.fetch_s, 3),
+            "train_steps_per_s": rate(busy),
             "num_params": int(sum(np.size(x) for x in jax.tree.leaves(self.state.params))),
             "train_curve": self.history["train"],
             "out": os.path.abspath(self.out),
@@ -532,8 +630,15 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     Returns ``(results, final TrainState)``. Timing fields of ``results`` (this session):
     ``first_step_s`` (the first step, compile included), ``steps_per_s`` (the other steps over
     the rest of the wall time, evaluations and checkpoint saves included), ``eval_s`` (time in
-    evaluations, their compile included, and checkpoint saves) and ``train_steps_per_s`` (the
-    same steps over the wall time without ``eval_s``).
+    evaluations, their compile included), ``ckpt_s`` (checkpoint saves: orbax copies the state to
+    the host, then writes asynchronously), ``train_steps_per_s`` (the same steps over the wall time
+    without ``eval_s`` and ``ckpt_s``), ``data_wait_s`` (the loop waiting for its next batch) and
+    ``metrics_fetch_s`` (train metrics fetched to the host, one log interval late so that the
+    device queue does not drain).
+
+    With ``session_time_s`` a session that runs out of time checkpoints its step and returns
+    ``({"interrupted": True, "steps": ..., ...}, state)`` without writing results.json: the run is
+    unfinished, and a ``resume`` continues it (:mod:`gdn_jax.sweep` runs a grid in pieces so).
 
     Raises:
       ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
@@ -542,6 +647,8 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     r = _Run(cfg)
     r.restore_or_init()
     r.train()
+    if r.interrupted:
+        return r.suspend(), r.state
     r.finish()
     results = r.results()
     r.write_outputs(results)

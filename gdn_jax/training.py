@@ -55,6 +55,8 @@ __all__ = [
     "masked_cross_entropy",
     "merge_model",
     "prefetch_batches",
+    "DeviceFixedLoader",
+    "device_eval_batches",
     "replicated",
     "shard_batch",
 ]
@@ -86,6 +88,7 @@ def make_optimizer(
     b2: float = 0.98,
     eps: float = 1e-8,
     grad_clip: Optional[float] = 1.0,
+    steps_per_epoch: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup + cosine decay and global-norm gradient clipping.
 
@@ -98,9 +101,18 @@ def make_optimizer(
     Decoupled weight decay ``weight_decay`` is applied only where :func:`decay_mask` is True,
     i.e. to parameters with ``ndim >= 2``; norms, biases, ``A_log`` and ``dt_bias`` (all 1-D)
     are not decayed.
+
+    ``steps_per_epoch``: the schedule is stepped once per epoch instead of every step (lr at step s
+    is the schedule's value at ``(s // steps_per_epoch) * steps_per_epoch``): with
+    ``warmup_steps=0``, ``min_lr_ratio=0`` and ``total_steps = epochs * steps_per_epoch`` this is
+    torch's ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch, Zoology's schedule (Arora et al.
+    2023, paper-era code; ``../shared/REFERENCE.md`` §6).
     """
     if total_steps < 1 or warmup_steps < 0:
         raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
+    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or int(steps_per_epoch) != steps_per_epoch
+                                        or steps_per_epoch < 1):
+        raise ValueError(f"steps_per_epoch must be None or an int >= 1, got {steps_per_epoch!r}")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=lr,
@@ -108,6 +120,9 @@ def make_optimizer(
         decay_steps=max(total_steps, warmup_steps + 1),
         end_value=lr * min_lr_ratio,
     )
+    if steps_per_epoch is not None:
+        per_step, spe = schedule, int(steps_per_epoch)
+        schedule = lambda count: per_step((count // spe) * spe)  # noqa: E731
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if grad_clip is not None and grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
@@ -256,6 +271,68 @@ def prefetch_batches(batch_fn: Callable[[int], Any], steps: Sequence[int], mesh:
         ex.shutdown(wait=True)
 
 
+class DeviceFixedLoader:
+    """A fixed-mode :class:`gdn_jax.data.TaskLoader` whose training set lives on the devices.
+
+    The whole set (``inputs``/``targets`` ``[n, T]`` int32; 100k x 512 is 410 MB) is copied to the
+    devices once (replicated on ``mesh``), each epoch's shuffle order once per epoch (``n`` int32),
+    and :meth:`batch` is one jitted gather, ``set[perm[i * B:(i + 1) * B]]``, with the result split
+    along ``"data"``: no host work and no host-to-device copy per step. The batches are exactly
+    ``loader.batch(step)`` (same permutation, :meth:`TaskLoader._epoch_perm`), so a run gives the
+    same result with or without it.
+    """
+
+    def __init__(self, loader, mesh: Mesh):
+        if loader.mode != "fixed":
+            raise ValueError(f"DeviceFixedLoader needs a TaskLoader in mode='fixed', got mode={loader.mode!r}")
+        n = mesh.shape["data"]
+        if loader.batch_size % n:
+            raise ValueError(f"batch_size={loader.batch_size} is not divisible by the {n} devices of the mesh")
+        self.loader, self.mesh = loader, mesh
+        train = loader.train_set
+        rep = replicated(mesh)
+        self.inputs = jax.device_put(np.asarray(train.inputs), rep)
+        self.targets = jax.device_put(np.asarray(train.targets), rep)
+        self._epoch, self._perm = None, None
+        B = loader.batch_size
+
+        def gather(x, y, perm, i):
+            idx = jax.lax.dynamic_slice_in_dim(perm, i * B, B)
+            return jnp.take(x, idx, axis=0), jnp.take(y, idx, axis=0)
+
+        bs = _batch_sharding(mesh)
+        self._gather = jax.jit(gather, in_shardings=(rep, rep, rep, None), out_shardings=(bs, bs))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.loader.steps_per_epoch
+
+    def batch(self, step: int):
+        """``(inputs, targets)`` of global ``step`` on the devices (split along ``"data"``)."""
+        epoch, i = divmod(int(step), self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._perm = jax.device_put(np.asarray(self.loader._epoch_perm(epoch), np.int32), replicated(self.mesh))
+            self._epoch = epoch
+        return self._gather(self.inputs, self.targets, self._perm, np.int32(i))
+
+
+def device_eval_batches(dataset, *, batch_size: int, mesh: Optional[Mesh] = None,
+                        ignore_index: int = IGNORE_INDEX):
+    """A held-out ``(inputs, targets)`` set cut into fixed batches of ``batch_size`` (the last one
+    padded with ignored targets) and copied to the devices once: pass it as ``batches=`` to
+    :func:`evaluate` so that an evaluation copies nothing from the host."""
+    inputs, targets = (np.asarray(a) for a in dataset)
+    out = []
+    for start in range(0, inputs.shape[0], batch_size):
+        x, y = inputs[start:start + batch_size], targets[start:start + batch_size]
+        if x.shape[0] < batch_size:
+            pad = batch_size - x.shape[0]
+            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+            y = np.concatenate([y, np.full((pad,) + y.shape[1:], ignore_index, y.dtype)])
+        out.append(shard_batch((x, y), mesh) if mesh is not None else jax.block_until_ready(jax.device_put((x, y))))
+    return out
+
+
 # --------------------------------------------------------------------------
 # Train state, steps, evaluation
 # --------------------------------------------------------------------------
@@ -389,25 +466,19 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Optional[Mesh] = None, *,
     return jax.jit(step, **kw)
 
 
-def evaluate(eval_step, state: TrainState, dataset, *, batch_size: int, mesh: Optional[Mesh] = None,
-             ignore_index: int = IGNORE_INDEX) -> Dict[str, float]:
+def evaluate(eval_step, state: TrainState, dataset=None, *, batch_size: int = 0, mesh: Optional[Mesh] = None,
+             ignore_index: int = IGNORE_INDEX, batches=None) -> Dict[str, float]:
     """Loss and accuracy of ``state`` on a held-out ``(inputs, targets)`` set of NumPy arrays.
 
     The set is cut into fixed batches of ``batch_size`` (the last one padded with ignored
     targets, so one compiled shape serves every batch); metrics are averaged over all labelled
-    positions. Returns ``{"loss", "accuracy", "count"}`` as Python numbers.
+    positions. Returns ``{"loss", "accuracy", "count"}`` as Python numbers. ``batches``: the
+    batches already on the devices (:func:`device_eval_batches`) instead of ``dataset``.
     """
-    inputs, targets = (np.asarray(a) for a in dataset)
-    n = inputs.shape[0]
+    if batches is None:
+        batches = device_eval_batches(dataset, batch_size=batch_size, mesh=mesh, ignore_index=ignore_index)
     totals = None
-    for start in range(0, n, batch_size):
-        x, y = inputs[start:start + batch_size], targets[start:start + batch_size]
-        if x.shape[0] < batch_size:
-            pad = batch_size - x.shape[0]
-            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
-            y = np.concatenate([y, np.full((pad,) + y.shape[1:], ignore_index, y.dtype)])
-        batch = (x, y)
-        batch = shard_batch(batch, mesh) if mesh is not None else jax.block_until_ready(jax.device_put(batch))
+    for batch in batches:
         out = eval_step(state, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
