@@ -67,6 +67,10 @@ class Attention(nnx.Module):
       norm_eps: epsilon of the q/k RMSNorm.
       norm_style: ``"standard"`` (``x/rms * w``) or ``"zero_centered"`` (Qwen's ``x/rms * (1 + w)``)
         for the q/k RMSNorm.
+      bias: the projections that get a bias (zero-initialised), a string of letters from ``"qkvo"``
+        (default ``""``: none). ``"qkvo"`` is Zoology's MHA (Arora et al. 2023, paper-era code:
+        fused Wqkv with bias, out_proj with bias); ``"k"`` alone is the key bias of
+        ``experiments/attention_fillers.py`` (added before RoPE).
       dtype, param_dtype, rngs: as usual in NNX.
 
     ``cu_seqlens`` (B = 1): packed sequences; attention is masked to each sequence and RoPE
@@ -77,8 +81,13 @@ class Attention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
                  num_kv_heads: Optional[int] = None, rope_theta: float = 10000.0, rope_fraction: float = 1.0,
                  qk_norm: bool = False, output_gate: bool = False, norm_eps: float = 1e-6,
-                 norm_style: str = "standard", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 norm_style: str = "standard", bias: str = "", dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         _checks.positive_int("hidden_size", hidden_size)
+        if not isinstance(bias, str) or set(bias) - set("qkvo") or len(set(bias)) != len(bias):
+            raise ValueError(f"bias must be a string of distinct letters from 'qkvo' (the projections with a bias), "
+                             f"got {bias!r}")
+        self.bias = "".join(c for c in "qkvo" if c in bias)
         _checks.positive_int("num_heads", num_heads)
         _checks.positive_float("norm_eps", norm_eps)
         _checks.positive_float("rope_theta", rope_theta)
@@ -101,11 +110,11 @@ class Attention(nnx.Module):
         self.num_kv_heads = num_kv_heads
         self.rot_dim = int(head_dim * rope_fraction) // 2 * 2
         self.rope_theta, self.dtype = rope_theta, dtype
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = lin(hidden_size, num_heads * head_dim)
-        self.k_proj = lin(hidden_size, num_kv_heads * head_dim)
-        self.v_proj = lin(hidden_size, num_kv_heads * head_dim)
-        self.o_proj = lin(num_heads * head_dim, hidden_size)
+        lin = lambda i, o, b=False: nnx.Linear(i, o, use_bias=b, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = lin(hidden_size, num_heads * head_dim, "q" in bias)
+        self.k_proj = lin(hidden_size, num_kv_heads * head_dim, "k" in bias)
+        self.v_proj = lin(hidden_size, num_kv_heads * head_dim, "v" in bias)
+        self.o_proj = lin(num_heads * head_dim, hidden_size, "o" in bias)
         self.qk_norm, self.output_gate = qk_norm, output_gate
         if qk_norm:
             norm = lambda: rms_norm(norm_style, head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype,
@@ -153,6 +162,19 @@ class Attention(nnx.Module):
     def __call__(self, x, *, cu_seqlens=None):
         _checks.mixer_input(x, self.hidden_size, cu_seqlens)
         return self._sequence(x, cu_seqlens=cu_seqlens)[0]
+
+    def attention_weights(self, x):
+        """The causal softmax weights ``[B, N, T, T]`` (float32; row t: query t over keys <= t) that
+        ``self(x)`` applies, for diagnostics (``experiments/attention_fillers.py``)."""
+        _checks.mixer_input(x, self.hidden_size)
+        T = x.shape[1]
+        q, k, _ = self.qkv(x, jnp.arange(T))
+        rep = self.num_heads // self.num_kv_heads
+        k = jnp.repeat(k, rep, axis=2)
+        s = jnp.einsum("btnd,bsnd->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) / jnp.sqrt(
+            jnp.float32(self.head_dim))
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+        return jax.nn.softmax(s, axis=-1)
 
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> KVCache:

@@ -33,7 +33,24 @@ class GatedLinearAttention(RecurrentMixer):
         o = gated_linear_attention(q, k, v, g)        # q scaled by K^-1/2
         y = W_o (RMSNorm(o) * silu(W_g x))
 
-    The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's. Decoding
+    The mamba2 init (A ~ U(0, 16), dt log-uniform in [1e-3, 0.1]) is GatedDeltaNet's.
+
+    Options for the published forms (defaults keep the layer above):
+
+    * ``use_short_conv=False``: q, k, v straight from their projections (no conv, no SiLU) -- the
+      GLA paper's layer (Yang et al. 2023, "Gated Linear Attention Transformers with
+      Hardware-Efficient Training", eq. for q/k/v; FLA's ``GatedLinearAttention`` default
+      ``use_short_conv=False``). The GLA gate ``log sigmoid(W_2 W_1 x + b) / 16`` with rank 16 is
+      already that paper's ``alpha = sigmoid(.)^(1/tau)``, tau = 16; ``gate_low_rank`` and
+      ``gate_logit_normalizer`` set rank and tau.
+    * ``qk_l2norm``: None (default: on for mamba2 / none, off for gla), True or False. Mamba2
+      (Dao & Gu 2024, SSD: ``y = C h``, ``h <- exp(dt A) h + dt B x^T``) has no L2 norm on C, B (q, k).
+    * ``dt_input`` (decay="mamba2" only): scale the input of the state update by the step size,
+      ``v_t <- dt_t v_t`` with ``dt_t = softplus(W_a x + dt_bias)`` per head, the discretised
+      Mamba2 update ``dt B x^T`` (the same outer product as scaling B); off: ``k v^T`` as in FLA's
+      simplified form.
+
+    Decoding
     (``init_cache`` / ``prefill`` / ``decode``) keeps the same fixed-size cache as GatedDeltaNet
     (:class:`gdn_jax.layers.GDNCache`: float32 state ``[B,H,K,V]`` + short-conv states); the three
     paths share the projections, short conv, decay and output, and a decode step is the op's scan
@@ -44,6 +61,7 @@ class GatedLinearAttention(RecurrentMixer):
                  value_head_dim: Optional[int] = None, *, decay: str = "gla", use_short_conv: bool = True,
                  conv_size: int = 4, backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
                  gate_low_rank: int = 16, gate_logit_normalizer: float = 16.0,
+                 qk_l2norm: Optional[bool] = None, dt_input: bool = False,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
@@ -61,7 +79,14 @@ class GatedLinearAttention(RecurrentMixer):
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
         self.conv_size = conv_size
         self.gate_logit_normalizer = gate_logit_normalizer
-        self.use_qk_l2norm = decay != "gla"
+        if qk_l2norm is not None and not isinstance(qk_l2norm, bool):
+            raise ValueError(f"qk_l2norm must be None, True or False, got {qk_l2norm!r}")
+        if not isinstance(dt_input, bool):
+            raise ValueError(f"dt_input must be a bool, got {dt_input!r}")
+        if dt_input and decay != "mamba2":
+            raise ValueError(f"dt_input=True (Mamba2's dt-scaled input) needs decay='mamba2', got decay={decay!r}")
+        self.use_qk_l2norm = (decay != "gla") if qk_l2norm is None else qk_l2norm
+        self.dt_input = dt_input
         self.dtype = dtype
         lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = lin(hidden_size, H * K)
@@ -94,6 +119,9 @@ class GatedLinearAttention(RecurrentMixer):
     def _run(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None, backend: Optional[str] = None):
         """The op over x: ``y``, or ``(y, cache after x)`` when starting from ``cache``."""
         q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
+        if self.dt_input:  # Mamba2's discretised input dt_t * x_t (dt per head)
+            dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+            v = (v.astype(jnp.float32) * dt[..., None]).astype(v.dtype)
         o, state = gated_linear_attention(
             q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
             initial_state=None if cache is None else cache.state, output_final_state=cache is not None,

@@ -52,6 +52,22 @@ class LMConfig:
         ``attention``, 1/4 for ``gated_attention``).
       conv_size: kernel size of the recurrent mixers' short conv.
 
+    Baselines as published (README "Baseline mixers"; the defaults keep gdn_jax's forms):
+      attn_bias: biases on the attention mixers' projections, letters from ``"qkvo"`` (``""``:
+        none; ``"qkvo"``: Zoology's MHA, Arora et al. 2023; ``"k"``: key bias only).
+      pos_embedding: ``"none"`` (default) or ``"learned"``: learned absolute position embeddings
+        added to the token embeddings (Zoology's models; init N(0, embed_init_std)), for
+        ``max_seq_len`` positions (required then). Use with ``rope_fraction=0`` for Zoology's
+        attention without RoPE. Decoding (prefill / decode_step) is not implemented with them.
+      la_qk_l2norm: L2 norm of q, k in the no-delta-rule mixers (mamba2, gla, linear): None (their
+        default: mamba2 / linear on, gla off), True, False (Mamba2 as published, Dao & Gu 2024).
+      mamba2_dt_input: ``mamba2``: scale the state update's input by the step size dt (Mamba2's
+        discretised ``dt B x^T``; ``GatedLinearAttention(dt_input=True)``).
+      gla_gate_low_rank, gla_gate_normalizer: ``gla``'s gate rank and normaliser tau
+        (``log sigmoid(W_2 W_1 x + b) / tau``; the GLA paper's and FLA's 16 and 16).
+      With ``use_short_conv=False`` the recurrent mixers take q, k, v straight from the projections
+      (no conv, no SiLU): the GLA paper's layer.
+
     Decoding (``decode_step`` / ``generate``; README "Inference"):
       decode_backend: backend of the delta-rule mixers' single-token step (``gdn``, ``deltanet``,
         ``kda``): ``"auto"`` (default), ``"scan"`` or ``"pallas"`` (the fused decode kernel),
@@ -96,6 +112,13 @@ class LMConfig:
     conv_size: int = 4
     decode_backend: str = "auto"
     state_dtype: str = "float32"
+    attn_bias: str = ""
+    pos_embedding: str = "none"
+    max_seq_len: Optional[int] = None
+    la_qk_l2norm: Optional[bool] = None
+    mamba2_dt_input: bool = False
+    gla_gate_low_rank: int = 16
+    gla_gate_normalizer: float = 16.0
 
     def __post_init__(self):
         from ..layers import _checks
@@ -109,6 +132,22 @@ class LMConfig:
             if getattr(self, name) is not None:
                 _checks.positive_int(name, getattr(self, name))
         _checks.one_of("norm_style", self.norm_style, NORM_STYLES)
+        if not isinstance(self.attn_bias, str) or set(self.attn_bias) - set("qkvo") or \
+                len(set(self.attn_bias)) != len(self.attn_bias):
+            raise ValueError(f"LMConfig.attn_bias must be a string of distinct letters from 'qkvo' (the attention "
+                             f"projections with a bias; '' for none, 'qkvo' for Zoology's MHA), got {self.attn_bias!r}")
+        _checks.one_of("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
+        if self.max_seq_len is not None:
+            _checks.positive_int("max_seq_len", self.max_seq_len)
+        if self.pos_embedding == "learned" and self.max_seq_len is None:
+            raise ValueError("LMConfig.max_seq_len must be set with pos_embedding='learned' (the number of learned "
+                             "positions)")
+        if self.la_qk_l2norm is not None and not isinstance(self.la_qk_l2norm, bool):
+            raise ValueError(f"LMConfig.la_qk_l2norm must be None, True or False, got {self.la_qk_l2norm!r}")
+        if not isinstance(self.mamba2_dt_input, bool):
+            raise ValueError(f"LMConfig.mamba2_dt_input must be a bool, got {self.mamba2_dt_input!r}")
+        _checks.positive_int("gla_gate_low_rank", self.gla_gate_low_rank)
+        _checks.positive_float("gla_gate_normalizer", self.gla_gate_normalizer)
         if not isinstance(self.tie_embeddings, bool):
             raise TypeError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         _checks.positive_float("rope_theta", self.rope_theta)
@@ -170,6 +209,8 @@ class LMConfig:
         )
 
 
+POS_EMBEDDINGS = ("none", "learned")
+
 MixerFactory = Callable[[LMConfig, int, nnx.Rngs], nnx.Module]
 MIXERS: Dict[str, MixerFactory] = {}
 
@@ -224,7 +265,8 @@ def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
         backend = cfg.backend if cfg.backend in LA_BACKENDS else "auto"  # no Pallas kernels: chunk
         return GatedLinearAttention(
             cfg.d_model, cfg.num_heads, cfg.head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
-            conv_size=cfg.conv_size,
+            conv_size=cfg.conv_size, qk_l2norm=cfg.la_qk_l2norm, dt_input=cfg.mamba2_dt_input and decay == "mamba2",
+            gate_low_rank=cfg.gla_gate_low_rank, gate_logit_normalizer=cfg.gla_gate_normalizer,
             backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
             param_dtype=_dt(cfg.param_dtype), rngs=rngs,
         )
@@ -243,7 +285,8 @@ def _attention_layer(cfg: LMConfig, rngs: nnx.Rngs, rope_fraction: float, **kw):
     head_dim = cfg.attn_head_dim or cfg.head_dim
     frac = rope_fraction if cfg.rope_fraction is None else cfg.rope_fraction
     return Attention(cfg.d_model, heads, head_dim, num_kv_heads=cfg.attn_num_kv_heads, rope_theta=cfg.rope_theta,
-                     rope_fraction=frac, norm_eps=cfg.norm_eps, norm_style=cfg.norm_style, dtype=_dt(cfg.dtype),
+                     rope_fraction=frac, norm_eps=cfg.norm_eps, norm_style=cfg.norm_style, bias=cfg.attn_bias,
+                     dtype=_dt(cfg.dtype),
                      param_dtype=_dt(cfg.param_dtype), rngs=rngs, **kw)
 
 
@@ -352,6 +395,9 @@ class LM(nnx.Module):
         dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
                                embedding_init=nnx.initializers.normal(cfg.embed_init_std), rngs=rngs)
+        if cfg.pos_embedding == "learned":
+            self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, dtype=dt, param_dtype=pdt,
+                                       embedding_init=nnx.initializers.normal(cfg.embed_init_std), rngs=rngs)
         blocks = [Block(cfg, i, m, rngs=rngs) for i, m in enumerate(cfg.layer_mixers())]
         self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
         self.norm = rms_norm(cfg.norm_style, cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
@@ -372,10 +418,29 @@ class LM(nnx.Module):
             from ..layers._checks import cu_seqlens_arg
 
             cu_seqlens_arg(cu_seqlens, tokens.shape[0])
-        x = self.embed(tokens)
+        x = self.embed_tokens(tokens, cu_seqlens=cu_seqlens)
         for blk in self.blocks:
             x = blk(x, cu_seqlens=cu_seqlens)
         return self.norm(x)
+
+    def embed_tokens(self, tokens, *, cu_seqlens=None):
+        """Token embeddings ``[B, T, d_model]``, plus the learned position embeddings of positions
+        ``0 .. T-1`` with ``pos_embedding="learned"`` (ValueError if T > max_seq_len)."""
+        x = self.embed(tokens)
+        if self.cfg.pos_embedding == "learned":
+            T = tokens.shape[1]
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens is longer than LMConfig.max_seq_len = "
+                                 f"{self.cfg.max_seq_len} (the learned positions)")
+            if cu_seqlens is not None:
+                raise NotImplementedError("pos_embedding='learned' with cu_seqlens (packed sequences)")
+            x = x + self.pos_embed(jnp.arange(T))[None]
+        return x
+
+    def _no_learned_positions(self, what: str):
+        if self.cfg.pos_embedding != "none":
+            raise NotImplementedError(f"{what} with LMConfig.pos_embedding={self.cfg.pos_embedding!r} is not "
+                                      "implemented (training and the full forward are)")
 
     def logits(self, h):
         """The LM head (tied to the embedding, or ``lm_head`` with ``tie_embeddings=False``):
@@ -401,6 +466,7 @@ class LM(nnx.Module):
             raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
         if max_len is None or tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than max_len = {max_len}")
+        self._no_learned_positions("prefill")
         x = self.embed(tokens)
         caches = []
         for blk in self.blocks:
@@ -418,6 +484,7 @@ class LM(nnx.Module):
             raise ValueError(f"token must be an integer array [B] or [B, 1], got {token.dtype} {tuple(token.shape)}")
         if len(cache) != len(self.blocks):
             raise ValueError(f"cache has {len(cache)} layer entries for {len(self.blocks)} layers")
+        self._no_learned_positions("decode_step")
         x = self.embed(token)
         new = []
         for blk, c in zip(self.blocks, cache):
