@@ -4,7 +4,9 @@ Reads the ``summary.json`` of one or more sweeps (``experiments/sweep.py``); the
 main protocol, later ones (``--extra``) are re-runs of some cells under another setting (a longer time
 cap, another filler) and appear as extra lines and as "(extra: ...)" in the table. Published values
 (read off the DeltaNet paper's MQAR figure, Yang et al. 2024; attention from Zoology, Arora et al.
-2023; README "Published settings on the H200") are accuracy in percent at d_model 64 / 128 / 256::
+2023; README "Published settings on the H200") are accuracy in percent at d_model 64 / 128 / 256 / 512.
+A cell whose best run trained its whole step / epoch budget without reaching the target is marked
+``‡`` (``hit_budget`` in the sweep's summary; runs of ``--preset zoology_mqar`` report epochs)::
 
     python experiments/mqar_compare.py results/mqar_h200_v2 \\
         --extra "300 s=results/mqar_h200_long/gla" "300 s=results/mqar_h200_long/d64" \\
@@ -22,10 +24,10 @@ from gdn_jax.recall import RecallConfig
 
 # (mixer -> {d_model: published accuracy %}); "mamba2" is compared with the paper's "Mamba" row
 PUBLISHED: Dict[str, Dict[int, Tuple[float, float]]] = {
-    "deltanet": {64: (100, 100), 128: (100, 100), 256: (100, 100)},
-    "mamba2": {64: (81, 81), 128: (100, 100), 256: (100, 100)},
-    "gla": {64: (22, 22), 128: (95, 95), 256: (100, 100)},
-    "attention": {64: (97, 100), 128: (97, 100), 256: (97, 100)},  # Zoology: ~97-100 at every d
+    "deltanet": {64: (100, 100), 128: (100, 100), 256: (100, 100), 512: (100, 100)},
+    "mamba2": {64: (81, 81), 128: (100, 100), 256: (100, 100), 512: (100, 100)},
+    "gla": {64: (22, 22), 128: (95, 95), 256: (100, 100), 512: (100, 100)},
+    "attention": {64: (97, 100), 128: (97, 100), 256: (97, 100), 512: (97, 100)},  # Zoology: ~97-100 at every d
 }
 
 
@@ -60,9 +62,10 @@ def _pct(c: dict) -> str:
 
 
 def _run(c: dict) -> str:
-    """accuracy (steps[, capped: stopped by the time limit], lr)"""
+    """accuracy (steps or epochs[, capped: stopped by the time limit], lr)[ ‡: hit the step/epoch budget]"""
     capped = ", capped" if c.get("stopped_by_time") else ""
-    return f"{_pct(c)} ({c['steps']} steps{capped}, lr {c['lr']:g})"
+    amount = f"{c['epochs']:g} ep" if c.get("epochs") is not None else f"{c['steps']} steps"
+    return f"{_pct(c)} ({amount}{capped}, lr {c['lr']:.3g})" + (" ‡" if c.get("hit_budget") else "")
 
 
 def table(main: Dict, extras: List[Tuple[str, Dict]], published: bool = True) -> str:
@@ -159,8 +162,8 @@ def main(argv=None):
     md = table(main_, extras, published=published)
     L, N, V = setting
     with open(args.out + ".md", "w") as f:
-        f.write(f"MQAR, L = {L}, {N} pairs, vocab {V}: best test accuracy % (steps [capped = stopped by the time "
-                f"limit], lr)"
+        f.write(f"MQAR, L = {L}, {N} pairs, vocab {V}: best test accuracy % (steps or epochs [capped = stopped by "
+                f"the time limit], lr; ‡ = hit the step/epoch budget without reaching 0.99)"
                 + (" ours / published" if published else "") + "\n\n" + md + "\n")
     plot(main_, extras, args.out + ".png", published=published, title=f"MQAR L={L}, {N} pairs, vocab {V}")
     print(md)

@@ -7,7 +7,10 @@ remaining rates are skipped once one run reaches ``target_accuracy``) and keeps 
 test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints):
 
 * **resumable** -- a run whose ``results.json`` exists is skipped; an interrupted run resumes from its
-  last checkpoint (taken at every evaluation);
+  last checkpoint (taken at every evaluation). With ``time_budget_s`` the sweep stops by itself
+  before that budget is spent: the run in progress checkpoints its current step (no results.json)
+  and no new run starts, so the same command run again picks the grid up where it stopped, cell
+  by cell, run by run and step by step (a grid run in pieces of one device call each);
 * **several devices** -- with more than one local GPU/TPU (or ``workers > 1``) the sweep starts one
   worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each;
   ``workers_per_device > 1``: that many per device, each with its share of the device memory -- small
@@ -59,6 +62,9 @@ class SweepConfig:
     num_kv_pairs: Tuple[int, ...] = (8,)
     lrs: Tuple[float, ...] = (3e-3,)
     neg_eigval: Tuple[bool, ...] = (False,)  # beta in (0,1) / (0,2); True only for gdn, deltanet, hybrid
+    # (seq_len, kv pairs[, batch size]) points "LxN" / "LxNxB" instead of the seq_lens x num_kv_pairs product
+    shapes: Tuple[str, ...] = ()
+    epochs: Optional[int] = None  # data_mode=fixed: steps = epochs x (train_examples // batch), eval once per epoch
     base: Tuple[str, ...] = ()
     skip_lrs_after_target: bool = True
     out: str = "runs/sweep"
@@ -66,8 +72,17 @@ class SweepConfig:
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
     workers_per_device: int = 1  # >1: that many worker processes share each accelerator (small models)
     progress: bool = True
+    time_budget_s: Optional[float] = None  # stop (checkpointing the current run) after this many seconds
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
+    deadline: Optional[float] = None  # internal: time.time() at which time_budget_s ends (set by the parent)
 
+
+# Zoology's learning-rate grid, logspace(-4, -2, 4) = 1e-4, 4.64e-4, 2.15e-3, 1e-2, in the order tried
+ZOOLOGY_LRS = (0.002154434690031882, 0.00046415888336127773, 0.01, 0.0001)
+ZOOLOGY_BASE = ("vocab_size=8192", "num_heads=2", "batch_size=128", "data_mode=fixed", "train_examples=100000",
+                "test_examples=3000", "eval_batch_size=250", "warmup=0", "weight_decay=0.1", "b2=0.999",
+                "grad_clip=0", "min_lr_ratio=0", "lr_per_epoch=true", "target_accuracy=0.99",
+                "random_non_queries=false", "backend=auto", "log_every=100")
 
 # Presets: sweep fields + base run settings. The H200 ones are the reduced protocols of the README.
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -94,6 +109,28 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                       base=("vocab_size=8192", "num_heads=2", "steps=10000", "warmup=300", "batch_size=128",
                             "eval_every=500", "test_examples=1000", "eval_batch_size=250", "max_time_s=100",
                             "random_non_queries=false", "backend=auto")),
+    # H200: Zoology's own protocol for the DeltaNet-paper MQAR figure (Arora et al. 2023, paper-era code;
+    # ../shared/REFERENCE.md section 6): L 512, 64 pairs, vocab 8192, batch 128, a fixed set of 100k training
+    # examples for up to 64 epochs (781 steps each), 3k test examples evaluated once per epoch, early stop at
+    # 0.99, lr from logspace(-4, -2, 4) (tried likeliest first; the rest skipped once one reaches 0.99 --
+    # --no-skip_lrs_after_target for all four), best per cell; AdamW b2 0.999, wd 0.1, cosine to 0 stepped
+    # once per epoch, no warmup, no clipping; fillers 0. Differences from Zoology kept: our 2-head mixers and
+    # blocks (RMSNorm, no biases, RoPE attention), no decay on 1-D parameters. Resumable in pieces
+    # (--time_budget_s). Our models at d 64-512; the published variants are options (README).
+    "zoology_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256, 512),
+                         seq_lens=(512,), num_kv_pairs=(64,), lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                         base=ZOOLOGY_BASE),
+    # H200: Zoology fig. 2 cells, the same protocol at (L, pairs, batch) = (64, 4, 512), (128, 8, 512), (256, 16, 256)
+    "zoology_fig2": dict(mixers=("attention", "gdn", "mamba2"), d_models=(64, 128), shapes=("64x4x512", "128x8x512",
+                                                                                        "256x16x256"),
+                         lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2, base=ZOOLOGY_BASE),
+    # CPU smoke test of the Zoology presets' machinery (fixed set, epochs, per-epoch cosine, shapes, budget)
+    "cpu_zoology_smoke": dict(mixers=("gdn", "attention"), d_models=(16,), shapes=("32x4x8", "16x2x16"),
+                              lrs=(1e-2, 1e-3), epochs=2,
+                              base=("vocab_size=32", "num_heads=2", "data_mode=fixed", "train_examples=32",
+                                    "test_examples=16", "eval_batch_size=16", "warmup=0", "b2=0.999",
+                                    "grad_clip=0", "min_lr_ratio=0", "lr_per_epoch=true", "backend=chunk",
+                                    "chunk_size=16", "random_non_queries=false", "log_every=1")),
     # H200: parity, beta in (0,1) vs (0,2) for deltanet and gdn (Grazzi et al.), reduced protocol
     "h200_parity": dict(task="state_tracking", mixers=("deltanet", "gdn"), d_models=(128,), seq_lens=(40,),
                         num_kv_pairs=(0,), lrs=(1e-3,), neg_eigval=(False, True),
@@ -140,6 +177,7 @@ class Cell:
     seq_len: int
     num_kv_pairs: int
     neg_eigval: bool = False
+    batch_size: Optional[int] = None  # from SweepConfig.shapes "LxNxB" (not part of the name)
 
     @property
     def name(self) -> str:
@@ -169,17 +207,33 @@ def cells(cfg: SweepConfig) -> List[Cell]:
             raise ValueError(f"unknown mixer {m!r} in SweepConfig.mixers; expected one of {sorted(MIXERS) + ['hybrid']}")
     out = []
     axes = _task_axes(cfg.task)
-    seq_lens = cfg.seq_lens if "seq_len" in axes else cfg.seq_lens[:1]
-    pairs = cfg.num_kv_pairs if "num_kv_pairs" in axes else cfg.num_kv_pairs[:1]
-    for L in seq_lens:
-        for n in pairs:
-            for d in cfg.d_models:
-                for m in cfg.mixers:
-                    for neg in cfg.neg_eigval:
-                        if neg and m not in _NEG_OK:
-                            continue
-                        out.append(Cell(cfg.task, m, int(d), int(L), int(n), bool(neg)))
+    if cfg.shapes:
+        points = [parse_shape(x) for x in cfg.shapes]
+    else:
+        seq_lens = cfg.seq_lens if "seq_len" in axes else cfg.seq_lens[:1]
+        pairs = cfg.num_kv_pairs if "num_kv_pairs" in axes else cfg.num_kv_pairs[:1]
+        points = [(L, n, None) for L in seq_lens for n in pairs]
+    for L, n, b in points:
+        for d in cfg.d_models:
+            for m in cfg.mixers:
+                for neg in cfg.neg_eigval:
+                    if neg and m not in _NEG_OK:
+                        continue
+                    out.append(Cell(cfg.task, m, int(d), int(L), int(n), bool(neg), b))
     return out
+
+
+def parse_shape(text: str) -> Tuple[int, int, Optional[int]]:
+    """``"512x64"`` -> (seq_len 512, kv pairs 64, None); ``"64x4x512"`` -> (64, 4, batch size 512)."""
+    parts = str(text).lower().split("x")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (2, 3) or min(vals) < 1:
+        raise ValueError(f"SweepConfig.shapes entries must be 'LxN' or 'LxNxB' (seq_len x kv pairs [x batch size], "
+                         f"positive ints), got {text!r}")
+    return vals[0], vals[1], (vals[2] if len(vals) == 3 else None)
 
 
 # RecallConfig fields that the sweep sets itself (-> the SweepConfig field to use instead)
@@ -212,8 +266,19 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
     from gdn_jax.recall import RecallConfig
 
     kw = _parse_base(cfg.base)
+    explicit_eval = "eval_every" in kw
     kw.update(task=cell.task, d_model=cell.d_model, lr=float(lr), allow_neg_eigval=cell.neg_eigval,
               out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), progress=False, keep_checkpoints=1)
+    if cell.batch_size is not None:
+        kw["batch_size"] = cell.batch_size
+    if cfg.epochs is not None:  # steps per epoch of the fixed set; evaluate once per epoch (Zoology)
+        spe = int(kw.get("train_examples", RecallConfig.train_examples)) // int(kw.get("batch_size",
+                                                                                       RecallConfig.batch_size))
+        kw["steps"] = cfg.epochs * max(spe, 1)
+        if not explicit_eval:
+            kw["eval_every"] = max(spe, 1)
+    if cfg.deadline is not None:  # this session's share of SweepConfig.time_budget_s
+        kw["session_time_s"] = max(cfg.deadline - time.time(), 1e-3)
     if cfg.ckpt_root:
         kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, f"lr{lr:g}")
     ckpt = kw.get("ckpt_dir") or os.path.join(kw["out"], "ckpt")
@@ -258,6 +323,23 @@ def validate(cfg: SweepConfig) -> List[Cell]:
     for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval"):
         if not getattr(cfg, name):
             errors.append(f"SweepConfig.{name} is empty")
+    for x in cfg.shapes:
+        try:
+            parse_shape(x)
+        except ValueError as e:
+            errors.append(str(e))
+    if cfg.epochs is not None:
+        if isinstance(cfg.epochs, bool) or not isinstance(cfg.epochs, int) or cfg.epochs < 1:
+            errors.append(f"SweepConfig.epochs must be None or an int >= 1, got {cfg.epochs!r}")
+        else:
+            try:
+                if _parse_base(cfg.base).get("data_mode") != "fixed":
+                    errors.append("SweepConfig.epochs needs the fixed training set: add data_mode=fixed to "
+                                  "SweepConfig.base")
+            except ValueError:
+                pass
+    if cfg.time_budget_s is not None and not cfg.time_budget_s > 0:
+        errors.append(f"SweepConfig.time_budget_s must be None or > 0 (seconds), got {cfg.time_budget_s!r}")
     try:
         _parse_base(cfg.base)  # once, not once per run
     except ValueError as e:
@@ -315,9 +397,15 @@ def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
     return True
 
 
-def run_cell(cfg: SweepConfig, cell: Cell) -> None:
+def out_of_budget(cfg: SweepConfig) -> bool:
+    """``time_budget_s`` is spent (``cfg.deadline`` has passed)."""
+    return cfg.deadline is not None and time.time() >= cfg.deadline
+
+
+def run_cell(cfg: SweepConfig, cell: Cell) -> bool:
     """Train ``cell`` at each learning rate (skipping finished runs) and write their results. A run
-    that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on."""
+    that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on. Returns
+    False when the time budget ran out (the run in progress is checkpointed, unfinished)."""
     import traceback
 
     from gdn_jax.recall import run
@@ -325,6 +413,8 @@ def run_cell(cfg: SweepConfig, cell: Cell) -> None:
     for lr in cfg.lrs:
         r = _load(_results_path(cfg, cell, lr))
         if r is None:
+            if out_of_budget(cfg):
+                return False
             rc = run_config(cfg, cell, lr)
             try:
                 r = run(rc)[0]
@@ -334,11 +424,14 @@ def run_cell(cfg: SweepConfig, cell: Cell) -> None:
                     f.write(traceback.format_exc())
                 print(f"{cell.name} lr {lr:g} FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
                 continue
+            if r.get("interrupted"):  # the time budget ran out inside this run: resumed next time
+                return False
             import shutil
 
             shutil.rmtree(r["ckpt_dir"], ignore_errors=True)  # finished: checkpoints no longer needed
         if cfg.skip_lrs_after_target and r.get("reached_target"):
             break
+    return True
 
 
 def _claim(cfg: SweepConfig, cell: Cell) -> bool:
@@ -354,9 +447,14 @@ def _claim(cfg: SweepConfig, cell: Cell) -> bool:
 
 def _worker(cfg: SweepConfig) -> None:
     for cell in cells(cfg):
+        if out_of_budget(cfg):
+            print(f"[worker {cfg.worker_index}] time budget spent; stopping", flush=True)
+            return
         if not cell_done(cfg, cell) and _claim(cfg, cell):
             print(f"[worker {cfg.worker_index}] {cell.name}", flush=True)
-            run_cell(cfg, cell)
+            if not run_cell(cfg, cell):
+                print(f"[worker {cfg.worker_index}] time budget spent in {cell.name}; stopping", flush=True)
+                return
 
 
 def _accelerators() -> Tuple[int, str]:
@@ -377,6 +475,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         raise ValueError(f"SweepConfig.worker_index (internal: set by the parent sweep for its workers) must be >= 0, "
                          f"got {cfg.worker_index}")
     grid = cells(cfg) if cfg.worker_index is not None else validate(cfg)
+    if cfg.worker_index is None and cfg.time_budget_s is not None:
+        cfg = dataclasses.replace(cfg, deadline=time.time() + float(cfg.time_budget_s))
+        argv = [*argv, "--deadline", repr(cfg.deadline)]
     os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
     with open(os.path.join(cfg.out, "sweep_config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -394,7 +495,10 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         for cell in grid:
             if not cell_done(cfg, cell):
                 bar.set_postfix_str(cell.name)
-                run_cell(cfg, cell)
+                if not run_cell(cfg, cell):
+                    print(f"sweep: time budget of {cfg.time_budget_s:g} s spent in {cell.name}; run the same "
+                          f"command again to continue", file=sys.stderr)
+                    break
                 bar.update(1)
     else:
         env_key = "TPU_VISIBLE_CHIPS" if backend == "tpu" else "CUDA_VISIBLE_DEVICES"
@@ -430,7 +534,7 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
 
     metric = "best_" + TASK_CONFIGS[cfg.task].metric
     scaled = metric == "best_scaled_accuracy"
-    rows, best, failed = [], [], []
+    rows, best, failed, pending = [], [], [], []
     for cell in cells(cfg):
         runs = []
         for lr in cfg.lrs:
@@ -445,11 +549,13 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                        best_scaled_accuracy=r.get("best_scaled_accuracy"),
                        final_scaled_accuracy=r.get("final_scaled_accuracy"), steps=r["steps"],
                        reached_target=r["reached_target"], stopped_by_time=r.get("stopped_by_time", False),
-                       diverged=r.get("diverged", False),
+                       diverged=r.get("diverged", False), epochs=_epochs(r), hit_budget=_hit_budget(r),
                        wall_s=r["wall_s"], num_params=r["num_params"], device=r["device_kind"],
                        backend=",".join(r.get("backend_resolved") or []) or "-")
             rows.append(row)
             runs.append(row)
+        if runs and not cell_done(cfg, cell):
+            pending.append(cell.name)
         if runs:
             # best LR: highest best-over-evaluations test accuracy, then highest final accuracy, then fewest steps
             b = max(runs, key=lambda x: (x["best_test_accuracy"], x["final_test_accuracy"], -x["steps"]))
@@ -461,13 +567,63 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                 w.writeheader()
                 w.writerows(data)
     summary = {"task": cfg.task, "metric": metric,
-               "failed": failed,
+               "failed": failed, "unfinished": pending,
+               "not_started": [c.name for c in cells(cfg) if c.name not in {b["cell"] for b in best}],
                "cells": best, "sweep": dataclasses.asdict(cfg)}
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if best:
         plot(best, os.path.join(cfg.out, "accuracy_vs_dmodel.png"), scaled=scaled)
+    with open(os.path.join(cfg.out, "summary.md"), "w") as f:
+        f.write(markdown_table(cfg, best, pending, metric))
     return summary
+
+
+def _epochs(r: Dict[str, Any]) -> Optional[float]:
+    """Epochs of the fixed training set a finished run trained (None in stream mode)."""
+    c = r.get("config", {})
+    if c.get("data_mode") != "fixed":
+        return None
+    spe = c["train_examples"] // c["batch_size"]
+    return round(r["steps"] / spe, 2) if spe else None
+
+
+def _hit_budget(r: Dict[str, Any]) -> bool:
+    """The run trained to the end of its schedule (``steps``: the epoch budget with
+    ``SweepConfig.epochs``) without reaching the target."""
+    c = r.get("config", {})
+    return (not r.get("reached_target")) and r["steps"] >= c.get("steps", float("inf"))
+
+
+def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequence[str], metric: str) -> str:
+    """``summary.md``: one table per (seq_len, kv pairs), mixers x d_model, each cell its best run's
+    accuracy % (steps or epochs, lr); ``‡``: hit the step / epoch budget without reaching the target;
+    ``(partial)``: learning rates still to run; ``—``: not run yet."""
+    key = metric
+    grid = cells(cfg)
+    by = {b["cell"]: b for b in best}
+    out = [f"# {cfg.task} sweep `{cfg.out}` ({metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
+           f"without reaching the target; (partial) = learning rates still to run; — = not run yet)\n"]
+    for L, n in sorted({(c.seq_len, c.num_kv_pairs) for c in grid}):
+        sel = [c for c in grid if (c.seq_len, c.num_kv_pairs) == (L, n)]
+        ds = sorted({c.d_model for c in sel})
+        labels = list(dict.fromkeys(c.label for c in sel))
+        out.append(f"\n## L {L}, {n} pairs\n\n| mixer | " + " | ".join(f"d {d}" for d in ds) + " |\n|---|"
+                   + "---|" * len(ds) + "\n")
+        for lab in labels:
+            row = []
+            for d in ds:
+                c = next((c for c in sel if c.label == lab and c.d_model == d), None)
+                b = by.get(c.name) if c else None
+                if b is None:
+                    row.append("—")
+                    continue
+                v = b.get(key)
+                amount = f"{b['epochs']:g} ep" if b.get("epochs") is not None else f"{b['steps']} steps"
+                row.append(f"{100 * v:.1f} ({amount}, lr {b['lr']:.3g})" + (" ‡" if b.get("hit_budget") else "")
+                           + (" (partial)" if c.name in pending else "") + (" diverged" if b.get("diverged") else ""))
+            out.append(f"| {lab} | " + " | ".join(row) + " |\n")
+    return "".join(out)
 
 
 def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:
