@@ -496,8 +496,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             if not cell_done(cfg, cell):
                 bar.set_postfix_str(cell.name)
                 if not run_cell(cfg, cell):
-                    print(f"sweep: time budget of {cfg.time_budget_s:g} s spent in {cell.name}; run the same "
-                          f"command again to continue", file=sys.stderr)
+                    print(f"sweep: session time spent in {cell.name} (SweepConfig.time_budget_s or the run's "
+                          f"session_time_s); run the same command again to continue", file=sys.stderr)
                     break
                 bar.update(1)
     else:

@@ -50,6 +50,7 @@ __all__ = [
     "make_eval_step",
     "make_mesh",
     "make_optimizer",
+    "make_schedule",
     "make_train_step",
     "masked_accuracy",
     "masked_cross_entropy",
@@ -108,6 +109,18 @@ def make_optimizer(
     torch's ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch, Zoology's schedule (Arora et al.
     2023, paper-era code; ``../shared/REFERENCE.md`` §6).
     """
+    schedule = make_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
+                             steps_per_epoch=steps_per_epoch)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if grad_clip is not None and grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
+    return adamw
+
+
+def make_schedule(lr: float, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1,
+                  steps_per_epoch: Optional[int] = None) -> optax.Schedule:
+    """The learning-rate schedule of :func:`make_optimizer` (``optax.warmup_cosine_decay_schedule``,
+    stepped once per epoch with ``steps_per_epoch``)."""
     if total_steps < 1 or warmup_steps < 0:
         raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
     if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or int(steps_per_epoch) != steps_per_epoch
@@ -123,10 +136,7 @@ def make_optimizer(
     if steps_per_epoch is not None:
         per_step, spe = schedule, int(steps_per_epoch)
         schedule = lambda count: per_step((count // spe) * spe)  # noqa: E731
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
-    if grad_clip is not None and grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
-    return adamw
+    return schedule
 
 
 # --------------------------------------------------------------------------

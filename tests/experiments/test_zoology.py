@@ -1,0 +1,177 @@
+"""Issue #16 on the CPU: the Zoology sweep presets (settings, shapes, epochs, a time budget that
+checkpoints and resumes), the per-epoch cosine, the device-resident fixed set, the published-baseline
+options, and the attention-fillers experiment (tiny). Each test is a few seconds of tiny shapes."""
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax import sweep as S
+from gdn_jax import training as T
+from gdn_jax.data import MQARConfig, TaskLoader
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOGSPACE = tuple(np.logspace(-4, -2, 4))
+
+
+def test_zoology_presets_settings():
+    cfg = S.apply_preset(S.SweepConfig(preset="zoology_mqar", out="/tmp/unused"))
+    assert sorted(cfg.lrs) == pytest.approx(LOGSPACE) and cfg.workers_per_device == 2
+    grid = S.cells(cfg)
+    assert len(grid) == 20 and {c.d_model for c in grid} == {64, 128, 256, 512}
+    assert {c.mixer for c in grid} == {"gdn", "deltanet", "mamba2", "gla", "attention"}
+    rc = S.run_config(cfg, grid[0], cfg.lrs[0])
+    assert (rc.seq_len, rc.num_kv_pairs, rc.vocab_size, rc.batch_size) == (512, 64, 8192, 128)
+    assert (rc.data_mode, rc.train_examples, rc.test_examples, rc.target_accuracy) == ("fixed", 100_000, 3000, 0.99)
+    assert rc.steps == 64 * 781 and rc.eval_every == 781 and rc.lr_per_epoch and rc.warmup == 0
+    assert (rc.random_non_queries, rc.grad_clip, rc.min_lr_ratio, rc.b2) == (False, 0.0, 0.0, 0.999)
+    fig2 = S.apply_preset(S.SweepConfig(preset="zoology_fig2", out="/tmp/unused"))
+    g2 = S.cells(fig2)
+    assert len(g2) == 3 * 2 * 3
+    shapes = {(c.seq_len, c.num_kv_pairs, c.batch_size) for c in g2}
+    assert shapes == {(64, 4, 512), (128, 8, 512), (256, 16, 256)}
+    c256 = next(c for c in g2 if c.seq_len == 256)
+    rc = S.run_config(fig2, c256, fig2.lrs[0])
+    assert rc.batch_size == 256 and rc.steps == 64 * (100_000 // 256) and rc.eval_every == 100_000 // 256
+    assert len(S.validate(fig2)) == 18  # every run's settings build (abstractly)
+
+
+def test_sweep_field_errors():
+    with pytest.raises(ValueError, match="SweepConfig.shapes"):
+        S.validate(S.SweepConfig(shapes=("64by4",), out="/tmp/unused"))
+    with pytest.raises(ValueError, match="SweepConfig.epochs needs the fixed training set"):
+        S.validate(S.SweepConfig(epochs=2, out="/tmp/unused"))
+    with pytest.raises(ValueError, match="SweepConfig.time_budget_s"):
+        S.validate(S.SweepConfig(time_budget_s=-1.0, out="/tmp/unused"))
+    from gdn_jax.recall import RecallConfig, validate
+
+    with pytest.raises(ValueError, match="RecallConfig.lr_per_epoch"):
+        validate(RecallConfig(lr_per_epoch=True))
+    with pytest.raises(ValueError, match="RecallConfig.session_time_s"):
+        validate(RecallConfig(session_time_s=0.0))
+
+
+def test_epoch_cosine_is_torch_cosine_annealing_per_epoch():
+    E, spe, lr = 4, 3, 2e-3
+    sch = T.make_schedule(lr, warmup_steps=0, total_steps=E * spe, min_lr_ratio=0.0, steps_per_epoch=spe)
+    for step in range(E * spe):
+        e = step // spe
+        assert float(sch(step)) == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * e / E)), rel=1e-5)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        T.make_schedule(lr, warmup_steps=0, total_steps=4, steps_per_epoch=0)
+
+
+def test_device_fixed_loader_equals_host_batches():
+    task = MQARConfig(vocab_size=32, seq_len=16, num_kv_pairs=2, train_examples=20)
+    loader = TaskLoader(task, 8, mode="fixed")  # 2 steps per epoch: steps 0-5 cross two epoch boundaries
+    dl = T.DeviceFixedLoader(loader, T.make_mesh())
+    for step in range(6):
+        x, y = jax.device_get(dl.batch(step))
+        ref = loader.batch(step)
+        np.testing.assert_array_equal(x, ref.inputs)
+        np.testing.assert_array_equal(y, ref.targets)
+    with pytest.raises(ValueError, match="mode='fixed'"):
+        T.DeviceFixedLoader(TaskLoader(task, 8, mode="stream"), T.make_mesh())
+
+
+def test_zoology_smoke_budget_resume_and_table(tmp_path):
+    """A time budget stops the sweep inside a run (checkpoint, no results.json); the same command
+    continues it; the table marks the epoch budget."""
+    kw = dict(preset="cpu_zoology_smoke", out=str(tmp_path), progress=False, mixers=("attention",), lrs=(1e-2,),
+              shapes=("16x2x16",))
+    explicit = ["out", "progress", "mixers", "lrs", "shapes"]
+    run_dir = tmp_path / "runs" / "mqar_attention_d16_L16_N2" / "lr0.01"
+    # a budget already spent starts nothing
+    late = S.apply_preset(S.SweepConfig(**kw, deadline=0.0), explicit=explicit + ["deadline"])
+    assert S.out_of_budget(late) and S.run_cell(late, S.cells(late)[0]) is False and not run_dir.exists()
+    # a session that runs out inside a run (session_time_s is what the budget sets per run): checkpoint, stop
+    cut = dict(kw, base=("session_time_s=0.001",))
+    s1 = S.run_sweep(S.apply_preset(S.SweepConfig(**cut), explicit=explicit))
+    assert not (run_dir / "results.json").exists() and os.listdir(run_dir / "ckpt")
+    assert s1["cells"] == [] and s1["not_started"] == ["mqar_attention_d16_L16_N2"]
+    s2 = S.run_sweep(S.apply_preset(S.SweepConfig(**kw), explicit=explicit))
+    r = json.load(open(run_dir / "results.json"))
+    assert r["resumed_from"] is not None and r["resumed_from"] >= 1
+    assert r["steps"] == 2 * (32 // 16) and [e["step"] for e in r["evals"]][-2:] == [2, 4]  # once per epoch
+    for k in ("eval_s", "ckpt_s", "data_wait_s", "metrics_fetch_s", "train_steps_per_s"):
+        assert k in r
+    (c,) = s2["cells"]
+    assert c["epochs"] == 2.0 and c["hit_budget"] == (not c["reached_target"])
+    md = open(tmp_path / "summary.md").read()
+    assert "L 16, 2 pairs" in md and "2 ep" in md and (("‡" in md) == c["hit_budget"])
+
+
+def test_published_baseline_options():
+    from gdn_jax.layers import Attention, GatedLinearAttention
+    from gdn_jax.models import LM, LMConfig
+
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
+    zoo = LM(LMConfig(vocab_size=32, d_model=16, mixer="attention", attn_bias="qkvo", pos_embedding="learned",
+                      max_seq_len=8, rope_fraction=0.0), rngs=nnx.Rngs(0))
+    a = zoo.blocks[0].mixer
+    assert all(getattr(a, f"{p}_proj").bias is not None for p in "qkvo") and a.rot_dim == 0
+    assert zoo.pos_embed.embedding.shape == (8, 16) and jnp.isfinite(zoo(tok)).all()
+    # the same tokens at other positions embed differently with learned positions
+    e = zoo.embed_tokens(jnp.zeros((1, 8), jnp.int32))[0]
+    assert float(jnp.abs(e[0] - e[1]).max()) > 0
+    with pytest.raises(NotImplementedError, match="pos_embedding"):
+        zoo.prefill(tok[:, :4], max_len=8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        zoo(jnp.zeros((1, 9), jnp.int32))
+    kb = Attention(16, 2, bias="k", rngs=nnx.Rngs(0))
+    assert kb.k_proj.bias is not None and kb.q_proj.bias is None and kb.o_proj.bias is None
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    w = kb.attention_weights(x)  # what the layer applies
+    o = jnp.einsum("bnts,bsnd->btnd", w, kb.qkv(x, jnp.arange(8))[2])
+    np.testing.assert_allclose(kb.output(o, x), kb(x), atol=1e-5)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    assert float(jnp.abs(jnp.triu(w[0, 0], 1)).max()) == 0.0
+    # Mamba2's dt-scaled input and no q/k norm; GLA without short conv
+    base = dict(decay="mamba2", use_short_conv=False, rngs=nnx.Rngs(0))
+    m0, m1 = GatedLinearAttention(16, 2, **base), GatedLinearAttention(16, 2, dt_input=True, qk_l2norm=False, **base)
+    assert not m1.use_qk_l2norm and not hasattr(m1, "q_conv")
+    assert float(jnp.abs(m0(x) - m1(x)).max()) > 0
+    y, cache = m1.prefill(x[:, :7])  # decoding follows the same form
+    y_t, _ = m1.decode(x[:, 7:], cache)
+    np.testing.assert_allclose(y_t[:, 0], m1(x)[:, 7], atol=1e-4)
+    gla = LM(LMConfig(vocab_size=32, d_model=16, mixer="gla", use_short_conv=False, gla_gate_low_rank=4,
+                      gla_gate_normalizer=8.0), rngs=nnx.Rngs(0))
+    g = gla.blocks[0].mixer
+    assert g.gk_proj1.kernel.shape == (16, 4) and g.gate_logit_normalizer == 8.0 and not g.use_qk_l2norm
+    for bad, field in ((dict(attn_bias="qq"), "attn_bias"), (dict(pos_embedding="learned"), "max_seq_len"),
+                       (dict(pos_embedding="rope"), "pos_embedding"), (dict(la_qk_l2norm="no"), "la_qk_l2norm"),
+                       (dict(mamba2_dt_input=1), "mamba2_dt_input"),
+                       (dict(gla_gate_normalizer=0.0), "gla_gate_normalizer")):
+        with pytest.raises(ValueError, match=field):
+            LMConfig(**bad)
+    with pytest.raises(ValueError, match="dt_input"):
+        GatedLinearAttention(16, 2, decay="gla", dt_input=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="bias"):
+        Attention(16, 2, bias="x", rngs=nnx.Rngs(0))
+
+
+def test_attention_fillers_tiny(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_fillers",
+                                                  os.path.join(REPO, "experiments", "attention_fillers.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--tiny", "--lengths", "16", "--pairs", "2", "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "attention_fillers.json"))
+    assert os.path.getsize(tmp_path / "attention_fillers.png") > 0
+    assert [r["attn_bias"] for r in saved["runs"]] == ["none", "k"] == [r["attn_bias"] for r in res["runs"]]
+    for r in saved["runs"]:
+        assert [c["step"] for c in r["curve"]] == [0, 2, 4]
+        for c in r["curve"]:
+            assert len(c["layers"]) == 2 and 0 <= c["accuracy"] <= 1
+            for lay in c["layers"]:
+                tot = sum(lay[k]["mean"] for k in ("filler", "key", "value", "self"))
+                assert all(0 <= lay[k]["mean"] <= 1 for k in lay) and tot <= 1 + 1e-5
+                assert len(lay["filler"]["heads"]) == 2
