@@ -123,6 +123,7 @@ class RecallConfig:
     mamba2_dt_input: bool = False  # mamba2: input scaled by dt (Mamba2's discretisation)
     gla_gate_low_rank: int = 16
     gla_gate_normalizer: float = 16.0
+    gla_expand_k: Optional[float] = None  # gla key dim / d_model (None: 1; the GLA paper: 0.5)
     # optimisation (AdamW, warmup + cosine; no decay on 1-D params)
     lr: float = 3e-3
     warmup: int = 200

@@ -65,6 +65,9 @@ class LMConfig:
         discretised ``dt B x^T``; ``GatedLinearAttention(dt_input=True)``).
       gla_gate_low_rank, gla_gate_normalizer: ``gla``'s gate rank and normaliser tau
         (``log sigmoid(W_2 W_1 x + b) / tau``; the GLA paper's and FLA's 16 and 16).
+      gla_expand_k: ``gla``'s total key dim as a share of d_model (None: d_model, i.e. K = V =
+        d_model / num_heads); the GLA paper and FLA use 0.5 (K = d_model / (2 num_heads), V =
+        d_model / num_heads).
       With ``use_short_conv=False`` the recurrent mixers take q, k, v straight from the projections
       (no conv, no SiLU): the GLA paper's layer.
 
@@ -119,6 +122,7 @@ class LMConfig:
     mamba2_dt_input: bool = False
     gla_gate_low_rank: int = 16
     gla_gate_normalizer: float = 16.0
+    gla_expand_k: Optional[float] = None
 
     def __post_init__(self):
         from ..layers import _checks
@@ -148,6 +152,13 @@ class LMConfig:
             raise ValueError(f"LMConfig.mamba2_dt_input must be a bool, got {self.mamba2_dt_input!r}")
         _checks.positive_int("gla_gate_low_rank", self.gla_gate_low_rank)
         _checks.positive_float("gla_gate_normalizer", self.gla_gate_normalizer)
+        if self.gla_expand_k is not None:
+            _checks.positive_float("gla_expand_k", self.gla_expand_k)
+            k = self.d_model * self.gla_expand_k / self.num_heads
+            if k != int(k) or k < 1:
+                raise ValueError(f"gla_expand_k: d_model * gla_expand_k / num_heads = {self.d_model} * "
+                                 f"{self.gla_expand_k} / {self.num_heads} = {k:g} must be a positive integer "
+                                 f"(the gla key head dim)")
         if not isinstance(self.tie_embeddings, bool):
             raise TypeError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         _checks.positive_float("rope_theta", self.rope_theta)
@@ -263,8 +274,12 @@ def _deltanet(cfg: LMConfig, i: int, rngs: nnx.Rngs):
 def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
     def factory(cfg: LMConfig, i: int, rngs: nnx.Rngs):
         backend = cfg.backend if cfg.backend in LA_BACKENDS else "auto"  # no Pallas kernels: chunk
+        head_dim, value_head_dim = cfg.head_dim, None
+        if decay == "gla" and cfg.gla_expand_k is not None:  # GLA paper / FLA: expand_k 0.5, expand_v 1
+            head_dim = int(cfg.d_model * cfg.gla_expand_k / cfg.num_heads)
+            value_head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
         return GatedLinearAttention(
-            cfg.d_model, cfg.num_heads, cfg.head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
+            cfg.d_model, cfg.num_heads, head_dim, value_head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
             conv_size=cfg.conv_size, qk_l2norm=cfg.la_qk_l2norm, dt_input=cfg.mamba2_dt_input and decay == "mamba2",
             gate_low_rank=cfg.gla_gate_low_rank, gate_logit_normalizer=cfg.gla_gate_normalizer,
             backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),

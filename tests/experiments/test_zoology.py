@@ -107,8 +107,8 @@ def test_zoology_smoke_budget_resume_and_table(tmp_path):
     assert "L 16, 2 pairs" in md and "2 ep" in md and (("‡" in md) == c["hit_budget"])
 
 
-def test_published_baseline_options():
-    from gdn_jax.layers import Attention, GatedLinearAttention
+def test_published_attention_options():
+    from gdn_jax.layers import Attention
     from gdn_jax.models import LM, LMConfig
 
     tok = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
@@ -132,6 +132,16 @@ def test_published_baseline_options():
     np.testing.assert_allclose(kb.output(o, x), kb(x), atol=1e-5)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
     assert float(jnp.abs(jnp.triu(w[0, 0], 1)).max()) == 0.0
+    with pytest.raises(ValueError, match="bias"):
+        Attention(16, 2, bias="x", rngs=nnx.Rngs(0))
+
+
+def test_published_linear_attention_options():
+    from gdn_jax.layers import GatedLinearAttention
+    from gdn_jax.models import LM, LMConfig
+
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
     # Mamba2's dt-scaled input and no q/k norm; GLA without short conv
     base = dict(decay="mamba2", use_short_conv=False, rngs=nnx.Rngs(0))
     m0, m1 = GatedLinearAttention(16, 2, **base), GatedLinearAttention(16, 2, dt_input=True, qk_l2norm=False, **base)
@@ -141,19 +151,19 @@ def test_published_baseline_options():
     y_t, _ = m1.decode(x[:, 7:], cache)
     np.testing.assert_allclose(y_t[:, 0], m1(x)[:, 7], atol=1e-4)
     gla = LM(LMConfig(vocab_size=32, d_model=16, mixer="gla", use_short_conv=False, gla_gate_low_rank=4,
-                      gla_gate_normalizer=8.0), rngs=nnx.Rngs(0))
+                      gla_gate_normalizer=8.0, gla_expand_k=0.5), rngs=nnx.Rngs(0))
     g = gla.blocks[0].mixer
     assert g.gk_proj1.kernel.shape == (16, 4) and g.gate_logit_normalizer == 8.0 and not g.use_qk_l2norm
+    assert (g.head_dim, g.value_head_dim) == (4, 8) and jnp.isfinite(gla(tok)).all()
     for bad, field in ((dict(attn_bias="qq"), "attn_bias"), (dict(pos_embedding="learned"), "max_seq_len"),
                        (dict(pos_embedding="rope"), "pos_embedding"), (dict(la_qk_l2norm="no"), "la_qk_l2norm"),
                        (dict(mamba2_dt_input=1), "mamba2_dt_input"),
-                       (dict(gla_gate_normalizer=0.0), "gla_gate_normalizer")):
+                       (dict(gla_gate_normalizer=0.0), "gla_gate_normalizer"),
+                       (dict(gla_expand_k=0.3), "gla_expand_k")):
         with pytest.raises(ValueError, match=field):
             LMConfig(**bad)
     with pytest.raises(ValueError, match="dt_input"):
         GatedLinearAttention(16, 2, decay="gla", dt_input=True, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="bias"):
-        Attention(16, 2, bias="x", rngs=nnx.Rngs(0))
 
 
 def test_attention_fillers_tiny(tmp_path):
