@@ -6,11 +6,15 @@ A thin script over :mod:`gdn_jax.sweep` (every flag is a field of :class:`gdn_ja
     python experiments/sweep.py --preset cpu_mqar --out runs/sweep_cpu          # ~5 min on 2 CPU cores
     python experiments/sweep.py --preset h200_mqar --out runs/mqar_h200         # L 512, 64 pairs, d 64-256
     python experiments/sweep.py --preset h200_parity --out runs/parity_h200     # beta (0,1) vs (0,2)
+    python experiments/sweep.py --preset zoology_mqar --out runs/zoology_mqar --time_budget_s 500  # in pieces
+    python experiments/sweep.py --preset zoology_fig2 --out runs/zoology_fig2 --time_budget_s 500
     python experiments/sweep.py --task niah --mixers gdn attention --d_models 64 128 \\
         --seq_lens 1024 2048 --lrs 1e-3 3e-3 --base vocab_size=128 steps=2000 --out runs/niah
 
-Re-running the same command resumes (finished runs are skipped). With several GPUs, one worker
-per GPU. Writes ``runs.csv``, ``summary.csv``, ``summary.json`` and ``accuracy_vs_dmodel.png`` in ``--out``.
+Re-running the same command resumes (finished runs are skipped, interrupted ones continue from
+their checkpoint; ``--time_budget_s`` stops the sweep by itself, checkpointing the run in progress).
+With several GPUs, one worker per GPU. Writes ``runs.csv``, ``summary.csv``, ``summary.json``,
+``summary.md`` and ``accuracy_vs_dmodel.png`` in ``--out``.
 A bad setting (the library's ``ValueError``/``TypeError``) exits with a message naming the flag.
 """
 from __future__ import annotations
