@@ -486,6 +486,8 @@ def evaluate(eval_step, state: TrainState, dataset=None, *, batch_size: int = 0,
     batches already on the devices (:func:`device_eval_batches`) instead of ``dataset``.
     """
     if batches is None:
+        if dataset is None or batch_size < 1:
+            raise ValueError(f"evaluate needs a dataset and batch_size >= 1 (got batch_size={batch_size}), or batches=")
         batches = device_eval_batches(dataset, batch_size=batch_size, mesh=mesh, ignore_index=ignore_index)
     totals = None
     for batch in batches:
