@@ -50,8 +50,8 @@ def gated_delta_rule_step(
       use_qk_l2norm: L2-normalise q and k (eps 1e-6) before the scale, as the op does.
       backend: ``"scan"`` (one step of the scan backend, plain XLA ops), ``"pallas"`` (one fused
         kernel, :mod:`gdn_jax.ops.pallas.decode`: normalisation, decay, write and read in one pass
-        over the state; GPU via Triton, CPU in interpret mode; K and V powers of two from 16 to
-        256, float32 / bfloat16 / float16) or ``"auto"`` (the fused kernel on a GPU for the calls
+        over the state; GPU via Triton, TPU via Mosaic (lowering checked on CPU, not run on a TPU),
+        CPU in interpret mode; K and V powers of two from 16 to 256, float32 / bfloat16 / float16) or ``"auto"`` (the fused kernel on a GPU for the calls
         it takes, scan elsewhere: on an H200, B x 16 heads x 128, per step inside a jitted scan,
         the kernel took 14.6 / 23.3 / 60.1 us at B = 1 / 16 / 64 against scan's 15.2 / 39.6 / 114).
       state_dtype: dtype of the new state, float32 (default; float64 for float64 inputs) or

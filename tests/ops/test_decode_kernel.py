@@ -6,7 +6,6 @@ Tolerances (rel_rms against float64): 1e-5 for float32 inputs and state; 5e-3 fo
 (o) against the reference on the same rounded inputs; bf16 state: 4e-3 per step (one rounding
 of S), and over 64 iterated steps o within 1e-2 of the float32-state run.
 """
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +147,18 @@ def test_auto_picks_the_kernel_on_gpu(monkeypatch):
         gated_delta_rule_step(*x, backend="auto")
     y = inputs(6, 1, 1, 1, 48, 64, False, False)
     gated_delta_rule_step(*y, backend="auto")  # K=48: not covered, scan
+
+
+@pytest.mark.parametrize("g_pc,b_pc,G,sdt", [(False, False, 1, F32), (True, True, 2, BF16)])
+def test_tpu_variant_interpret_and_lowering(g_pc, b_pc, G, sdt):
+    """The TPU variant (every head of a batch row per program, grouped heads repeated in-kernel)
+    under pltpu.InterpretParams() against float64, and lowered for TPU (Mosaic) on this CPU."""
+    x = inputs(7 + G, 2, 2, G, 64, 128, g_pc, b_pc)
+    kw = dict(scale=0.2, use_qk_l2norm=True, state_dtype=sdt, g_per_channel=g_pc, beta_per_channel=b_pc)
+    o, S = jax.jit(lambda *a: D.decode_step(*a, platform="tpu_interpret", **kw))(*x)
+    ro, rS = ref_step(*x, 0.2, True)
+    tol = 1e-5 if sdt == F32 else 5e-3
+    assert S.dtype == sdt and rel(o, ro) < tol and rel(S, rS) < tol
+    sds = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in x]
+    exp = jax.export.export(jax.jit(lambda *a: D.decode_step(*a, platform="tpu", **kw)), platforms=["tpu"])(*sds)
+    assert "tpu_custom_call" in exp.mlir_module()

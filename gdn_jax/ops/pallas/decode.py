@@ -12,7 +12,8 @@ the same order and formulas as :func:`gdn_jax.ops.gated_delta_rule_step` (decay 
 prediction from the decayed state). Grouped value heads read their key head through the index
 maps. The products S^T k and S^T q are reductions over K (a vector against a matrix: no tensor
 cores needed; the step is bound by reading and writing S). GPU through the Triton lowering, CPU in
-interpret mode.
+interpret mode; on TPU (``platform`` "tpu" / "tpu_interpret") one program per batch row takes
+every head (blocks of full head dims satisfy the (8, 128) rule), grouped heads repeated in-kernel.
 """
 from __future__ import annotations
 
@@ -55,6 +56,42 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, ns_ref, *, scale, l
     ns_ref[...] = S.astype(ns_ref.dtype)
 
 
+def _kernel_heads(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, ns_ref, *, scale, l2norm, group):
+    """TPU: every head of one batch row per program (blocks obey the (8, 128) rule as full
+    dims): q, k [Hk, K], v [H, V], g [H, 1 | K], beta [H, 1 | V], S [H, K, V]."""
+    q = q_ref[...].astype(F32)
+    k = k_ref[...].astype(F32)
+    if l2norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + L2NORM_EPS)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + L2NORM_EPS)
+    q = q * scale
+    if group > 1:  # value head j reads key head j // group
+        Hk, K = q.shape
+        q, k = (jnp.broadcast_to(x[:, None, :], (Hk, group, K)).reshape(Hk * group, K) for x in (q, k))
+    S = s_ref[...].astype(F32) * jnp.exp(g_ref[...].astype(F32))[:, :, None]  # g: [H, 1] or [H, K]
+    pred = jnp.sum(S * k[:, :, None], axis=1)
+    delta = b_ref[...].astype(F32) * (v_ref[...].astype(F32) - pred)  # beta: [H, 1] or [H, V]
+    S = S + k[:, :, None] * delta[:, None, :]
+    o_ref[...] = jnp.sum(S * q[:, :, None], axis=1).astype(o_ref.dtype)
+    ns_ref[...] = S.astype(ns_ref.dtype)
+
+
+def _tpu_call(p, q, k, v, g3, b3, state, *, scale, use_qk_l2norm, state_dtype):
+    B, Hk, K = q.shape
+    H, V = v.shape[1], v.shape[2]
+    full = lambda *shape: pl.BlockSpec((None,) + shape, lambda b: (b,) + (0,) * len(shape))
+    specs = [full(Hk, K), full(Hk, K), full(H, V), full(H, g3.shape[-1]), full(H, b3.shape[-1]), full(H, K, V)]
+    out_specs = [full(H, V), full(H, K, V)]
+    out_shape = [jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.dtype(state_dtype))]
+    aliases = {5: 1} if jnp.dtype(state.dtype) == jnp.dtype(state_dtype) else {}
+    blocks = [(specs[5], state.dtype), (out_specs[1], state_dtype), (specs[2], v.dtype), (out_specs[0], v.dtype)]
+    fn = pl.pallas_call(
+        functools.partial(_kernel_heads, scale=float(scale), l2norm=bool(use_qk_l2norm), group=H // Hk),
+        out_shape=out_shape, grid=(B,), in_specs=specs, out_specs=out_specs, input_output_aliases=aliases,
+        name="gdn_decode_step_tpu", **_plat.call_kwargs(p, num_warps=4, num_stages=1, n_grid=1, blocks=blocks))
+    return _plat.invoke(p, fn, q, k, v, g3, b3, state)
+
+
 def decode_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm: bool, state_dtype, g_per_channel: bool,
                 beta_per_channel: bool, platform: Optional[str] = None, bv: Optional[int] = None,
                 num_warps: int = 4):
@@ -63,7 +100,8 @@ def decode_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm: bool, state_dt
     [B, H, K]; beta [B, H] or [B, H, V]; state [B, H, K, V]; ``scale`` a Python float (a traced
     scale is folded into q by the caller). Returns (o [B, H, V] in v.dtype, new state in
     ``state_dtype``). The state buffer is aliased to the new state when the dtypes agree (donate it
-    under ``jax.jit`` to update in place)."""
+    under ``jax.jit`` to update in place). ``platform``: the kernel platform (None: that of
+    ``jax.default_backend()``)."""
     p = platform or _plat.default_platform()
     B, Hk, K = q.shape
     H, V = v.shape[1], v.shape[2]
@@ -71,6 +109,8 @@ def decode_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm: bool, state_dt
     bv = bv or min(V, 64)
     g3 = g if g_per_channel else g[..., None]
     b3 = beta if beta_per_channel else beta[..., None]
+    if _plat.is_tpu_layout(p):
+        return _tpu_call(p, q, k, v, g3, b3, state, scale=scale, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype)
     gk, bw = g3.shape[-1], b3.shape[-1]
     key = pl.BlockSpec((None, None, K), lambda i, j: (i // H, (i % H) // G, 0))
     specs = [key, key, pl.BlockSpec((None, None, bv), lambda i, j: (i // H, i % H, j)),
