@@ -127,3 +127,20 @@ def test_cuda_lowering_value_and_grad(K, V, group, packed):
     text = exp.mlir_module()
     assert text.count("mosaic_gpu") >= 6, "expected 2 forward + 4 backward Mosaic GPU kernels"
     assert "triton" not in text.lower().replace("mosaic_gpu", "")
+
+
+def test_x64_mode():
+    """Under ``jax_enable_x64`` (Python ints become int64) the Hopper kernels still build and agree
+    with the default mode (grid / loop indices stay int32)."""
+    x = make_inputs(seed_of("hopper-x64"), 1, 70, 1, 64, 64, dtype=BF16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+    def loss(*a):
+        o, S = gated_delta_rule(*a, output_final_state=True, backend="pallas", kernel_config=MOSAIC)
+        return jnp.sum(o.astype(F32)) + jnp.sum(S)
+
+    ref = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    with jax.enable_x64(True):
+        got = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    for a, b in zip(got, ref):
+        assert _rel(a.astype(F32), b.astype(F32)) < 1e-6

@@ -140,6 +140,12 @@ def _split(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
+def _i32(x):
+    """A Python int as an int32 scalar: grid and loop indices are int32, and lax.div / rem want
+    equal dtypes (a bare Python int becomes int64 under ``jax_enable_x64``)."""
+    return jnp.int32(x)
+
+
 def _wait_slot(bars, slot):
     """Wait for every TMA copy into ``slot`` of the double-buffered tiles (one barrier pair each)."""
     for bar in bars:
@@ -230,8 +236,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
              q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
         bh = lax.axis_index("bh")
         vsl = pl.ds(lax.axis_index("vb") * bv, bv)
-        b, h = lax.div(bh, H), lax.rem(bh, H)
-        hk = lax.div(h, G) if G > 1 else h
+        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(h, _i32(G)) if G > 1 else h
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
@@ -263,7 +269,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             S0 = load_state(0)
 
         def step(i, S):
-            slot = lax.rem(i, 2)
+            slot = lax.rem(i, _i32(2))
 
             @pl.when(i + 1 < n)
             def _():
@@ -302,7 +308,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 pl.when(last)(lambda: store_state(S, seq))
             return S
 
-        S = lax.fori_loop(0, n, step, S0)
+        S = lax.fori_loop(_i32(0), _i32(n), step, S0)
         if not call.packed and not rec:
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
@@ -374,8 +380,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
         else:
             q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars = refs
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, h = lax.div(bh, H), lax.rem(bh, H)
-        hk = lax.div(h, G) if G > 1 else h
+        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(h, _i32(G)) if G > 1 else h
         rows = pl.ds(c * C, C)
         srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c]]
         dsts = [q_s, k_s, v_s, g_s]

@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
-from .hopper import (F32, BF16, _T, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem, _split,
-                     _wait_slot)
+from .hopper import (F32, BF16, _T, _i32, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem,
+                     _split, _wait_slot)
 
 SMEM_BYTES = 227 * 1024
 
@@ -91,8 +91,8 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
              dq_ref, dk_ref, dv_ref, sc_ref,
              q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, bars):
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, hh = lax.div(bh, H), lax.rem(bh, H)
-        hk = lax.div(hh, G) if G > 1 else hh
+        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(hh, _i32(G)) if G > 1 else hh
         rows = pl.ds(c * C, C)
         srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
                 g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
@@ -290,8 +290,8 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
         bh = lax.axis_index("bh")
         vb = lax.axis_index("vb")
         vsl = pl.ds(vb * bv, bv)
-        b, hh = lax.div(bh, H), lax.rem(bh, H)
-        hk = lax.div(hh, G) if G > 1 else hh
+        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(hh, _i32(G)) if G > 1 else hh
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
@@ -317,7 +317,7 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
 
         def step(jj, dS):
             i = n - 1 - jj
-            slot = lax.rem(jj, 2)
+            slot = lax.rem(jj, _i32(2))
             # h_n only feeds d e^{gamma_C} (off the dS chain): one buffer, waited for when needed
             plgpu.copy_gmem_to_smem(h_ref.at[bh, i, :, vsl], hs_s, h_bar)
 
@@ -352,7 +352,7 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
                 pl.when(first)(lambda: store_state(dS, seq))
             return dS
 
-        dS = lax.fori_loop(0, n, step, dS0)
+        dS = lax.fori_loop(_i32(0), _i32(n), step, dS0)
         if not call.packed:
             store_state(dS, 0)
         plgpu.wait_smem_to_gmem(0)
