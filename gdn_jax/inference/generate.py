@@ -202,7 +202,8 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
 
     Raises:
       ValueError: empty or non-integer prompt, negative max_new_tokens, negative temperature,
-        top_k outside [1, vocab], or ``T + max_new_tokens > max_len``.
+        top_k outside [1, vocab], ``T + max_new_tokens > max_len``, or prompt ids outside
+        [0, vocab_size).
     """
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -219,6 +220,11 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
                          f"exceeds the attention cache's max_len = {max_len}")
     _check_sampling(model, temperature, top_k)
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if vocab is not None and not isinstance(prompt, jax.core.Tracer):
+        lo, hi = int(jnp.min(prompt)), int(jnp.max(prompt))
+        if lo < 0 or hi >= vocab:  # an out-of-range id would embed as NaN and sample token 0
+            raise ValueError(f"prompt ids must be in [0, vocab_size={vocab}), got ids from {lo} to {hi}")
     if max_new_tokens == 0:
         return jnp.zeros((B, 0), jnp.int32)
     graphdef, state = nnx.split(model)
@@ -231,10 +237,13 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
     tok, cache = jax.block_until_ready(_prefill_jit(graphdef, state, prompt, keys[0], temp, max_len=int(max_len),
                                                     top_k=top_k))
     t1 = time.perf_counter()
-    rest, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, tok, keys[1:], temp,
-                                                     jnp.asarray(max_new_tokens - 1, jnp.int32), top_k=top_k))
-    t2 = time.perf_counter()
     n = max_new_tokens - 1
+    if n == 0:  # the prefill's token only: no loop steps
+        timings.update(prefill_s=t1 - t0, decode_s=0.0, decode_tokens=0, per_token_s=float("nan"))
+        return tok[:, None]
+    rest, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, tok, keys[1:], temp,
+                                                     jnp.asarray(n, jnp.int32), top_k=top_k))
+    t2 = time.perf_counter()
     timings.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_tokens=n, per_token_s=(t2 - t1) / n if n else float("nan"))
     return jnp.concatenate([tok[:, None], rest], axis=1)
 

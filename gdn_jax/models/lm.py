@@ -481,6 +481,7 @@ class LM(nnx.Module):
             raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
         if max_len is None or tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than max_len = {max_len}")
+        _check_token_range(tokens, self.cfg.vocab_size)
         self._no_learned_positions("prefill")
         x = self.embed(tokens)
         caches = []
@@ -499,6 +500,7 @@ class LM(nnx.Module):
             raise ValueError(f"token must be an integer array [B] or [B, 1], got {token.dtype} {tuple(token.shape)}")
         if len(cache) != len(self.blocks):
             raise ValueError(f"cache has {len(cache)} layer entries for {len(self.blocks)} layers")
+        _check_token_range(token, self.cfg.vocab_size)
         self._no_learned_positions("decode_step")
         x = self.embed(token)
         new = []

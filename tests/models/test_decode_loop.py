@@ -63,6 +63,10 @@ def test_generate_fused_step_bf16_state_and_timed_loop():
     out2 = generate(model, prompt, 5, key=key, temperature=0.7, max_len=64, timings=t)
     np.testing.assert_array_equal(out, out2)
     assert t["decode_tokens"] == 4 and t["prefill_s"] > 0 and t["per_token_s"] == pytest.approx(t["decode_s"] / 4)
+    t1 = {}
+    one = generate(model, prompt, 1, key=key, temperature=0.7, max_len=64, timings=t1)  # no loop steps
+    np.testing.assert_array_equal(one, out[:, :1])
+    assert t1["decode_tokens"] == 0 and np.isnan(t1["per_token_s"])
     greedy = generate(model, prompt, 5, key=key, max_len=64)
     graphdef, state = nnx.split(model)
     cache = jax.jit(lambda st, p: nnx.merge(graphdef, st).prefill(p, 64)[1])(state, prompt)

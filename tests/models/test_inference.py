@@ -227,6 +227,14 @@ def test_bad_arguments():
         generate(model, prompt, 2, key=jax.random.key(0), temperature=-1.0)
     with pytest.raises(ValueError, match="top_k"):
         generate(model, prompt, 2, key=jax.random.key(0), top_k=0)
+    V = model.cfg.vocab_size  # out-of-range ids would embed as NaN and sample token 0
+    with pytest.raises(ValueError, match=f"vocab_size={V}"):
+        generate(model, prompt.at[0, 3].set(V), 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=f"vocab_size={V}"):
+        model.prefill(prompt.at[0, 0].set(-1), 12)
+    _, cache = model.prefill(prompt, 12)
+    with pytest.raises(ValueError, match=f"vocab_size={V}"):
+        model.decode_step(jnp.asarray([V + 3]), cache)
 
 
 def test_mixer_without_decode_is_a_clear_error():
