@@ -176,6 +176,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     s.setdefault("seed", 0)
     if len(s["pairs"]) != len(s["lengths"]):
         ap.error(f"--pairs needs one value per length: {s['lengths']} vs {s['pairs']}")
+    for k in ("diag_every", "diag_examples", "diag_batch"):
+        if int(s[k]) < 1:
+            ap.error(f"--{k} must be >= 1, got {s[k]}")
     for b in args.key_bias:
         if b != "none" and (set(b) - set("qkvo") or len(set(b)) != len(b)):
             ap.error(f"--key_bias takes 'none' or letters of 'qkvo', got {b!r}")

@@ -1,6 +1,7 @@
 """Argument checks shared by the token mixers (construction and call time)."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax.numpy as jnp
@@ -20,8 +21,8 @@ def positive_float(name: str, value) -> float:
     """``value`` as a float > 0 (TypeError / ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
 
 

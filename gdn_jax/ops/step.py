@@ -71,7 +71,11 @@ def gated_delta_rule_step(
     if backend not in STEP_BACKENDS:
         raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
     dt0 = acc_dtype(q, k, v, g, beta, state)
-    sdt = jnp.dtype(dt0 if state_dtype is None else state_dtype)
+    try:
+        sdt = jnp.dtype(dt0 if state_dtype is None else state_dtype)
+    except TypeError:
+        raise ValueError(f"state_dtype must be float32 or bfloat16 (float64 for float64 inputs), got "
+                         f"{state_dtype!r}") from None
     if sdt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)):
         raise ValueError(f"state_dtype must be float32 or bfloat16 (float64 for float64 inputs), got {sdt}")
     if backend != "scan":
