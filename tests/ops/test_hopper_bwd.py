@@ -90,6 +90,11 @@ def test_backward_coverage():
     assert not f16.mosaic_bwd and "float16" in HB.covers(f16)
     tri = to_kernel_inputs(*args, chunk_size=64, config=KernelConfig(platform="interpret", gpu_kernels="triton"))
     assert not tri.calls[1].mosaic_bwd
+    from gdn_jax.ops.pallas import backward_kernels
+
+    assert backward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
+    name, why = backward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert name == "interpret" and "backward kernel chunk 32" in why and "bwd_chunk" in why
 
 
 def test_gpu_backward_chunk_on_hopper(monkeypatch):

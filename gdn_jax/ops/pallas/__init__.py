@@ -46,7 +46,7 @@ from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall
 from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
-__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "forward_kernels", "pallas_gated_delta_rule",
+__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
            "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 
@@ -80,15 +80,28 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
     GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
     (:func:`.hopper.covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
     non-Hopper device under the default)."""
-    from . import hopper
+    return _kernels("fwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
+
+
+def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
+                     kernel_config: Optional[KernelConfig] = None):
+    """:func:`forward_kernels` for the backward: ``("hopper", None)`` for the Mosaic GPU kernels of
+    :mod:`.hopper_bwd`, else ``(platform kernels, reason)`` (:func:`.hopper_bwd.covers`)."""
+    return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
+
+
+def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config):
+    from . import hopper, hopper_bwd
 
     cfg = KernelConfig() if kernel_config is None else kernel_config
-    call = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls[0]
-    if call.mosaic_fwd:
+    calls = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls
+    call = calls[0] if direction == "fwd" else calls[1]
+    if call.mosaic_fwd if direction == "fwd" else call.mosaic_bwd:
         return "hopper", None
     name = "triton" if call.platform == "gpu" else call.platform
     asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
-    return name, (hopper.covers(call) if asked else None)
+    covers = hopper.covers if direction == "fwd" else hopper_bwd.covers
+    return name, (covers(call) if asked else None)
 
 
 def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,

@@ -47,7 +47,7 @@ def covers(call: KernelCall) -> str | None:
 
     why = fwd_covers(dataclasses.replace(call, fuse_output=True))
     if why is not None:
-        return why.replace("forward kernel chunk", "backward kernel chunk")
+        return why.replace("forward kernel chunk", "backward kernel chunk").replace("fwd_chunk", "bwd_chunk")
     if grads_smem_bytes(call) > SMEM_BYTES:
         return "shared memory (gradient kernel)"
     return None
