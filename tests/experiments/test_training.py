@@ -296,7 +296,8 @@ def test_script_sharded_subprocess(tmp_path):
         assert res["num_devices"] == 2 and np.isfinite(res["evals"][-1]["test_loss"])
         print("OK", res["steps"])
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"  # keeps conftest's
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
     p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
                        text=True, timeout=300)
