@@ -79,22 +79,17 @@ def ref_grads(x, **kw):
 # ---------------------------------------------------------------------------
 
 
-def op_fwd(x, backend, *, jit=True, cu_seqlens=None, **kw):
-    fn = functools.partial(_op(), output_final_state=True, backend=backend, **kw)
-
-    def f(q, k, v, g, beta, S0, cu):
-        return fn(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu)
-
-    if jit:
-        f = jax.jit(f)
-    return f(x.q, x.k, x.v, x.g, x.beta, x.S0, cu_seqlens)
+@functools.lru_cache(maxsize=None)
+def _jitted_fwd(backend, kw):
+    """One jitted forward per (backend, options), shared by every case that calls it (jit's own
+    cache then keys on the shapes): equal shapes compile once, e.g. the scan runs of section 2."""
+    fn = functools.partial(_op(), output_final_state=True, backend=backend, **dict(kw))
+    return jax.jit(lambda q, k, v, g, beta, S0, cu: fn(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu))
 
 
-def op_fwd_grads(x, backend, *, cu_seqlens=None, **kw):
-    """(o, S, grads) with grads of sum(o*do) + sum(S*dS) w.r.t. q,k,v,g,beta
-    (and initial_state when given), jitted."""
-    fn = functools.partial(_op(), output_final_state=True, backend=backend, **kw)
-    has_S0 = x.S0 is not None
+@functools.lru_cache(maxsize=None)
+def _jitted_fwd_grads(backend, has_S0, kw):
+    fn = functools.partial(_op(), output_final_state=True, backend=backend, **dict(kw))
 
     def loss(q, k, v, g, beta, S0, do, dS, cu):
         o, S = fn(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu)
@@ -102,7 +97,21 @@ def op_fwd_grads(x, backend, *, cu_seqlens=None, **kw):
         return val, (o, S)
 
     argnums = (0, 1, 2, 3, 4, 5) if has_S0 else (0, 1, 2, 3, 4)
-    f = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))
+    return jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))
+
+
+def op_fwd(x, backend, *, jit=True, cu_seqlens=None, **kw):
+    if jit:
+        return _jitted_fwd(backend, tuple(sorted(kw.items())))(x.q, x.k, x.v, x.g, x.beta, x.S0, cu_seqlens)
+    return _op()(x.q, x.k, x.v, x.g, x.beta, initial_state=x.S0, cu_seqlens=cu_seqlens, output_final_state=True,
+                 backend=backend, **kw)
+
+
+def op_fwd_grads(x, backend, *, cu_seqlens=None, **kw):
+    """(o, S, grads) with grads of sum(o*do) + sum(S*dS) w.r.t. q,k,v,g,beta
+    (and initial_state when given), jitted."""
+    has_S0 = x.S0 is not None
+    f = _jitted_fwd_grads(backend, has_S0, tuple(sorted(kw.items())))
     grads, (o, S) = f(x.q, x.k, x.v, x.g, x.beta, x.S0, x.do, x.dS, cu_seqlens)
     return o, S, dict(zip(GRAD_NAMES, grads))
 
