@@ -82,14 +82,16 @@ def test_bf16_state_bound():
     r = np.random.default_rng(3)
     q, k, v, g, beta, S32 = x
     S16 = S32.astype(BF16)
+    step32 = jax.jit(lambda *a: gated_delta_rule_step(*a, backend="pallas", use_qk_l2norm=True))  # compiled once,
+    step16 = jax.jit(lambda *a: gated_delta_rule_step(*a, backend="pallas", use_qk_l2norm=True,  # run 64 times
+                                                      state_dtype=BF16))
     errs = []
     for t in range(64):
         qt, kt = (jnp.asarray(r.normal(size=q.shape), F32) for _ in range(2))
         vt = jnp.asarray(r.normal(size=v.shape), F32)
         gt = jnp.asarray(np.log(1 / (1 + np.exp(-r.normal(size=g.shape) - 3))), F32)  # weak decay
-        o32, S32 = gated_delta_rule_step(qt, kt, vt, gt, beta, S32, backend="pallas", use_qk_l2norm=True)
-        o16, S16 = gated_delta_rule_step(qt, kt, vt, gt, beta, S16, backend="pallas", use_qk_l2norm=True,
-                                         state_dtype=BF16)
+        o32, S32 = step32(qt, kt, vt, gt, beta, S32)
+        o16, S16 = step16(qt, kt, vt, gt, beta, S16)
         errs.append(rel(o16, o32))
     assert S16.dtype == BF16 and max(errs) < 1e-2, max(errs)
 

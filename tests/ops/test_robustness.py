@@ -9,6 +9,8 @@ Tolerances (rel_rms = rms(x - ref) / rms(ref)): o and the final state 5e-3, ever
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,22 +45,29 @@ def make(seed, *, B=2, T=75, H=2, K=32, gate=0.02, g_pc=False, dtype="f32", cu=N
     return args, x.do, x.dS, cu
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_grads(backend, chunk_size, cu):
+    """jit(grad) of L = sum(o do) + sum(S dS) for one (backend, chunk, packing), shared by the
+    cases that call it (jit keys on shapes and dtypes)."""
+    cu_a = None if cu is None else jnp.asarray(cu, jnp.int32)
+
+    def loss(q, k, v, g, beta, S0, do, dS):
+        acc = S0.dtype  # float64 for float64 inputs, else float32
+        o, S = gated_delta_rule(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_a, output_final_state=True,
+                                chunk_size=chunk_size, backend=backend)
+        return jnp.sum(o.astype(acc) * do.astype(acc)) + jnp.sum(S * dS.astype(acc)), (o, S)
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))
+
+
 def run(x, do, dS, cu, backend, chunk_size):
     """(o, S, grads) of L = sum(o do) + sum(S dS); grads w.r.t. q, k, v, g, beta, initial_state
     (against zeros when there is none)."""
     S0 = x["initial_state"]
     acc = jnp.float64 if x["q"].dtype == jnp.float64 else jnp.float32
-    if S0 is None:
-        S0 = jnp.zeros(dS.shape, acc)
-    cu_a = None if cu is None else jnp.asarray(cu, jnp.int32)
-
-    def loss(q, k, v, g, beta, S0):
-        o, S = gated_delta_rule(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_a, output_final_state=True,
-                                chunk_size=chunk_size, backend=backend)
-        return jnp.sum(o.astype(acc) * do.astype(acc)) + jnp.sum(S * dS.astype(acc)), (o, S)
-
-    grads, (o, S) = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], S0)
+    S0 = jnp.zeros(dS.shape, acc) if S0 is None else jnp.asarray(S0, acc)
+    f = _jitted_grads(backend, chunk_size, None if cu is None else tuple(int(c) for c in cu))
+    grads, (o, S) = f(x["q"], x["k"], x["v"], x["g"], x["beta"], S0, do, dS)
     return o, S, dict(zip(NAMES, grads))
 
 
@@ -236,6 +245,16 @@ def _nan_case(seed, T=64, packed=False):
     return {n: x[n] for n in NAMES[:5]}
 
 
+@functools.lru_cache(maxsize=None)
+def _masked_fns(backend):
+    """jitted (o, S) and the gradients of sum(o[:, :40]^2) and of sum(o^2), mask_nonfinite=True:
+    compiled once per backend and shared by every (name, bad value) case (the shapes are the same)."""
+    f = lambda *a: gated_delta_rule(*a, use_qk_l2norm=True, chunk_size=32, output_final_state=True,
+                                    backend=backend, mask_nonfinite=True)
+    loss = lambda t_end: lambda *a: jnp.sum(f(*a)[0][:, :t_end].astype(jnp.float32) ** 2)
+    return jax.jit(f), jax.jit(jax.grad(loss(40), argnums=range(5))), jax.jit(jax.grad(loss(64), argnums=range(5)))
+
+
 @pytest.mark.parametrize("backend", ["scan", "chunk", "pallas"])
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
@@ -247,10 +266,10 @@ def test_nonfinite_input_does_not_reach_back(backend, name, bad):
     x = _nan_case(_seed("nan", name))
     bad_x = dict(x)
     bad_x[name] = x[name].at[0, 50].set(bad)
-    f = lambda d: gated_delta_rule(*(d[n] for n in NAMES[:5]), use_qk_l2norm=True, chunk_size=32,
-                                   output_final_state=True, backend=backend, mask_nonfinite=True)
-    o0, _ = f(x)
-    o, S = f(bad_x)
+    f, grad40, grad64 = _masked_fns(backend)
+    args, bad_args = [x[n] for n in NAMES[:5]], [bad_x[n] for n in NAMES[:5]]
+    o0, _ = f(*args)
+    o, S = f(*bad_args)
     np.testing.assert_allclose(np.asarray(o[:, :50], np.float32), np.asarray(o0[:, :50], np.float32), atol=1e-6)
     if name == "q":
         assert np.all(np.isnan(np.asarray(o[:, 50], np.float32)))
@@ -258,15 +277,11 @@ def test_nonfinite_input_does_not_reach_back(backend, name, bad):
     else:
         assert np.all(np.isnan(np.asarray(o[:, 50:], np.float32))) and np.all(np.isnan(np.asarray(S)))
 
-    def loss(t_end):
-        return lambda *a: jnp.sum(f(dict(zip(NAMES, a)))[0][:, :t_end].astype(jnp.float32) ** 2)
-
-    args, bad_args = [x[n] for n in NAMES[:5]], [bad_x[n] for n in NAMES[:5]]
-    g_clean = jax.grad(loss(40), argnums=range(5))(*args)
-    g_bad = jax.grad(loss(40), argnums=range(5))(*bad_args)
+    g_clean = grad40(*args)
+    g_bad = grad40(*bad_args)
     for a, b in zip(g_bad, g_clean):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
-    g_all = jax.grad(loss(64), argnums=range(5))(*bad_args)
+    g_all = grad64(*bad_args)
     assert all(np.mean(np.isnan(np.asarray(a, np.float32))) > 0.9 for a in g_all)
 
 
@@ -301,6 +316,15 @@ def test_linear_attention_nonfinite_input_does_not_reach_back(backend):
     np.testing.assert_allclose(np.asarray(g), np.asarray(g0), atol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def _unmasked_fns(backend):
+    """jitted (o, S) and the gradients w.r.t. q, k, v of sum(o[:, :40]^2), mask_nonfinite=False
+    (the default): compiled once per backend, shared by the cases."""
+    f = lambda *a: gated_delta_rule(*a, chunk_size=32, output_final_state=True, backend=backend)
+    return jax.jit(f), jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0][:, :40].astype(jnp.float32) ** 2),
+                                        argnums=(0, 1, 2)))
+
+
 @pytest.mark.parametrize("backend", ["scan", "chunk", "pallas"])
 @pytest.mark.parametrize("name", ["k", "v", "g", "beta"])
 def test_nonfinite_input_default_contract(backend, name):
@@ -312,14 +336,14 @@ def test_nonfinite_input_default_contract(backend, name):
     x = _nan_case(_seed("contract", name), T=96)
     bad = dict(x)
     bad[name] = x[name].at[0, 50, 1].set(jnp.nan)
-    f = lambda *a: gated_delta_rule(*a, chunk_size=32, output_final_state=True, backend=backend)
+    f, grad40 = _unmasked_fns(backend)
     args, bad_args = [x[n] for n in NAMES[:5]], [bad[n] for n in NAMES[:5]]
     (o0, _), (o, S) = f(*args), f(*bad_args)
     first = 50 if backend == "scan" else 32
     np.testing.assert_allclose(np.asarray(o[:, :first], np.float32), np.asarray(o0[:, :first], np.float32), atol=1e-6)
     np.testing.assert_allclose(np.asarray(o[:, :, 0], np.float32), np.asarray(o0[:, :, 0], np.float32), atol=1e-6)
     assert np.all(np.isnan(np.asarray(o[:, 50:, 1], np.float32))) and np.all(np.isnan(np.asarray(S[:, 1])))
-    grads = jax.grad(lambda *a: jnp.sum(f(*a)[0][:, :40].astype(jnp.float32) ** 2), argnums=(0, 1, 2))(*bad_args)
+    grads = grad40(*bad_args)
     if backend != "scan":  # the chunked backends: NaN gradients at earlier tokens (loud)
         assert all(np.any(np.isnan(np.asarray(gr[:, :40, 1], np.float32))) for gr in grads)
 
