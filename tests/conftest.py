@@ -8,14 +8,32 @@ import sys
 # XLA's compiler, not to running them. LLVM at -O0 and XLA:CPU's classic (non-MLIR) fusion
 # emitters compile 2-4x faster (e.g. tests/ops/test_gated_delta_rule.py's backend-vs-reference
 # grid: 134 s -> 32 s on one core); the programs and the float64 comparisons are the same.
-# Set before jax creates its CPU client (flags are read then); inherited by the subprocess and
-# notebook tests. GDN_TEST_XLA_DEFAULTS=1 keeps XLA's defaults; a flag already in XLA_FLAGS wins.
-if os.environ.get("GDN_TEST_XLA_DEFAULTS") != "1":
-    _flags = os.environ.get("XLA_FLAGS", "").split()
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-        if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
-            _flags.append(_flag)
-    os.environ["XLA_FLAGS"] = " ".join(_flags)
+# Set before jax creates its CPU client (flags are read then); inherited by the xdist workers and
+# the subprocess and notebook tests. An XLA that does not know a flag aborts the process, so the
+# flags are first tried in a subprocess (once per run: the result is passed on in the environment).
+# GDN_TEST_XLA_DEFAULTS=1 keeps XLA's defaults; a flag already in XLA_FLAGS wins.
+_FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _fast_xla_flags():
+    import subprocess
+
+    have = os.environ.get("XLA_FLAGS", "").split()
+    new = [f for f in _FAST_XLA_FLAGS if not any(h.split("=")[0] == f.split("=")[0] for h in have)]
+    for extra in (new, new[:1]):  # both, else the optimization level alone
+        if not extra:
+            break
+        flags = " ".join(have + extra)
+        probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.ones(2).sum().block_until_ready()"],
+                               env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True)
+        if probe.returncode == 0:
+            os.environ["XLA_FLAGS"] = flags
+            break
+
+
+if os.environ.get("GDN_TEST_XLA_DEFAULTS") != "1" and not os.environ.get("_GDN_TEST_XLA_FLAGS_SET"):
+    _fast_xla_flags()
+    os.environ["_GDN_TEST_XLA_FLAGS_SET"] = "1"
 
 import jax  # noqa: E402
 
