@@ -144,6 +144,15 @@ def test_coverage_reasons(kw, reason):
     assert reason in hopper.covers(call)
 
 
+def test_default_block():
+    # 64 where that gives >= 64 CTAs; halved on a GPU for few (batch x head) rows; interpret keeps 64
+    assert hopper.default_block(64, 128) == 64 and hopper.default_block(128, 128) == 64
+    assert hopper.default_block(16, 128) == 32 and hopper.default_block(32, 64) == 32
+    assert hopper.default_block(2, 64) == 16 and hopper.default_block(4, 32) == 16
+    assert hopper.default_block(2, 64, "interpret") == 64
+    assert _call(platform="gpu", config=dataclasses.replace(MOSAIC, platform="gpu"), BH=16, H=16).bv_mosaic == 32
+
+
 def test_dispatch():
     assert _call().mosaic_fwd
     assert _call(group=2, BH=4, H=2).mosaic_fwd

@@ -73,7 +73,8 @@ class KernelConfig:
       bv_state, bv_out, bv_grad: value-channel block of the state passes (grid B*H x V/bv), of
         the unfused output kernel and of the V loop of the gradient kernel; None: automatic
         (state passes: at least ~256 programs on GPU; TPU: V, or 128 when V is a multiple of 128).
-        ``bv_state`` also sets the Hopper state pass's block (16, 32 or 64; None: 64): another
+        ``bv_state`` also sets the Hopper state pass's block (16, 32 or 64; None: 64, halved on a
+        GPU while B*H*V/bv < 64: :func:`gdn_jax.ops.pallas.hopper.default_block`): another
         value sends the forward to the Triton kernels (see ``gdn_jax.ops.pallas.forward_kernels``).
       bk_grad: key-channel block of the gradient kernel; below K the kernel runs on the grid
         (B*H, chunks, K/bk_grad) (at D = 256 the whole-K kernel spills registers at C = 32);
@@ -333,6 +334,6 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
 
     if not _mosaic_wanted(config, call.platform):
         return call
-    bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V), call.V)
+    bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V, call.platform), call.V)
     call = dataclasses.replace(call, bv_mosaic=bv)
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

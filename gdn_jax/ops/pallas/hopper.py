@@ -160,10 +160,17 @@ def _slot_flags(g_s, slot):
     return f >> 2, (f & 1) != 0, (f & 2) != 0
 
 
-def default_block(BH: int, V: int) -> int:
-    """Default value channels per CTA of the Hopper state pass (``KernelConfig.bv_state``
-    overrides it): 64, so V = 128 runs two CTAs per head."""
-    return min(64, V)
+def default_block(BH: int, V: int, platform: str = "gpu") -> int:
+    """Default value channels per CTA of the Hopper state passes (``KernelConfig.bv_state``
+    overrides it): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
+    leaves fewer than 64 CTAs (interpret mode keeps 64: fewer, larger programs): a state pass is a chain of dependent chunk steps per CTA, so with few
+    (batch x head) rows more, narrower CTAs win. Measured on one H200 (forward state pass):
+    BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms; BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 /
+    0.170 ms (results/hopper_h200/stages_5e1db07.txt)."""
+    bv = min(64, V)
+    while platform == "gpu" and bv > 16 and BH * (V // bv) < 64:
+        bv //= 2
+    return bv
 
 
 def smem_bytes(call: KernelCall, bv: int) -> int:
