@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import threading
+
 import numpy as np
 
 from gdn_jax.data.common import TaskBatch, check_int as _check_int
@@ -109,6 +111,7 @@ class TaskLoader:
         self._train: TaskBatch | None = None
         self._perm_epoch: int | None = None
         self._perm: np.ndarray | None = None
+        self._perm_lock = threading.Lock()  # batch() may run in several prefetch threads
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -130,11 +133,12 @@ class TaskLoader:
         return self._train
 
     def _epoch_perm(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            rng = np.random.default_rng(seed_epoch_shuffle(self.cfg, epoch))
-            self._perm = rng.permutation(self.cfg.train_examples)
-            self._perm_epoch = epoch
-        return self._perm
+        with self._perm_lock:  # the (epoch, permutation) pair is read and replaced together
+            if self._perm_epoch != epoch:
+                rng = np.random.default_rng(seed_epoch_shuffle(self.cfg, epoch))
+                self._perm = rng.permutation(self.cfg.train_examples)
+                self._perm_epoch = epoch
+            return self._perm
 
     def batch(self, step: int) -> TaskBatch:
         """The batch for global ``step`` (``int32 [batch_size, seq_len]`` arrays, fresh copies)."""

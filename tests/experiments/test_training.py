@@ -105,6 +105,22 @@ def test_loss_falls(setup):
     assert np.mean(losses[-5:]) < losses[0] - 0.3, losses
 
 
+@pytest.mark.parametrize("mode", ["stream", "fixed"])
+def test_prefetch_workers_same_batches(setup, mode):
+    """Several prefetch threads give exactly the loader's batches, in step order (fixed mode
+    across epoch boundaries: 3 steps per epoch, the shuffle is shared state behind a lock)."""
+    loader = TaskLoader(dataclasses.replace(TASK, train_examples=48), 16, mode=mode)
+    ref = TaskLoader(dataclasses.replace(TASK, train_examples=48), 16, mode=mode)
+    got = list(T.prefetch_batches(loader.batch, range(10), setup["mesh"], depth=4, workers=3))
+    assert [s for s, _ in got] == list(range(10))
+    for s, b in got:
+        want = ref.batch(s)
+        np.testing.assert_array_equal(np.asarray(b.inputs), want.inputs)
+        np.testing.assert_array_equal(np.asarray(b.targets), want.targets)
+    with pytest.raises(ValueError, match="workers"):
+        list(T.prefetch_batches(loader.batch, range(2), setup["mesh"], workers=0))
+
+
 def test_checkpoint_resume_bit_identical(setup, tmp_path):
     state0, step, loader, mesh, tx = (setup[k] for k in ("state0", "step", "loader", "mesh", "tx"))
     # uninterrupted: 12 steps, checkpoint at 6 (and at the end)
