@@ -511,3 +511,25 @@ def test_auto_backend_policy():
     assert resolve_backend("auto", ok, dtype=F32, platform="cpu", **kw) == "chunk"
     assert resolve_backend("auto", ok, dtype=BF16, platform="cpu", **kw) == "chunk"
     assert resolve_backend("pallas", ok, dtype=F32, platform="gpu", **kw) == "pallas"  # explicit: still runs
+
+
+def test_forward_and_backward_kernels_validate_like_the_op():
+    """forward_kernels / backward_kernels check their arguments as gated_delta_rule does."""
+    q, v = jnp.zeros((1, 16, 2, 32)), jnp.zeros((1, 16, 2, 32))
+    g, b = jnp.zeros((1, 16, 2)), jnp.ones((1, 16, 2))
+    cfg = KernelConfig(platform="interpret")
+    for fn in (P.forward_kernels, P.backward_kernels):
+        assert fn(q, q, v, g, b, kernel_config=cfg)[0] == "interpret"
+        with pytest.raises(ValueError, match=r"k must have the shape of q .* got shape \(1, 8, 2, 32\)"):
+            fn(q, q[:, :8], v, g, b, kernel_config=cfg)
+        with pytest.raises(ValueError, match=r"g \(log-space decay\) must have shape \[B, T, H\] = \(1, 16, 2\)"):
+            fn(q, q, v, g[..., :1], b, kernel_config=cfg)
+        with pytest.raises(ValueError, match=r"beta must have shape \[B, T, H\] = \(1, 16, 2\)"):
+            fn(q, q, v, g, b[:, :5], kernel_config=cfg)
+        with pytest.raises(ValueError, match=r"v must have shape \[B, T, Hv, V\]"):
+            fn(q, q, v[..., 0], g, b, kernel_config=cfg)
+        with pytest.raises(TypeError, match="kernel_config must be a gdn_jax.ops.KernelConfig"):
+            fn(q, q, v, g, b, kernel_config=dict(bv_state=16))
+        with pytest.raises(NotImplementedError, match="chunk_size=24"):
+            fn(q, q, v, g, b, chunk_size=24, kernel_config=cfg)
+

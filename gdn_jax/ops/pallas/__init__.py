@@ -79,20 +79,32 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
     :mod:`.hopper`, else ``(platform kernels, reason)`` with the platform's kernels ("triton" on
     GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
     (:func:`.hopper.covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
-    non-Hopper device under the default)."""
+    non-Hopper device under the default).
+
+    Raises: as ``gated_delta_rule(..., backend="pallas")``: TypeError / ValueError for arguments
+    that do not fit its layout (the message names the argument and the expected shape), or a
+    ``kernel_config`` that is not a :class:`KernelConfig`; NotImplementedError for a call the
+    kernels do not take (:func:`supports`)."""
     return _kernels("fwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
 
 
 def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
                      kernel_config: Optional[KernelConfig] = None):
     """:func:`forward_kernels` for the backward: ``("hopper", None)`` for the Mosaic GPU kernels of
-    :mod:`.hopper_bwd`, else ``(platform kernels, reason)`` (:func:`.hopper_bwd.covers`)."""
+    :mod:`.hopper_bwd`, else ``(platform kernels, reason)`` (:func:`.hopper_bwd.covers`).
+
+    Raises: as :func:`forward_kernels`."""
     return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
 
 
 def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config):
+    from .._common import check_inputs
+    from ..gated_delta_rule import _check_kernel_config, resolve_backend
     from . import hopper, hopper_bwd
 
+    forms = check_inputs(q, k, v, g, beta, None, cu_seqlens, chunk_size, None)  # the op's checks
+    _check_kernel_config(kernel_config, "pallas")
+    resolve_backend("pallas", forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     cfg = KernelConfig() if kernel_config is None else kernel_config
     calls = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls
     call = calls[0] if direction == "fwd" else calls[1]
