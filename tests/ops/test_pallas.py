@@ -533,3 +533,16 @@ def test_forward_and_backward_kernels_validate_like_the_op():
         with pytest.raises(NotImplementedError, match="chunk_size=24"):
             fn(q, q, v, g, b, chunk_size=24, kernel_config=cfg)
 
+
+def test_block_messages_name_the_value_given():
+    """A bv_* block names the user's value and V: the Hopper block is not clipped to V (the reason
+    names it), and a block that does not divide the padded V says how V was padded."""
+    x = jnp.zeros((1, 64, 2, 64), BF16)
+    g, b = jnp.zeros((1, 64, 2)), jnp.ones((1, 64, 2))
+    for fn in (P.forward_kernels, P.backward_kernels):
+        cfg = KernelConfig(platform="interpret", gpu_kernels="mosaic", bv_state=256)
+        assert fn(x, x, x, g, b, kernel_config=cfg) == ("interpret", "value block 256 with V=64 "
+                                                         "(needs 16, 32 or 64 dividing V)")
+    v48 = jnp.zeros((1, 64, 2, 48), BF16)
+    with pytest.raises(ValueError, match=r"bv_grad=24 must divide the head dim 64 \(V=48 zero-padded"):
+        P.forward_kernels(x, x, v48, g, b, kernel_config=KernelConfig(platform="interpret", bv_grad=24))

@@ -73,9 +73,11 @@ class KernelConfig:
       bv_state, bv_out, bv_grad: value-channel block of the state passes (grid B*H x V/bv), of
         the unfused output kernel and of the V loop of the gradient kernel; None: automatic
         (state passes: at least ~256 programs on GPU; TPU: V, or 128 when V is a multiple of 128).
-        ``bv_state`` also sets the Hopper state pass's block (16, 32 or 64; None: 64, halved on a
-        GPU while B*H*V/bv < 64: :func:`gdn_jax.ops.pallas.hopper.default_block`): another
-        value sends the forward to the Triton kernels (see ``gdn_jax.ops.pallas.forward_kernels``).
+        A value above the (padded) V is clipped to V. ``bv_state`` also sets the Hopper state
+        pass's block, as given (16, 32 or 64 dividing V; None: 64, halved on a GPU while
+        B*H*V/bv < 64: :func:`gdn_jax.ops.pallas.hopper.default_block`): another value, one
+        above V included, sends the forward to the Triton kernels (see
+        ``gdn_jax.ops.pallas.forward_kernels``, whose reason names the value and V).
       bk_grad: key-channel block of the gradient kernel; below K the kernel runs on the grid
         (B*H, chunks, K/bk_grad) (at D = 256 the whole-K kernel spills registers at C = 32);
         None: K up to 128, 128 above (TPU: K).
@@ -251,10 +253,18 @@ def _state_block(BH, C, V, state_dt) -> int:
     return bv
 
 
-def _block(name: str, explicit: Optional[int], default: int, total: int) -> int:
+def _block(name: str, explicit: Optional[int], default: int, total: int, given: Optional[int] = None) -> int:
+    """``explicit`` (None: ``default``) clipped to the (padded) head dim ``total``; ``given``: the
+    call's own head dim, named in the message where padding changed it.
+
+    Raises:
+      ValueError: a block that does not divide ``total``, naming the value the user gave.
+    """
     b = min(explicit or default, total)
     if total % b:
-        raise ValueError(f"KernelConfig.{name}={b} must divide the head dim {total}")
+        dim = name[1].upper()
+        pad = f" ({dim}={given} zero-padded to a power of two)" if given not in (None, total) else ""
+        raise ValueError(f"KernelConfig.{name}={explicit or default} must divide the head dim {total}{pad}")
     return b
 
 
@@ -285,11 +295,11 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
             return _state_block(BH, C, V, state_dt)
         return min(V, 128) if kind == "out" else min(V, 64)
 
-    bv_state = _block("bv_state", config.bv_state, vdefault("state"), V)
-    bv_out = _block("bv_out", config.bv_out, vdefault("out"), V)
-    bv_grad = _block("bv_grad", config.bv_grad, vdefault("grad"), V)
+    bv_state = _block("bv_state", config.bv_state, vdefault("state"), V, V0)
+    bv_out = _block("bv_out", config.bv_out, vdefault("out"), V, V0)
+    bv_grad = _block("bv_grad", config.bv_grad, vdefault("grad"), V, V0)
 
-    bk = _block("bk_grad", config.bk_grad, K if (tpu or K <= 128) else 128, K)
+    bk = _block("bk_grad", config.bk_grad, K if (tpu or K <= 128) else 128, K, K0)
     nk = K // bk
     if V % nk or V // nk < 16:  # each K block also writes dv for V/nk columns: >= 16 of them
         nk = 1
@@ -334,6 +344,8 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
 
     if not _mosaic_wanted(config, call.platform):
         return call
-    bv = _block("bv_state", config.bv_state, hopper.default_block(call.BH, call.V, call.platform), call.V)
+    # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
+    # forward to Triton, and hopper.covers' reason names that value and V
+    bv = config.bv_state or hopper.default_block(call.BH, call.V, call.platform)
     call = dataclasses.replace(call, bv_mosaic=bv)
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
