@@ -89,6 +89,20 @@ def _check_sampling(model, temperature, top_k):
         raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
 
 
+def _check_token(token, cache):
+    """``token`` as an integer ``[B]`` array whose B is the batch of ``cache`` (the leading dim of
+    its arrays; scalars such as ``KVCache.pos`` have none)."""
+    token = jnp.asarray(token)
+    if token.ndim != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
+        raise ValueError(f"token must be an integer array [B], got {token.dtype} {tuple(token.shape)}")
+    batches = sorted({x.shape[0] for x in jax.tree_util.tree_leaves(cache) if np.ndim(x) >= 1})
+    if batches and batches != [token.shape[0]]:
+        got = batches[0] if len(batches) == 1 else batches
+        raise ValueError(f"token has batch B = {token.shape[0]} (shape {tuple(token.shape)}), the cache has batch "
+                         f"{got}: token must be [B] with the cache's B (model.init_cache(B, ...) / model.prefill)")
+    return token
+
+
 def _check_count(name, n):
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"{name} must be a non-negative int, got {n!r}")
@@ -119,12 +133,10 @@ def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float
       (int32 ``[B, num_tokens]``: the token sampled after each step, the cache after the last step).
 
     Raises:
-      ValueError: a non-integer ``token`` not of shape ``[B]``, a negative ``num_tokens``,
-        ``temperature`` or an out-of-range ``top_k``.
+      ValueError: a non-integer ``token`` not of shape ``[B]`` or whose B is not the cache's batch,
+        a negative ``num_tokens``, ``temperature`` or an out-of-range ``top_k``.
     """
-    token = jnp.asarray(token)
-    if token.ndim != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
-        raise ValueError(f"token must be an integer array [B], got {token.dtype} {tuple(token.shape)}")
+    token = _check_token(token, cache)
     num_tokens = _check_count("num_tokens", num_tokens)
     _check_sampling(model, temperature, top_k)
     if num_tokens == 0:
@@ -149,13 +161,14 @@ def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key
     over its tokens, one dispatch included); ``slope_s`` = median of ``(t(2n) - t(n)) / n`` (the
     cost of one more step: dispatch and fixed costs cancel); ``call_s`` / ``call2_s`` (the
     ``t(n)`` / ``t(2n)`` of each rep); ``first_call_s``; ``tokens`` (n); ``cache`` (after the last
-    call). Raises ValueError for ``num_tokens < 1`` or ``reps < 1``.
+    call). Raises ValueError for ``num_tokens < 1`` or ``reps < 1``, or a ``token`` as
+    :func:`decode_loop` rejects it.
     """
     num_tokens = _check_count("num_tokens", num_tokens)
     reps = _check_count("reps", reps)
     if num_tokens < 1 or reps < 1:
         raise ValueError(f"num_tokens and reps must be >= 1, got {num_tokens}, {reps}")
-    token = jnp.asarray(token, jnp.int32)
+    token = _check_token(token, cache).astype(jnp.int32)
     graphdef, state = nnx.split(model)
     keys = jax.random.split(jax.random.key(0) if key is None else key, 2 * num_tokens)
     temp = jnp.asarray(0.0, jnp.float32)

@@ -83,3 +83,19 @@ def test_generate_fused_step_bf16_state_and_timed_loop():
         decode_loop(model, r["cache"], greedy, 2, key=key)
     with pytest.raises(ValueError, match="num_tokens must be"):
         decode_loop(model, r["cache"], greedy[:, 0], -1, key=key)
+
+
+def test_decode_loop_token_batch_must_match_the_cache():
+    """A token batch other than the cache's is a ValueError naming token and the cache batch, raised
+    before anything is traced (num_tokens = 0 included)."""
+    cfg = LMConfig(d_model=32, num_heads=2, num_layers=2, hybrid_every=2, hybrid_mixer="gated_attention",
+                   backend="scan")
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    cache = model.init_cache(2, 8)
+    before = TRACE_COUNT["decode_loop"]
+    for n in (0, 2):
+        with pytest.raises(ValueError, match=r"token has batch B = 3 .* the cache has batch 2"):
+            decode_loop(model, cache, jnp.zeros((3,), jnp.int32), n, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"token has batch B = 1 .* the cache has batch 2"):
+        time_decode_loop(model, cache, jnp.zeros((1,), jnp.int32), 1, reps=1)
+    assert TRACE_COUNT["decode_loop"] == before and not cache[0].state.is_deleted()
