@@ -466,6 +466,17 @@ def _accelerators() -> Tuple[int, str]:
     return (n if backend in ("gpu", "cuda", "rocm", "tpu") else 1), backend
 
 
+def recorded_config(cfg: SweepConfig) -> Dict[str, Any]:
+    """``cfg`` as ``sweep_config.json`` records it: with ``shapes``, ``seq_lens`` / ``num_kv_pairs``
+    are the values the shapes run (in order of first appearance), not the unused fields."""
+    d = dataclasses.asdict(cfg)
+    if cfg.shapes:
+        points = [parse_shape(x) for x in cfg.shapes]
+        d["seq_lens"] = list(dict.fromkeys(L for L, _, _ in points))
+        d["num_kv_pairs"] = list(dict.fromkeys(n for _, n, _ in points))
+    return d
+
+
 def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] = None) -> Dict[str, Any]:
     """Run every unfinished cell of ``cfg`` (in this process, or in one worker per device), then
     :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process."""
@@ -480,7 +491,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         argv = [*argv, "--deadline", repr(cfg.deadline)]
     os.makedirs(os.path.join(cfg.out, "locks"), exist_ok=True)
     with open(os.path.join(cfg.out, "sweep_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+        json.dump(recorded_config(cfg), f, indent=1)
     if cfg.worker_index is not None:
         _worker(cfg)
         return {}

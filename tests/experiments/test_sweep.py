@@ -299,3 +299,17 @@ def test_task_and_model_configs_built_by_field_name():
     ours = {f.name for f in dataclasses.fields(RecallConfig)}
     for cls in TASK_CONFIGS.values():  # every task setting but state tracking's label_mode is a RecallConfig field
         assert {f.name for f in dataclasses.fields(cls)} - ours <= {"label_mode"}, cls
+
+
+def test_sweep_config_json_records_the_shapes_that_run():
+    """With --shapes, sweep_config.json's seq_lens / num_kv_pairs are those of the shapes, not the
+    preset's (which do not run)."""
+    cfg = S.apply_preset(S.SweepConfig(preset="cpu_mqar", shapes=("32x4", "16x2x8", "32x2")), explicit=["shapes"])
+    assert cfg.seq_lens == (64,) and cfg.num_kv_pairs == (8,)  # the preset's fields, unused
+    rec = S.recorded_config(cfg)
+    assert rec["seq_lens"] == [32, 16] and rec["num_kv_pairs"] == [4, 2]
+    assert {c.seq_len for c in S.cells(cfg)} == set(rec["seq_lens"])
+    assert {c.num_kv_pairs for c in S.cells(cfg)} == set(rec["num_kv_pairs"])
+    assert json.loads(json.dumps(rec))["shapes"] == ["32x4", "16x2x8", "32x2"]
+    plain = S.apply_preset(S.SweepConfig(preset="cpu_mqar"))
+    assert S.recorded_config(plain) == dataclasses.asdict(plain)
