@@ -344,12 +344,10 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
 
 def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward`: q and k tiles (v, and dO in the backward, reuse them
-    when K == V), Aqk, T and L as bf16 hi / lo pairs, the gates."""
+    """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs."""
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
-    own_v = 0 if K == V else 2 * C * V * isz  # v's tile (and the backward's dO tile) of their own
-    return 2 * C * K * isz + own_v + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
+    return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
 def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
@@ -382,40 +380,26 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
 
     backward = do is not None
 
-    # K == V: v arrives in q's tile once Q K^T has read it, dO (backward) in k's once W has left:
-    # 73 KB of SMEM at D = 128, three CTAs per SM
-    share = K == V
-
     def body(*refs):
-        refs = list(refs)
         if backward:
-            q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref = refs[:10]
-            refs = refs[10:]
+            (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
+             q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
         else:
-            q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref = refs[:7]
-            refs = refs[7:]
-        q_s, k_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s = refs[:8]
-        refs = refs[8:]
-        v_s = q_s if share else refs.pop(0)
-        do_s = (k_s if share else refs.pop(0)) if backward else None
-        (bars,) = refs
+            q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars = refs
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
         rows = pl.ds(c * C, C)
-        # barriers: 0 q, 1 k, 2 v, 3 gates, 4 dO
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hk], q_s, bars.at[0])
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hk], k_s, bars.at[1])
-        plgpu.copy_gmem_to_smem(g_ref.at[bh, c], g_s, bars.at[3])
-        if not share:
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_s, bars.at[2])
-            if backward:
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bars.at[4])
-        for i in (0, 1, 3):
+        srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c]]
+        dsts = [q_s, k_s, v_s, g_s]
+        if backward:
+            srcs.append(do_ref.at[b, rows, h])
+            dsts.append(do_s)
+        for i, (src, dst) in enumerate(zip(srcs, dsts)):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        for i in range(4):
             plgpu.barrier_wait(bars.at[i])
         kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
-        if share:  # Q K^T has read q's tile: v takes it (arriving during the inverse)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_s, bars.at[2])
         i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
         bcast_r = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
@@ -427,7 +411,13 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
         aqk = jnp.where(incl, qk * (scale * jnp.exp(jnp.where(incl, dg, 0.0))), 0.0)
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
-        if not backward:
+        if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
+            plgpu.barrier_wait(bars.at[4])
+            (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
+            do_s[...] = dvl.astype(do_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
+        else:
             plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
         # T = (I + A)^-1: T_2 exact, then T_2s = T_s - (T_s L_s) T_s with L_s the sub-diagonal s-blocks
         eye = jnp.where(i == j, 1.0, 0.0)
@@ -445,7 +435,6 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
             (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
             lg += 1
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
-        plgpu.barrier_wait(bars.at[2])
         k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
                     * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
         v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
@@ -458,33 +447,23 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(t_lo, tlo_ref.at[bh, c])
         Wm, Um = _mmas([((C, K), (th, tl), (k_s, k_s)), ((C, V), (th, tl), (v_s, v_s))], interp)
-        k_s[...] = Wm.astype(k_s.dtype)
+        q_s[...] = Wm.astype(q_s.dtype)
         v_s[...] = Um.astype(v_s.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
+        plgpu.copy_smem_to_gmem(q_s, w_ref.at[bh, rows])
         plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
-        if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
-            if share:  # dO takes k's tile once W has left it
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bars.at[4])
-            plgpu.barrier_wait(bars.at[4])
-            (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
-            do_s[...] = dvl.astype(do_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, C), BF16),
+    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16),
                plgpu.SMEM((4, C), F32)]
-    if not share:
-        scratch += [_smem((C, V), in_dt)] + ([_smem((C, V), in_dt)] if backward else [])
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
+        scratch.append(_smem((C, V), in_dt))
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type.append(jax.ShapeDtypeStruct((BH, n, C, C), BF16))
-    scratch.append(plgpu.Barrier(num_barriers=5))
+    scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
                       **kw)
