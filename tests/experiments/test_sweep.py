@@ -167,7 +167,11 @@ def test_recall_rejects_bad_settings(tmp_path):
     for argv, msg in [(["--lr", "-1"], r"^recall\.py: error: --lr must be a positive finite number, got -1\.0$"),
                       (["--num_heads", "3"], r"--d_model must be divisible by --num_heads 3"),
                       (["--task", "niah", "--data_mode", "fixed"], r"--data_mode must be 'stream'"),
-                      (["--backend", "pallas", "--chunk_size", "48"], r"^recall\.py: error: .*chunk_size=48")]:
+                      (["--backend", "pallas", "--chunk_size", "48"], r"^recall\.py: error: .*chunk_size=48"),
+                      (["--steps", "10", "--warmup", "20"],
+                       r"^recall\.py: error: --warmup must be in \[0, --steps\) = \[0, 10\), got 20"),
+                      (["--steps", "50"], r"--warmup must be in \[0, --steps\) = \[0, 50\), got 200 \(the default "
+                                          r"warmup is 200 steps: pass a smaller --warmup with a short --steps\)")]:
         with pytest.raises(SystemExit, match=msg):
             main(argv + ["--out", str(tmp_path / "cli")])
 
