@@ -310,26 +310,37 @@ class DeviceFixedLoader:
         self.inputs = jax.device_put(np.asarray(train.inputs), rep)
         self.targets = jax.device_put(np.asarray(train.targets), rep)
         self._epoch, self._perm = None, None
+        self._next, self._i = None, None  # the step the device-side batch counter points at, and it
         B = loader.batch_size
 
         def gather(x, y, perm, i):
             idx = jax.lax.dynamic_slice_in_dim(perm, i * B, B)
-            return jnp.take(x, idx, axis=0), jnp.take(y, idx, axis=0)
+            return jnp.take(x, idx, axis=0), jnp.take(y, idx, axis=0), i + 1
 
         bs = _batch_sharding(mesh)
-        self._gather = jax.jit(gather, in_shardings=(rep, rep, rep, None), out_shardings=(bs, bs))
+        self._gather = jax.jit(gather, in_shardings=(rep, rep, rep, rep), out_shardings=(bs, bs, rep))
 
     @property
     def steps_per_epoch(self) -> int:
         return self.loader.steps_per_epoch
 
     def batch(self, step: int):
-        """``(inputs, targets)`` of global ``step`` on the devices (split along ``"data"``)."""
-        epoch, i = divmod(int(step), self.steps_per_epoch)
+        """``(inputs, targets)`` of global ``step`` on the devices (split along ``"data"``).
+
+        Consecutive steps within an epoch take the batch index from a counter that stays on the
+        devices (the gather returns it incremented): no host-to-device copy per step; a new epoch
+        or a jump copies the permutation / the index once."""
+        step = int(step)
+        epoch, i = divmod(step, self.steps_per_epoch)
+        rep = replicated(self.mesh)
         if epoch != self._epoch:
-            self._perm = jax.device_put(np.asarray(self.loader._epoch_perm(epoch), np.int32), replicated(self.mesh))
+            self._perm = jax.device_put(np.asarray(self.loader._epoch_perm(epoch), np.int32), rep)
             self._epoch = epoch
-        return self._gather(self.inputs, self.targets, self._perm, np.int32(i))
+        if step != self._next or self._i is None:
+            self._i = jax.device_put(np.int32(i), rep)
+        x, y, self._i = self._gather(self.inputs, self.targets, self._perm, self._i)
+        self._next = step + 1 if i + 1 < self.steps_per_epoch else None
+        return x, y
 
 
 def device_eval_batches(dataset, *, batch_size: int, mesh: Optional[Mesh] = None,

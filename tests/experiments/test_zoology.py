@@ -76,6 +76,13 @@ def test_device_fixed_loader_equals_host_batches():
         ref = loader.batch(step)
         np.testing.assert_array_equal(x, ref.inputs)
         np.testing.assert_array_equal(y, ref.targets)
+    # the device-side batch counter: consecutive steps, jumps back and forth, repeats, epoch ends
+    loader4 = TaskLoader(task, 4, mode="fixed")  # 5 steps per epoch
+    dl4 = T.DeviceFixedLoader(loader4, T.make_mesh())
+    for step in [0, 1, 2, 3, 4, 5, 6, 9, 2, 2, 3, 14, 15, 7]:
+        x, y = jax.device_get(dl4.batch(step))
+        np.testing.assert_array_equal(x, loader4.batch(step).inputs, err_msg=f"step {step}")
+        np.testing.assert_array_equal(y, loader4.batch(step).targets, err_msg=f"step {step}")
     with pytest.raises(ValueError, match="mode='fixed'"):
         T.DeviceFixedLoader(TaskLoader(task, 8, mode="stream"), T.make_mesh())
 
