@@ -8,7 +8,8 @@
 # A device call is limited to 600 s: split the steps over calls, e.g. STEPS="check breakdown",
 # STEPS="bench_a", STEPS="bench_b decode" (bench = bench_a + bench_b: shapes 0-2 and 3-4 with FLA
 # and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
-# benchmarks/bench_decode.py).
+# benchmarks/bench_decode.py; stages = each Hopper kernel alone,
+# benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once).
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
@@ -34,6 +35,8 @@ for s in $STEPS; do
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_b.txt" | tail -3 ;;&
     breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes 0 --reps 20 --no-fla --no-jla \
              --no-chunk 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
+    stages) timeout "${LIMIT_STAGES:-240}" python benchmarks/bench_hopper_stages.py --shapes 0,3,2 --reps 20 \
+             2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
@@ -41,6 +44,7 @@ for s in $STEPS; do
   esac
 done
 echo "=== tables"
-for f in check_gpu bench_pallas_a bench_pallas_b breakdown train_auto; do
-  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; }
+for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto; do
+  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ]; then tail -40 "$OUT/$f.txt"; else
+    sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
