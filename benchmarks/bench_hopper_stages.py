@@ -4,6 +4,9 @@ at the same shape. GPU (sm_90) only.
 
     python benchmarks/bench_hopper_stages.py --shapes 0,3 --reps 20 [--blocks 64,32,16] [--no-jla]
 
+Also times ``KernelConfig(save_wy=True)``: its forward WY (+T), the backward's WY from the saved
+Aqk and T, and the whole op.
+
 Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
 device call's time limit keeps what was printed). Used for results/hopper_h200/stages_*.txt.
@@ -74,12 +77,19 @@ def main(argv=None):
                                                                    rs["dh"], st["vn"], rs["dvn"], wyb["t_hi"],
                                                                    wyb["t_lo"])),
                 ]
+                if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
+                    sv = jax.jit(lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg, save_t=True))()
+                    steps.insert(1, ("bwd WY from saved", lambda: HB.wy_from_saved(
+                        cb, k, v, do, beta, eg, sv["aqk"], sv["t_hi"], sv["t_lo"])))
+                    steps.insert(0, ("fwd WY + T (save_wy)", lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg,
+                                                                                   save_t=True)))
                 for name, fn in steps:
                     print(f"  {name:<20} {t(fn)} ms", flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            f, fb = bp.jax_fns("pallas", x, 64, KernelConfig())
-            print(f"  pallas fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
+            for label, kc in (("pallas", KernelConfig()), ("save_wy", KernelConfig(save_wy=True))):
+                f, fb = bp.jax_fns("pallas", x, 64, kc)
+                print(f"  {label:<7}fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
             if not args.no_jla:
                 try:
                     jf, jfb, _ = bp.jla_fns(x)

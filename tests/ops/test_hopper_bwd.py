@@ -113,6 +113,56 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, BF16) == 32
 
 
+@pytest.mark.parametrize("K,V,cu", [(64, 64, None), (64, 128, (0, 70, 71, 200))])
+def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
+    """KernelConfig.save_wy: the backward from the forward's saved Aqk and T (no second WY with
+    its inverse) gives the gradients of the recomputing backward: both use the same bf16 Aqk and
+    T (hi, lo), so they agree to float32 rounding (rel_rms <= 1e-5); its residuals are there."""
+    N = None if cu is None else len(cu) - 1
+    x = make_inputs(seed_of("hopper-save-wy", K, V, cu), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
+    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    do = jnp.asarray(np.random.default_rng(2).standard_normal(x["v"].shape), F32)
+
+    def grads(cfg):
+        def loss(*a):
+            o, S = gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="pallas",
+                                    chunk_size=64, kernel_config=cfg, cu_seqlens=cu_j)
+            return jnp.sum(o.astype(F32) * do) + jnp.sum(S)
+
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args, x["S0"])
+
+    prep = to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, initial_state=x["S0"],
+                            config=dataclasses.replace(MOSAIC, save_wy=True))
+    from gdn_jax.ops.pallas.vjp import saves_wy
+
+    assert saves_wy(prep.calls) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
+                                                                   config=MOSAIC).calls)
+    ref = grads(MOSAIC)
+
+    def no_second_wy(*a, **kw):
+        raise AssertionError("save_wy: the backward must not recompute the WY representation")
+
+    monkeypatch.setattr(HB, "wy_backward", no_second_wy)
+    for a, b in zip(grads(dataclasses.replace(MOSAIC, save_wy=True)), ref):
+        assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
+
+
+def test_save_wy_lowers_for_cuda():
+    """With save_wy the backward's WY stage is :func:`wy_from_saved`: still six Mosaic GPU kernels."""
+    B, T, H, D = 1, 256, 2, 128
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True)
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
+
+    def loss(q, k, v, g, b):
+        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
+        return jnp.sum(o.astype(F32))
+
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*sds).mlir_module()
+    assert text.count("mosaic_gpu") >= 6
+
+
 @pytest.mark.parametrize("K,V,group,packed", [(128, 128, 1, False), (64, 128, 2, True)])
 def test_cuda_lowering_value_and_grad(K, V, group, packed):
     """value_and_grad on the Hopper path lowered for CUDA: the forward's two kernels and the

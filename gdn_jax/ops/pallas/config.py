@@ -111,6 +111,12 @@ class KernelConfig:
         instead of a separate output kernel.
       save_t: the backward WY kernel writes T = (I + A)^-1 for the gradient kernel instead of a
         second inverse there; None: on for the whole-K gradient kernel, off for the K-split one.
+      save_wy: on the Hopper kernels (forward and backward both Mosaic GPU at one chunk size), the
+        forward keeps its WY products Aqk and T = (I + A)^-1 (as a bf16 hi / lo pair) as residuals,
+        so that the backward's WY stage only forms W, U and Aqk^T dO (no K K^T / Q K^T, no
+        inverse: 2 of its ~13 dependent wgmma rounds); costs 24 KB per chunk and head of residual
+        memory (C = 64) and 16 KB per chunk of forward HBM writes. None / False: off (the residuals
+        are the inputs only; the speed of True is not yet measured on a GPU).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).
@@ -140,6 +146,7 @@ class KernelConfig:
     fuse_output: bool = True
     save_t: Optional[bool] = None
     merge_state: Optional[bool] = None
+    save_wy: Optional[bool] = None
     gpu_kernels: Optional[str] = None
     f32_inputs: str = "keep"
 
@@ -147,7 +154,7 @@ class KernelConfig:
         for name, ok in _CHOICES.items():
             if getattr(self, name) not in ok:
                 raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
-        for name in ("fuse_output", "save_t", "merge_state"):
+        for name in ("fuse_output", "save_t", "merge_state", "save_wy"):
             val = getattr(self, name)
             if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
                 want = "True or False" if name == "fuse_output" else "None, True or False"
@@ -209,6 +216,7 @@ class KernelCall:
     mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
     mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
     bv_mosaic: int = 64  # value block of the Hopper state pass
+    save_wy: bool = False  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
 
     @property
     def Tp(self) -> int:
@@ -319,6 +327,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
+        save_wy=bool(config.save_wy),
     )
     return _with_mosaic(config, call)
 

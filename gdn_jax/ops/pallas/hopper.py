@@ -350,7 +350,7 @@ def wy_smem_bytes(call: KernelCall) -> int:
     return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
-def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
+def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=False):
     """The forward's WY representation on Hopper (the Mosaic GPU twin of
     :func:`gdn_jax.ops.pallas.wy.wy_repr` with ``q``): one CTA per (batch x value head, chunk).
 
@@ -365,7 +365,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
     the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel).
     Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16); with ``do``
     (the backward, :func:`gdn_jax.ops.pallas.hopper_bwd.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
-    and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``.
+    and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``;
+    with ``save_t`` (the forward of ``KernelConfig.save_wy``) ``t_hi``, ``t_lo`` besides ``aqk``.
     """
     plgpu = _plgpu()
     interp = call.platform == "interpret"
@@ -384,6 +385,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
         if backward:
             (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
              q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
+        elif save_t:
+            (q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, thi_ref, tlo_ref,
+             q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars) = refs
         else:
             q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars = refs
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
@@ -441,7 +445,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
                     * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
         plgpu.commit_smem()
         th, tl = _split(T)
-        if backward:  # T for the gradient kernel, as its (hi, lo) pair
+        if backward or save_t:  # T for the gradient kernel (and the backward's WY), as its (hi, lo) pair
             t_hi[...], t_lo[...] = th, tl
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
@@ -462,7 +466,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
         scratch.append(_smem((C, V), in_dt))
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
-        out_type.append(jax.ShapeDtypeStruct((BH, n, C, C), BF16))
+        out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
     scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
@@ -470,5 +474,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None):
     if backward:
         w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
         return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)
+    if save_t:
+        w, u, aqk, t_hi, t_lo = fn(q, k, v, gates)
+        return dict(w=w, u=u, aqk=aqk, t_hi=t_hi, t_lo=t_lo)
     w, u, aqk = fn(q, k, v, gates)
     return dict(w=w, u=u, aqk=aqk)

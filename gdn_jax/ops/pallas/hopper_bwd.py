@@ -230,6 +230,66 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
                 de_gam=col(3), de_gam_end=col(4))
 
 
+def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
+    """The backward's WY stage from the forward's saved Aqk and T (``KernelConfig.save_wy``): one
+    CTA per (batch x value head, chunk)::
+
+        W = T (beta e^gamma K),  U = T (beta V)      bf16x2 (T = t_hi + t_lo, both in SMEM)
+        dVl = Aqk^T dO                               Aqk transposed in SMEM
+
+    No K K^T / Q K^T and no inverse (the dependent chain of :func:`wy_backward`). Arguments: k, v,
+    dO in the token layout; beta, e^gamma [BH, T, 1] f32; ``aqk``, ``t_hi``, ``t_lo`` [BH, n, C, C]
+    bf16 from :func:`gdn_jax.ops.pallas.hopper.wy_forward` (``save_t=True``). Returns ``w``, ``u``,
+    ``dvl`` as :func:`wy_backward` (T is the caller's)."""
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    in_dt = jnp.dtype(call.in_dt)
+    rs = lambda x: x.reshape(BH, n, C)
+    gates = jnp.stack([rs(beta), rs(beta) * rs(e_gam)], axis=2).astype(F32)
+    WG = plgpu.Layout.WGMMA
+    ROW = WG.reduce(1)
+
+    def body(k_ref, v_ref, do_ref, g_ref, a_ref, th_ref, tl_ref, w_ref, u_ref, dvl_ref,
+             k_s, v_s, do_s, g_s, a_s, th_s, tl_s, bars):
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(h, _i32(G)) if G > 1 else h
+        rows = pl.ds(c * C, C)
+        srcs = (k_ref.at[b, rows, hk], v_ref.at[b, rows, h], do_ref.at[b, rows, h], g_ref.at[bh, c],
+                a_ref.at[bh, c], th_ref.at[bh, c], tl_ref.at[bh, c])
+        for i, (src, dst) in enumerate(zip(srcs, (k_s, v_s, do_s, g_s, a_s, th_s, tl_s))):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        for i in (3, 4, 2):  # gates, Aqk, dO: dVl first (its operands arrive first)
+            plgpu.barrier_wait(bars.at[i])
+        (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
+        for i in (0, 1, 5, 6):
+            plgpu.barrier_wait(bars.at[i])
+        beta_r = _load(g_s.at[0], ROW, interp)
+        k_s[...] = (_load(k_s, WG, interp).astype(F32)
+                    * lax.broadcast_in_dim(_load(g_s.at[1], ROW, interp), (C, K), [0])).astype(k_s.dtype)
+        v_s[...] = (_load(v_s, WG, interp).astype(F32) * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
+        do_s[...] = dvl.astype(do_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
+        Wm, Um = _mmas([((C, K), (th_s, tl_s), (k_s, k_s)), ((C, V), (th_s, tl_s), (v_s, v_s))], interp)
+        k_s[...] = Wm.astype(k_s.dtype)
+        v_s[...] = Um.astype(v_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
+        plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [_smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt), plgpu.SMEM((2, C), F32),
+               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
+    out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
+                jax.ShapeDtypeStruct((BH, Tp, V), in_dt))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    w, u, dvl = fn(k, v, do, gates, aqk.astype(BF16), t_hi, t_lo)
+    return dict(w=w, u=u, dvl=dvl)
+
+
 def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
     """The backward's WY stage on Hopper: :func:`.hopper.wy_forward` with dO. Returns ``w``, ``u``,
     ``dvl`` = Aqk^T dO [BH, T, *] and T = ``t_hi`` + ``t_lo`` [BH, n, C, C] (bf16)."""

@@ -64,11 +64,14 @@ def gate_terms(call: KernelCall, beta_hm, g_hm):
     return beta_hm.reshape(BH, n * C, 1), gam_col, gam_row, e_gam, e_gam_end, e_gam_last
 
 
-def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags):
+def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy=False):
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
-    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy."""
+    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. With ``save_wy`` (Hopper forward only)
+    a third result: the WY products the Hopper backward reuses, ``(aqk, t_hi, t_lo)``."""
+    if save_wy and not call.mosaic_fwd:
+        raise ValueError("forward(save_wy=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
     if call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
-        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam)
+        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
         out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                                wy["aqk"])
         o, fin = out["o"], out["final"]
@@ -83,19 +86,31 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         o, fin = output(call, q, k, gam, gam_row, e_gam, st["h"], st["vn"])["o"], st["final"]
     if call.packed:
         fin = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], fin, h0)
+    if save_wy:
+        return o, fin, (wy["aqk"], wy["t_hi"], wy["t_lo"])
     return o, fin
 
 
-def backward(call: KernelCall, inputs, cts):
+def saves_wy(calls) -> bool:
+    """Whether the forward keeps its WY products for the backward (``KernelConfig.save_wy``): both
+    directions on the Hopper kernels at the same chunking."""
+    cf, cb = calls
+    return bool(cb.save_wy and cf.mosaic_fwd and cb.mosaic_bwd and cf.C == cb.C and cf.n == cb.n)
+
+
+def backward(call: KernelCall, inputs, cts, saved_wy=None):
     """The backward kernels of one chunking. ``inputs``: the arguments of :func:`forward`;
-    ``cts``: (do, d final state). Returns the cotangents of every input of :func:`forward` (None
+    ``cts``: (do, d final state); ``saved_wy``: the forward's ``(aqk, t_hi, t_lo)``
+    (:func:`saves_wy`) or None. Returns the cotangents of every input of :func:`forward` (None
     for the flags)."""
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     do, dfin = cts
     do = do.astype(call.in_dt)
     dfin = dfin.astype(F32)
     if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
-        return _hopper_backward(call, inputs, do, dfin)
+        return _hopper_backward(call, inputs, do, dfin, saved_wy)
+    if saved_wy is not None:
+        raise ValueError("backward(saved_wy=...) needs the Hopper backward (KernelCall.mosaic_bwd)")
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
     if call.merge_state:
         st = merged_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, q, wy["dvl"], do, e_gam, dfin, flags)
@@ -107,9 +122,13 @@ def backward(call: KernelCall, inputs, cts):
     return _cotangents(call, gr, st["dh0"], gr["de_gam_last"], flags, dfin)
 
 
-def _hopper_backward(call: KernelCall, inputs, do, dfin):
+def _hopper_backward(call: KernelCall, inputs, do, dfin, saved_wy=None):
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
-    wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
+    if saved_wy is None:
+        wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
+    else:  # the forward's Aqk and T: no second inverse
+        aqk, t_hi, t_lo = saved_wy
+        wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, aqk, t_hi, t_lo), t_hi=t_hi, t_lo=t_lo)
     st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
     rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
                                    flags)
@@ -146,20 +165,23 @@ def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_b
 
     ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; beta
     and g head-major [BH, Tp] f32; ``flags_*`` the per-chunk flags of each chunking. The residuals
-    are the inputs only (the backward recomputes the rest)."""
+    are the inputs (the backward recomputes the rest) and, with ``KernelConfig.save_wy`` on the
+    Hopper kernels (:func:`saves_wy`), the forward's Aqk and T."""
     return _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)[0]
 
 
 def _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
-    o, fin = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd)
-    return (o, fin), (q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)
+    save = saves_wy(calls)
+    out = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd, save_wy=save)
+    saved = out[2] if save else None
+    return out[:2], (q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved)
 
 
 def _bwd(calls, res, cts):
-    q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd = res
+    q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved = res
     cb = calls[1]
     terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(cb, b, g), beta_hm, g_hm)
-    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts)
+    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts, saved_wy=saved)
     dbeta_hm, dg_hm = terms_vjp(tuple(dterms))
     return dq, dk, dv, dbeta_hm, dg_hm, dh0, None, None
 
