@@ -262,17 +262,20 @@ def prefetch_batches(batch_fn: Callable[[int], Any], steps: Sequence[int], mesh:
     consumer's thread; it must be safe to call from several threads at once when ``workers > 1``).
 
     Since ``batch_fn`` is a pure function of the step, prefetching (with any number of workers)
-    does not change the data or its order. Two workers: numpy's generators and sorts release the
-    GIL, so a second thread keeps a fast jitted step fed where one fell behind (on one H200 at the
-    MQAR L 512 shape the loop waited 8 s of 30 for its batches with one).
+    does not change the data or its order. Two workers by default: with one, on one H200 at the
+    MQAR L 512 shape, the loop waited 8 s of 30 for its batches; numpy's generators and sorts
+    release the GIL, so a second thread can overlap the first (not yet measured on the GPU).
+
+    Raises:
+      ValueError: ``workers < 1``.
     """
+    if workers < 1:
+        raise ValueError(f"prefetch_batches: workers must be >= 1, got {workers}")
     steps = list(steps)
     if depth <= 0:
         for s in steps:
             yield s, shard_batch(batch_fn(s), mesh)
         return
-    if workers < 1:
-        raise ValueError(f"prefetch_batches: workers must be >= 1, got {workers}")
     ex = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
     futs: Dict[int, concurrent.futures.Future] = {}
     try:
@@ -307,10 +310,11 @@ class DeviceFixedLoader:
         self.loader, self.mesh = loader, mesh
         train = loader.train_set
         rep = replicated(mesh)
+        self._rep = rep
         self.inputs = jax.device_put(np.asarray(train.inputs), rep)
         self.targets = jax.device_put(np.asarray(train.targets), rep)
         self._epoch, self._perm = None, None
-        self._next, self._i = None, None  # the step the device-side batch counter points at, and it
+        self._next, self._i = None, None  # the step the device-side batch index is valid for; that index
         B = loader.batch_size
 
         def gather(x, y, perm, i):
@@ -332,12 +336,11 @@ class DeviceFixedLoader:
         or a jump copies the permutation / the index once."""
         step = int(step)
         epoch, i = divmod(step, self.steps_per_epoch)
-        rep = replicated(self.mesh)
         if epoch != self._epoch:
-            self._perm = jax.device_put(np.asarray(self.loader._epoch_perm(epoch), np.int32), rep)
+            self._perm = jax.device_put(np.asarray(self.loader._epoch_perm(epoch), np.int32), self._rep)
             self._epoch = epoch
         if step != self._next or self._i is None:
-            self._i = jax.device_put(np.int32(i), rep)
+            self._i = jax.device_put(np.int32(i), self._rep)
         x, y, self._i = self._gather(self.inputs, self.targets, self._perm, self._i)
         self._next = step + 1 if i + 1 < self.steps_per_epoch else None
         return x, y

@@ -16,9 +16,8 @@ Seeding (all seeds are :class:`numpy.random.SeedSequence` nodes with entropy ``c
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import threading
+from typing import Iterator
 
 import numpy as np
 

@@ -163,10 +163,10 @@ def _slot_flags(g_s, slot):
 def default_block(BH: int, V: int, platform: str = "gpu") -> int:
     """Default value channels per CTA of the Hopper state passes (``KernelConfig.bv_state``
     overrides it): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
-    leaves fewer than 64 CTAs (interpret mode keeps 64: fewer, larger programs): a state pass is a chain of dependent chunk steps per CTA, so with few
-    (batch x head) rows more, narrower CTAs win. Measured on one H200 (forward state pass):
-    BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms; BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 /
-    0.170 ms (results/hopper_h200/stages_5e1db07.txt)."""
+    leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
+    chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
+    win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
+    BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 / 0.170 ms (results/hopper_h200/stages_5e1db07.txt)."""
     bv = min(64, V)
     while platform == "gpu" and bv > 16 and BH * (V // bv) < 64:
         bv //= 2
