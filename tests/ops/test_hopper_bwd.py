@@ -115,7 +115,7 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
 
 @pytest.mark.parametrize("K,V,cu", [(64, 64, None), (64, 128, (0, 70, 71, 200))])
 def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
-    """KernelConfig.save_wy: the backward from the forward's saved Aqk and T (no second WY with
+    """KernelConfig.save_wy (on by default): the backward from the forward's saved Aqk and T (no second WY with
     its inverse) gives the gradients of the recomputing backward: both use the same bf16 Aqk and
     T (hi, lo), so they agree to float32 rounding (rel_rms <= 1e-5); its residuals are there."""
     N = None if cu is None else len(cu) - 1
@@ -136,9 +136,11 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
                             config=dataclasses.replace(MOSAIC, save_wy=True))
     from gdn_jax.ops.pallas.vjp import saves_wy
 
+    recompute = dataclasses.replace(MOSAIC, save_wy=False)
     assert saves_wy(prep.calls) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
-                                                                   config=MOSAIC).calls)
-    ref = grads(MOSAIC)
+                                                                   config=recompute).calls)
+    assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    ref = grads(recompute)
 
     def no_second_wy(*a, **kw):
         raise AssertionError("save_wy: the backward must not recompute the WY representation")
