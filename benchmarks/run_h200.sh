@@ -9,7 +9,11 @@
 # STEPS="bench_a", STEPS="bench_b decode" (bench = bench_a + bench_b: shapes 0-2 and 3-4 with FLA
 # and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
 # benchmarks/bench_decode.py; stages = each Hopper kernel alone,
-# benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once).
+# benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once;
+# loop = benchmarks/bench_loop.py, the training loop against its step; zoology / fig2 = the next
+# piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
+# time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
+# $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call).
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
@@ -39,12 +43,28 @@ for s in $STEPS; do
              2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
+             2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
+    zoology|fig2) name=$([ $s = zoology ] && echo zoology_mqar || echo zoology_fig2)
+             # the device returns at most 8 files, 2 folders down: the sweep's results come back as
+             # $OUT/$name.tgz (unpack into results/ and commit), the checkpoints of runs it left
+             # unfinished as $OUT/ckpt_$name.tgz (unpack into .base/ and carry .base next time)
+             rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name"
+             [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
+             [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
+             timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py --preset $name --out "/tmp/$name" \
+             --ckpt_root "/tmp/ckpt_$name" --no-progress --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) \
+             2>&1 | grep -v -i warning | tee "$OUT/$name.txt" | tail -5
+             tar czf "$OUT/$name.tgz" -C /tmp "$name"
+             # keep only the checkpoints of runs without a results.json (finished runs need none)
+             (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
+             tar czf "$OUT/ckpt_$name.tgz" -C /tmp "ckpt_$name"; ls -la "$OUT"/*.tgz ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
 done
 echo "=== tables"
-for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto; do
+for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop; do
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ]; then tail -40 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
