@@ -43,6 +43,11 @@ for s in $STEPS; do
              2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    regs) # ptxas' register / spill / shared-memory report of every Hopper kernel (MOSAIC_GPU_DUMP_PTXAS
+          # is read by jaxlib's Mosaic GPU compiler; found in the JAX 0.10.2 CUDA plugin's strings)
+          MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_REGS:-150}" python benchmarks/bench_hopper_stages.py --shapes 0 \
+             --reps 2 --no-jla 2>&1 | grep -i -E "registers|spill|smem|Compiling entry|^ *(fwd|bwd)" \
+             | tee "$OUT/regs.txt" | tail -40 ;;
     loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
              2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
     zoology|fig2) name=$([ $s = zoology ] && echo zoology_mqar || echo zoology_fig2)
@@ -64,7 +69,7 @@ for s in $STEPS; do
   esac
 done
 echo "=== tables"
-for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop; do
+for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop regs; do
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ]; then tail -40 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
