@@ -70,6 +70,6 @@ for s in $STEPS; do
 done
 echo "=== tables"
 for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop regs; do
-  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ]; then tail -40 "$OUT/$f.txt"; else
+  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ]; then tail -40 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
