@@ -44,7 +44,8 @@ BF16_MID_MIN_DIM = 64
 _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "state_dot": ("f32", "mid"),
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
-            "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16")}
+            "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"),
+            "wy_inverse": ("dense", "blocked")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages")
 _INTS = ("warps_wy", "warps_state", "warps_out")
 
@@ -118,6 +119,12 @@ class KernelConfig:
         memory (C = 64) and 16 KB per chunk of forward HBM writes. None: on (H200, 4x4096x16x128:
         the backward's WY stage 0.300 -> 0.140 ms for +0.017 ms in the forward's); False: the
         residuals are the inputs only (the backward recomputes the WY, inverse included).
+      wy_inverse: how the Hopper WY kernels form T = (I + A)^-1 (C = 64): "dense" (five doubling
+        rounds, every product a dense 64x64x64 bf16x3 wgmma: 15.7 of the kernel's 22 MFLOP per
+        chunk) or "blocked" (the three rounds inside the 16x16 diagonal blocks on the diagonal
+        blocks alone, as m64n16k16 wgmmas over a compressed [C, 16] form of T, then T expanded
+        exactly and the last two rounds dense: 9.7 MFLOP; same bf16x3 precision). Default
+        "dense" ("blocked" is not yet timed on a GPU).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).
@@ -148,6 +155,7 @@ class KernelConfig:
     save_t: Optional[bool] = None
     merge_state: Optional[bool] = None
     save_wy: Optional[bool] = None
+    wy_inverse: str = "dense"
     gpu_kernels: Optional[str] = None
     f32_inputs: str = "keep"
 
@@ -218,6 +226,7 @@ class KernelCall:
     mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
     bv_mosaic: int = 64  # value block of the Hopper state pass
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
+    wy_inverse: str = "dense"  # KernelConfig.wy_inverse (the Hopper WY kernels)
 
     @property
     def Tp(self) -> int:
@@ -328,7 +337,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
-        save_wy=config.save_wy is not False,
+        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse,
     )
     return _with_mosaic(config, call)
 

@@ -350,6 +350,61 @@ def wy_smem_bytes(call: KernelCall) -> int:
     return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
+def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
+    """The doubling rounds of T = (I + A)^-1 that stay inside the 16 x 16 diagonal blocks
+    (T_2 -> T_4 -> T_8 -> T_16), computed on those blocks alone (``KernelConfig.wy_inverse="blocked"``).
+
+    A block-diagonal X is kept compressed, ``Xc[r, m] = X[r, 16 (r // 16) + m]`` ([C, 16]); for
+    block-diagonal X, Y, ``(X Y)c = sum_b mask_b(Xc) @ Yc[16 b : 16 b + 16]`` with ``mask_b`` the rows
+    of block b: one m64n16k16 wgmma per block (bf16x3 as the dense rounds), a quarter of a dense
+    round's FLOPs. Each round: ``Pc = (T L)c``, ``Tc <- Tc - (P T)c``. Then T_16 is expanded to
+    [C, C] exactly: ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in
+    ``eye_s``, a tile with a 32-byte swizzle as a K = 16 wgmma operand needs). ``A``: the strictly lower [C, C]
+    matrix; ``T2``: T_2 (full). Returns T_16 as a float32 [C, C] array."""
+    plgpu = _plgpu()
+    nb = C // 16
+    rb = _iota((C, 16), 0, interp) >> 4
+
+    def compress(X):
+        out = jnp.where(rb == 0, X[:, 0:16], 0.0)
+        for b in range(1, nb):
+            out = jnp.where(rb == b, X[:, 16 * b:16 * b + 16], out)
+        return out
+
+    def masked(x, b):
+        return jnp.where(rb == b, x, jnp.zeros_like(x))
+
+    def terms(hi, lo, b_hi, b_lo):  # bf16x3: hi*B_hi + lo*B_hi + hi*B_lo per block
+        As, Bs = [], []
+        for b in range(nb):
+            rows = pl.ds(16 * b, 16)
+            h, l_ = masked(hi, b), masked(lo, b)
+            As += [h, l_, h]
+            Bs += [b_hi.at[rows], b_hi.at[rows], b_lo.at[rows]]
+        return tuple(As), tuple(Bs)
+
+    Tc = compress(T2)
+    for lg in (1, 2, 3):
+        bi = i >> lg
+        Lc = compress(jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0))
+        th, tl = _split(Tc)
+        lh, ll = _split(Lc)
+        tc_hi[...], tc_lo[...], lc_hi[...], lc_lo[...] = th, tl, lh, ll
+        plgpu.commit_smem()
+        (P,) = _mmas([((C, 16), *terms(th, tl, lc_hi, lc_lo))], interp)
+        ph, pl_ = _split(-P)
+        (Tc,) = _mmas([(Tc, *terms(ph, pl_, tc_hi, tc_lo))], interp)
+    eye_s[...] = jnp.where(i == j, 1.0, 0.0).astype(BF16)
+    plgpu.commit_smem()
+    th, tl = _split(Tc)
+    As, Bs = [], []
+    for b in range(nb):
+        As += [masked(th, b), masked(tl, b)]
+        Bs += [eye_s.at[pl.ds(16 * b, 16)]] * 2
+    (T,) = _mmas([((C, C), tuple(As), tuple(Bs))], interp)
+    return T
+
+
 def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=False):
     """The forward's WY representation on Hopper (the Mosaic GPU twin of
     :func:`gdn_jax.ops.pallas.wy.wy_repr` with ``q``): one CTA per (batch x value head, chunk).
@@ -380,8 +435,15 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     scale = call.scale
 
     backward = do is not None
+    blocked = call.wy_inverse == "blocked" and C % 16 == 0 and C >= 32
 
     def body(*refs):
+        small = ()
+        if blocked:  # the [C, 16] tiles of the blocked rounds come last (before the barriers)
+            *refs, bars = refs
+            *refs, eye_s, tc_hi, tc_lo, lc_hi, lc_lo = refs
+            refs = (*refs, bars)
+            small = (eye_s, tc_hi, tc_lo, lc_hi, lc_lo)
         if backward:
             (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
              q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
@@ -427,6 +489,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         eye = jnp.where(i == j, 1.0, 0.0)
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
         lg = 1
+        if blocked:  # the rounds inside the 16x16 diagonal blocks on those blocks alone
+            T = _blocked_rounds(A, T, i, j, C, interp, *small)
+            lg = 4
         while (1 << lg) < C:
             bi = i >> lg
             L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
@@ -467,6 +532,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
+    if blocked:
+        # the identity of the expansion (32-byte swizzle: a wgmma with K = 16 needs it) and the [C, 16] tiles
+        scratch += [_smem((C, C), BF16, swizzle=32)] + [_smem((C, 16), BF16) for _ in range(4)]
     scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
