@@ -123,8 +123,9 @@ class KernelConfig:
         rounds, every product a dense 64x64x64 bf16x3 wgmma: 15.7 of the kernel's 22 MFLOP per
         chunk) or "blocked" (the three rounds inside the 16x16 diagonal blocks on the diagonal
         blocks alone, as m64n16k16 wgmmas over a compressed [C, 16] form of T, then T expanded
-        exactly and the last two rounds dense: 9.7 MFLOP; same bf16x3 precision). Default
-        "dense" ("blocked" is not yet timed on a GPU).
+        exactly, and the last two rounds contracting only over the half of K where their
+        operands are nonzero: 6.6 MFLOP; same bf16x3 products, so the same T). Default "dense"
+        ("blocked" is not yet timed on a GPU: make it the default if it is faster).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).

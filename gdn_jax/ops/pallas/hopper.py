@@ -350,6 +350,17 @@ def wy_smem_bytes(call: KernelCall) -> int:
     return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
 
 
+def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
+    """bf16x3 terms of ``A @ B`` contracted over the row / column ``slices`` ((start, size) pairs)
+    only, where A (registers, hi / lo) and B (SMEM, hi / lo) may be nonzero: (As, Bs) for :func:`_mmas`."""
+    As, Bs = [], []
+    for a, n in slices:
+        h, l_ = a_hi[:, a:a + n], a_lo[:, a:a + n]
+        As += [h, l_, h]
+        Bs += [b_hi.at[pl.ds(a, n)], b_hi.at[pl.ds(a, n)], b_lo.at[pl.ds(a, n)]]
+    return tuple(As), tuple(Bs)
+
+
 def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     """The doubling rounds of T = (I + A)^-1 that stay inside the 16 x 16 diagonal blocks
     (T_2 -> T_4 -> T_8 -> T_16), computed on those blocks alone (``KernelConfig.wy_inverse="blocked"``).
@@ -359,7 +370,8 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     of block b: one m64n16k16 wgmma per block (bf16x3 as the dense rounds), a quarter of a dense
     round's FLOPs. Each round: ``Pc = (T L)c``, ``Tc <- Tc - (P T)c``. Then T_16 is expanded to
     [C, C] exactly: ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in
-    ``eye_s``, a tile with a 32-byte swizzle as a K = 16 wgmma operand needs). ``A``: the strictly lower [C, C]
+    ``eye_s``, T_hi's tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round
+    overwrites it). ``A``: the strictly lower [C, C]
     matrix; ``T2``: T_2 (full). Returns T_16 as a float32 [C, C] array."""
     plgpu = _plgpu()
     nb = C // 16
@@ -441,9 +453,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         small = ()
         if blocked:  # the [C, 16] tiles of the blocked rounds come last (before the barriers)
             *refs, bars = refs
-            *refs, eye_s, tc_hi, tc_lo, lc_hi, lc_lo = refs
+            *refs, tc_hi, tc_lo, lc_hi, lc_lo = refs
             refs = (*refs, bars)
-            small = (eye_s, tc_hi, tc_lo, lc_hi, lc_lo)
+            small = (tc_hi, tc_lo, lc_hi, lc_lo)
         if backward:
             (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
              q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
@@ -490,7 +502,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
         lg = 1
         if blocked:  # the rounds inside the 16x16 diagonal blocks on those blocks alone
-            T = _blocked_rounds(A, T, i, j, C, interp, *small)
+            T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small)
             lg = 4
         while (1 << lg) < C:
             bi = i >> lg
@@ -499,9 +511,17 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             lh, ll = _split(L)
             t_hi[...], t_lo[...], l_hi[...], l_lo[...] = th, tl, lh, ll
             plgpu.commit_smem()
-            (P,) = _mmas([((C, C), (th, tl, th), (l_hi, l_hi, l_lo))], interp)
-            ph, pl_ = _split(-P)
-            (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
+            if blocked:  # contract only where the operand is nonzero: L's odd s-blocks of rows, P's even columns
+                sz = 1 << lg
+                odd = [(sz * (2 * t + 1), sz) for t in range(C // (2 * sz))]
+                even = [(2 * t * sz, sz) for t in range(C // (2 * sz))]
+                (P,) = _mmas([((C, C), *_k_slices(th, tl, l_hi, l_lo, odd))], interp)
+                ph, pl_ = _split(-P)
+                (T,) = _mmas([(T, *_k_slices(ph, pl_, t_hi, t_lo, even))], interp)
+            else:
+                (P,) = _mmas([((C, C), (th, tl, th), (l_hi, l_hi, l_lo))], interp)
+                ph, pl_ = _split(-P)
+                (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
             lg += 1
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
         k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
@@ -523,8 +543,11 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
         plgpu.wait_smem_to_gmem(0)
 
+    # T and L tiles (hi, lo): with the blocked inverse in a 32-byte swizzle, so that a wgmma can
+    # contract over 16-row slices of them (K = 16)
+    sw = 32 if blocked else None
     scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
-               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16),
+               _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw),
                plgpu.SMEM((4, C), F32)]
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
@@ -533,8 +556,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
     if blocked:
-        # the identity of the expansion (32-byte swizzle: a wgmma with K = 16 needs it) and the [C, 16] tiles
-        scratch += [_smem((C, C), BF16, swizzle=32)] + [_smem((C, 16), BF16) for _ in range(4)]
+        scratch += [_smem((C, 16), BF16) for _ in range(4)]  # the compressed rounds' T and L (hi, lo)
     scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
