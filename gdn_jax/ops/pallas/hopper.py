@@ -344,10 +344,12 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
 
 def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs."""
+    """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs (and
+    their compressed [C, 16] pairs with ``wy_inverse="blocked"``)."""
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
-    return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4
+    blocked = 4 * C * 16 * 2 if call.wy_inverse == "blocked" else 0
+    return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4 + blocked
 
 
 def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
@@ -371,8 +373,8 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     round's FLOPs. Each round: ``Pc = (T L)c``, ``Tc <- Tc - (P T)c``. Then T_16 is expanded to
     [C, C] exactly: ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in
     ``eye_s``, T_hi's tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round
-    overwrites it). ``A``: the strictly lower [C, C]
-    matrix; ``T2``: T_2 (full). Returns T_16 as a float32 [C, C] array."""
+    overwrites it). ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full). Returns T_16 as a
+    float32 [C, C] array."""
     plgpu = _plgpu()
     nb = C // 16
     rb = _iota((C, 16), 0, interp) >> 4
