@@ -110,24 +110,23 @@ def bench(mixer, args):
     for i in range(min(N, 200)):
         stream.batch(i)
     gen = min(N, 200) / (time.perf_counter() - t)
-    rows.append(("stream data gen (host only)", gen, 0.0))
+    rows.append(("stream data gen (host only)", gen, None))
     for mode in ("fixed", "stream"):
         r.cfg = dataclasses.replace(base, data_mode=mode)
         if mode == "stream":
             r.loader = stream
-        for n in (20, N):  # the first, short, run builds the loop's data path (loader, gather compile)
+        for n in (20, N):  # the first, short, run compiles what the loop's data path needs
             r.state = state[0]
             r.start = r.step = int(jax.device_get(r.state.step))
             r.stop = r.start + n
             r.pending, r.staged = [], []
             r.data_wait_s = 0.0
             r.first_step_s = 0.0  # already compiled
-            t = time.perf_counter()
             r.train()
             jax.block_until_ready(r.state)
-            dt = time.perf_counter() - t
+            dt = time.perf_counter() - r.t0  # the run's own clock: from after its data setup, as recall.run
             state[0] = r.state
-        rows.append((f"_Run.train ({mode}; data wait {r.data_wait_s:.2f} s)", N / dt, 0.0))
+        rows.append((f"_Run.train ({mode}; data wait {r.data_wait_s:.2f} s)", N / dt, None))
     if args.trace:
         r.loader = dl.loader
         rows.append(_traced(r, args.trace))
@@ -159,7 +158,7 @@ def _traced(r, n):
             lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or list(plane.lines)
             iv += [(e.start_ns, e.start_ns + e.duration_ns) for ln in lines for e in ln.events]
         if not iv:
-            return ("trace: no GPU kernels found", 0.0, 0.0)
+            return ("trace: no GPU kernels found", None, None)
         iv.sort()
         busy, gaps, (cs, ce) = 0.0, [], iv[0]
         for a, b in iv[1:]:
@@ -174,9 +173,9 @@ def _traced(r, n):
         g = np.asarray(gaps) / 1e3
         big = g[g > 50]
         return (f"trace {n} steps: device busy {busy / window:.0%} of {window / 1e9:.2f} s; gaps > 50 us: "
-                f"{len(big)} ({big.sum() / 1e3:.1f} ms, max {g.max() if len(g) else 0:.0f} us)", n / (window / 1e9), 0.0)
+                f"{len(big)} ({big.sum() / 1e3:.1f} ms, max {g.max() if len(g) else 0:.0f} us)", n / (window / 1e9), None)
     except Exception as e:  # noqa: BLE001 -- the profile is a diagnostic: report, do not fail the table
-        return (f"trace: not read ({type(e).__name__}: {e})"[:120], 0.0, 0.0)
+        return (f"trace: not read ({type(e).__name__}: {e})"[:120], None, None)
 
 
 def main(argv=None):
@@ -188,13 +187,22 @@ def main(argv=None):
     ap.add_argument("--vocab_size", type=int, default=8192)
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--train_examples", type=int, default=100_000)
-    ap.add_argument("--steps", type=int, default=1000, help="steps per timed loop")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed loop (default 1000; --quick: 20)")
     ap.add_argument("--trace", type=int, default=0, help="also profile this many steps of the run's loop")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
+    from gdn_jax.models import MIXERS
+
+    bad = [m for m in args.mixers if m not in MIXERS]
+    if bad:
+        ap.error(f"--mixers must be among {sorted(MIXERS)}, got {bad}")
     if args.quick:
         args.d_model, args.seq_len, args.num_kv_pairs, args.vocab_size = 16, 32, 4, 64
-        args.batch_size, args.train_examples, args.steps = 4, 64, 20
+        args.batch_size, args.train_examples = 4, 64
+    if args.steps is None:
+        args.steps = 20 if args.quick else 1000
+    if args.steps < 1 or args.trace < 0:
+        ap.error(f"--steps must be >= 1 and --trace >= 0, got --steps {args.steps} --trace {args.trace}")
     import jax
 
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; MQAR L {args.seq_len}, pairs "
@@ -205,13 +213,23 @@ def main(argv=None):
         compile_s, rows = bench(m, args)
         print(f"  {m}: first step {compile_s:.1f} s", flush=True)
         for label, sps, host in rows:
-            print(f"    {label:<44} {sps:8.1f} steps/s  host {host * 1e3:6.2f} ms/call", flush=True)
+            print(f"    {label:<44} {_num(sps, 1)} steps/s  host {_num(_ms(host), 2, 6)} ms/call", flush=True)
         table.append((m, rows))
     print("\nmixer      loop                                         steps/s  vs step  host ms/step-call")
     for m, rows in table:
         ref = rows[0][1]
         for label, sps, host in rows:
-            print(f"{m:<10} {label:<44} {sps:8.1f} {sps / ref:8.2f} {host * 1e3:8.2f}")
+            print(f"{m:<10} {label:<44} {_num(sps, 1)} {_num(None if sps is None else sps / ref, 2)} "
+                  f"{_num(_ms(host), 2)}")
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def _num(x, digits, width=8):
+    """A table cell: ``x`` with ``digits`` decimals, or '-' where the loop does not measure it."""
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
 
 
 if __name__ == "__main__":

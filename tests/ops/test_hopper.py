@@ -164,6 +164,10 @@ def test_dispatch():
         KernelConfig(gpu_kernels="cuda")
     with pytest.raises(ValueError, match="f32_inputs"):
         KernelConfig(f32_inputs="tf32")
+    with pytest.raises(ValueError, match="KernelConfig.wy_inverse must be one of"):
+        KernelConfig(wy_inverse="Blocked")
+    with pytest.raises(TypeError, match="KernelConfig.wy_inverse must be one of"):
+        KernelConfig(wy_inverse=np.array([1, 2]))
 
 
 @pytest.mark.parametrize("cu", [(0, 40, 41, 150), (0, 64, 64, 100, 230)], ids=["len1", "empty"])

@@ -162,8 +162,11 @@ class KernelConfig:
 
     def __post_init__(self):
         for name, ok in _CHOICES.items():
-            if getattr(self, name) not in ok:
-                raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {getattr(self, name)!r}")
+            val = getattr(self, name)
+            if val is not None and not isinstance(val, str):
+                raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {type(val).__name__} {val!r}")
+            if val not in ok:
+                raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
         for name in ("fuse_output", "save_t", "merge_state", "save_wy"):
             val = getattr(self, name)
             if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
