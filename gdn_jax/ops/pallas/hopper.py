@@ -191,7 +191,7 @@ def covers(call: KernelCall) -> str | None:
     if call.K not in (64, 128):
         return f"K={call.K} (needs 64 or 128)"
     if call.layout != "bthd":
-        return "head-major layout"
+        return f"head-major layout of platform {call.platform!r} (Mosaic GPU runs on 'gpu' or 'interpret')"
     if not call.fuse_output:
         return "fuse_output=False"
     if jnp.dtype(call.in_dt) != jnp.dtype(BF16):
