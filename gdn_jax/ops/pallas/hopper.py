@@ -352,6 +352,20 @@ def wy_smem_bytes(call: KernelCall) -> int:
     return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4 + blocked
 
 
+def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp):
+    """W = T (beta e^gamma K) and U = T (beta V) as bf16x2 products (``t_pair`` = T's (hi, lo):
+    registers or SMEM; ``kb_s``, ``vb_s`` the scaled K and V tiles), written to ``w_dst`` /
+    ``u_dst`` by TMA through ``w_s`` and ``vb_s``; waits for every copy of the CTA to land."""
+    plgpu = _plgpu()
+    Wm, Um = _mmas([((C, K), t_pair, (kb_s, kb_s)), ((C, V), t_pair, (vb_s, vb_s))], interp)
+    w_s[...] = Wm.astype(w_s.dtype)
+    vb_s[...] = Um.astype(vb_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(w_s, w_dst)
+    plgpu.copy_smem_to_gmem(vb_s, u_dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
     """bf16x3 terms of ``A @ B`` contracted over the row / column ``slices`` ((start, size) pairs)
     only, where A (registers, hi / lo) and B (SMEM, hi / lo) may be nonzero: (As, Bs) for :func:`_mmas`."""
@@ -537,13 +551,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(t_lo, tlo_ref.at[bh, c])
-        Wm, Um = _mmas([((C, K), (th, tl), (k_s, k_s)), ((C, V), (th, tl), (v_s, v_s))], interp)
-        q_s[...] = Wm.astype(q_s.dtype)
-        v_s[...] = Um.astype(v_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, w_ref.at[bh, rows])
-        plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
-        plgpu.wait_smem_to_gmem(0)
+        write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
     # T and L tiles (hi, lo): with the blocked inverse in a 32-byte swizzle, so that a wgmma can
     # contract over 16-row slices of them (K = 16)

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem,
-                     _split, _wait_slot)
+                     _split, _wait_slot, write_w_u)
 
 SMEM_BYTES = 227 * 1024
 
@@ -272,13 +272,7 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
         do_s[...] = dvl.astype(do_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
-        Wm, Um = _mmas([((C, K), (th_s, tl_s), (k_s, k_s)), ((C, V), (th_s, tl_s), (v_s, v_s))], interp)
-        k_s[...] = Wm.astype(k_s.dtype)
-        v_s[...] = Um.astype(v_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
-        plgpu.copy_smem_to_gmem(v_s, u_ref.at[bh, rows])
-        plgpu.wait_smem_to_gmem(0)
+        write_w_u((th_s, tl_s), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
     scratch = [_smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt), plgpu.SMEM((2, C), F32),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
