@@ -4,9 +4,9 @@ at the same shape. GPU (sm_90) only.
 
     python benchmarks/bench_hopper_stages.py --shapes 0,3 --reps 20 [--blocks 64,32,16] [--no-jla]
 
-Also times the forward WY with ``KernelConfig(wy_inverse="blocked")``, ``save_wy``'s kernels (the
+Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
-blocked inverse and without ``save_wy``.
+dense inverse and without ``save_wy``.
 
 Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
@@ -57,8 +57,8 @@ def main(argv=None):
                 continue
             wy = jax.jit(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))()
             print(f"  fwd WY               {t(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))} ms", flush=True)
-            cfb = dataclasses.replace(cf, wy_inverse="blocked")  # KernelConfig.wy_inverse="blocked"
-            print(f"  fwd WY, blocked inv. {t(lambda: HF.wy_forward(cfb, q, k, v, beta, gc, eg))} ms", flush=True)
+            cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
+            print(f"  fwd WY, dense inv.   {t(lambda: HF.wy_forward(cfd, q, k, v, beta, gc, eg))} ms", flush=True)
             blocks = [cf.bv_mosaic] + [int(b) for b in args.blocks.split(",") if b and int(b) != cf.bv_mosaic]
             for bv in blocks:
                 c2 = dataclasses.replace(cf, bv_mosaic=bv)
@@ -90,7 +90,7 @@ def main(argv=None):
                     print(f"  {name:<20} {t(fn)} ms", flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            for label, kc in (("pallas", KernelConfig()), ("blocked", KernelConfig(wy_inverse="blocked")),
+            for label, kc in (("pallas", KernelConfig()), ("dense inv", KernelConfig(wy_inverse="dense")),
                               ("no save_wy", KernelConfig(save_wy=False))):
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
                 print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)

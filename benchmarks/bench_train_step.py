@@ -38,6 +38,8 @@ def main(argv=None):
     ap.add_argument("--kernel_config", default="", help="KernelConfig field=value items (',' within one, ';' between rows)")
     ap.add_argument("--env", nargs="*", default=[], help="KEY=VALUE switches set before tracing")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also trace this many steps (jax.profiler) and print the device's top kernels by time")
     args = ap.parse_args(argv)
     for kv in args.env:
         k, _, v = kv.partition("=")
@@ -87,11 +89,50 @@ def main(argv=None):
             tag = "-" if kc is None else ",".join(f"{f.name}={getattr(kc, f.name)}" for f in dataclasses.fields(kc)
                                                   if getattr(kc, f.name) != f.default)
             rows.append((m, d, ms, compile_s, tag))
+            if args.profile:
+                print(top_kernels(lambda st: step(st, batch), state, args.profile), flush=True)
             print(f"  {m:<10} d {d:<4} {tag}  {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  first step {compile_s:5.1f} s",
                   flush=True)
     print("\nmixer       d     ms/step  steps/s  first-step s  kernel_config")
     for m, d, ms, c, tag in rows:
         print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {c:13.1f}  {tag}")
+
+
+def top_kernels(step, state, n, top=12):
+    """Trace ``n`` steps under ``jax.profiler.trace`` and list the device kernels that took the most
+    time (summed over the steps, grouped by name), with their share of the device's busy time."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+
+    d = tempfile.mkdtemp(prefix="bench_train_step_trace_")
+    with jax.profiler.trace(d):
+        for _ in range(n):
+            state, met = step(state)
+        jax.block_until_ready(met)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return "  profile: no trace written"
+    prof = jax.profiler.ProfileData.from_file(files[0])
+    tot, cnt = collections.Counter(), collections.Counter()
+    for plane in prof.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or list(plane.lines)
+        for ln in lines:
+            for e in ln.events:
+                tot[e.name] += e.duration_ns
+                cnt[e.name] += 1
+    if not tot:
+        return "  profile: no device kernels in the trace (CPU?)"
+    busy = sum(tot.values())
+    out = [f"  profile of {n} steps: {busy / n / 1e6:.2f} ms of kernels per step, {len(tot)} kernel names, "
+           f"{sum(cnt.values()) / n:.0f} launches per step; top {top}:"]
+    for name, ns in tot.most_common(top):
+        out.append(f"    {ns / n / 1e3:9.1f} us/step {ns / busy:6.1%}  x{cnt[name] / n:<5.0f} {name[:90]}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 # loop = benchmarks/bench_loop.py, the training loop against its step; zoology / fig2 = the next
 # piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
 # time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
-# $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call).
+# $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call; SWEEP_ARGS adds
+# sweep flags, e.g. SWEEP_ARGS="--mixers gdn --d_models 64 --workers_per_device 4").
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
@@ -57,13 +58,17 @@ for s in $STEPS; do
              rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name"
              [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
              [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
-             timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py --preset $name --out "/tmp/$name" \
-             --ckpt_root "/tmp/ckpt_$name" --no-progress --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) \
+             # SWEEP_ARGS: extra sweep flags, e.g. "--mixers gdn gla --d_models 64 128 --workers_per_device 4"
+             JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
+             --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
+             --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) ${SWEEP_ARGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/$name.txt" | tail -5
              tar czf "$OUT/$name.tgz" -C /tmp "$name"
              # keep only the checkpoints of runs without a results.json (finished runs need none)
              (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
-             tar czf "$OUT/ckpt_$name.tgz" -C /tmp "ckpt_$name"; ls -la "$OUT"/*.tgz ;;
+             # a file comes back only under 16 MiB: the checkpoints travel as 15 MB parts
+             # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
+             tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz* ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac

@@ -251,7 +251,7 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
     from gdn_jax.ops.pallas import hopper as HP
 
     x = make_inputs(seed_of("hopper-blocked", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
-    dense = dataclasses.replace(MOSAIC, save_wy=save_wy)
+    dense = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse="dense")
     ref = _run(x, dense)
     calls = []
     real = HP._blocked_rounds

@@ -75,7 +75,9 @@ def test_stages_match_triton_stages(K, V, cu):
     # d e^{gamma_C} = sum(h_n * dS): here with the float32 dS, the Triton kernel with dS as stored (bf16)
     bad = {n: e for n, e in errs.items() if not e <= (1e-2 if n == "de_gam_last" else 5e-3)}
     assert not bad, bad
-    assert errs["dq"] > 0  # the comparison is not vacuous
+    # the comparison is not vacuous: the two paths round differently (dq can agree bit for bit on
+    # some CPUs -- both are the same bf16 products there -- so the check is on dk, built otherwise)
+    assert errs["dk"] > 0
 
 
 def test_backward_coverage():
