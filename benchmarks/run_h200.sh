@@ -10,7 +10,8 @@
 # and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
 # benchmarks/bench_decode.py; stages = each Hopper kernel alone,
 # benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once;
-# loop = benchmarks/bench_loop.py, the training loop against its step; zoology / fig2 = the next
+# loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
+# step's top device kernels (bench_train_step.py --profile); zoology / fig2 = the next
 # piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
 # time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
 # $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call; SWEEP_ARGS adds
@@ -69,6 +70,9 @@ for s in $STEPS; do
              # a file comes back only under 16 MiB: the checkpoints travel as 15 MB parts
              # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
              tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz* ;;
+    profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
+          timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py --mixers gdn attention --d_models 128 \
+             --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
