@@ -6,7 +6,8 @@ at the same shape. GPU (sm_90) only.
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
-dense inverse and without ``save_wy``.
+dense inverse, without ``save_wy`` and with the two-warpgroup gradient kernel
+(``KernelConfig(grad_warpgroups=2)``, also timed alone).
 
 Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
@@ -80,6 +81,10 @@ def main(argv=None):
                                                                    rs["dh"], st["vn"], rs["dvn"], wyb["t_hi"],
                                                                    wyb["t_lo"])),
                 ]
+                c2w = dataclasses.replace(cb, grad_wgs=2)  # KernelConfig.grad_warpgroups=2
+                steps.insert(4, ("bwd grads, 2 WGs", lambda: HB.chunk_grads(c2w, q, k, v, do, beta, gc, eg, ekd,
+                                                                            st["h"], rs["dh"], st["vn"], rs["dvn"],
+                                                                            wyb["t_hi"], wyb["t_lo"])))
                 if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
                     sv = jax.jit(lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg, save_t=True))()
                     steps.insert(1, ("bwd WY from saved", lambda: HB.wy_from_saved(
@@ -91,7 +96,8 @@ def main(argv=None):
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             for label, kc in (("pallas", KernelConfig()), ("dense inv", KernelConfig(wy_inverse="dense")),
-                              ("no save_wy", KernelConfig(save_wy=False))):
+                              ("no save_wy", KernelConfig(save_wy=False)),
+                              ("grads 2 WG", KernelConfig(grad_warpgroups=2))):
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
                 print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
             if not args.no_jla:

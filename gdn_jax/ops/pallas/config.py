@@ -126,6 +126,11 @@ class KernelConfig:
         exactly, and the last two rounds contracting only over the half of K where their
         operands are nonzero: 6.6 MFLOP; same bf16x3 products, so the same T). Default "blocked"
         (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16 at 879550f).
+      grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
+        1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
+        and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
+        single bf16 operands). Default 1 (2 is built and interpret-tested -- in interpret mode the
+        two warpgroups' work runs in turn -- and lowers for CUDA; never run on a GPU yet).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).
@@ -157,6 +162,7 @@ class KernelConfig:
     merge_state: Optional[bool] = None
     save_wy: Optional[bool] = None
     wy_inverse: str = "blocked"
+    grad_warpgroups: int = 1
     gpu_kernels: Optional[str] = None
     f32_inputs: str = "keep"
 
@@ -183,6 +189,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be {want}, got {val!r}")
             if name.startswith("warps_") and val & (val - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two (Triton's num_warps), got {val!r}")
+        if isinstance(self.grad_warpgroups, bool) or not isinstance(self.grad_warpgroups, int):
+            raise TypeError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
+        if self.grad_warpgroups not in (1, 2):
+            raise ValueError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
         for name in ("fwd_chunk", "bwd_chunk"):
             val = getattr(self, name)
             if val is not None and val not in SUPPORTED_CHUNK_SIZES:
@@ -231,6 +241,7 @@ class KernelCall:
     bv_mosaic: int = 64  # value block of the Hopper state pass
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
+    grad_wgs: int = 1  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
 
     @property
     def Tp(self) -> int:
@@ -341,7 +352,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
-        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse,
+        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, grad_wgs=config.grad_warpgroups,
     )
     return _with_mosaic(config, call)
 

@@ -60,9 +60,14 @@ def _zeros(shape, interp):
 
 def grads_smem_bytes(call: KernelCall) -> int:
     """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
-    gates), the output scalars and the largest phase scratch (dKK + dW hi / lo)."""
+    gates), the output scalars and the largest phase scratch (dKK + dW hi / lo); with two
+    warpgroups (``call.grad_wgs == 2``) both warpgroups' scratch at once (dKK, the T phase's two
+    [C, C] tiles, dW) and seven output rows."""
     C, K, V = call.C, call.K, call.V
-    return (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2 + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
+    inputs = (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2
+    if call.grad_wgs == 2:
+        return inputs + 12 * C * 4 + 3 * C * C * 2 + C * K * 2
+    return inputs + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
 
 
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
@@ -75,6 +80,8 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
     Returns a dict: ``dq, dk`` (per VALUE head) and ``dv`` in the token layout (input dtype);
       ``dbeta, dgam, de_gam, de_gam_end`` [BH, T, 1] and ``dgam_row`` [BH, n, 1, C], f32.
     """
+    if call.grad_wgs == 2:
+        return _chunk_grads_2wg(call, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo)
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -228,6 +235,200 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
     col = lambda r: sc[:, :, r].reshape(BH, Tp, 1)
     return dict(dq=dq, dk=dk, dv=dv, dbeta=col(0), dgam=col(1), dgam_row=sc[:, :, 2].reshape(BH, n, 1, C),
                 de_gam=col(3), de_gam_end=col(4))
+
+
+def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
+    """:func:`chunk_grads` with two warpgroups per CTA (``KernelConfig.grad_warpgroups=2``): the
+    same gradients, the work split so that the two wgmma chains run side by side and meet once.
+
+    * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), the T phase (dT = (dVn Vn^T)
+      (I + A)^T, dA, dKK; dk += (beta dKK)^T K) and dKK K (dk += beta dKK K, its dbeta term);
+    * warpgroup 1: dv = beta T^T dVn (dbeta), dKd = Vn dS^T (dk += e^{gamma_C - gamma} dKd,
+      d e^{gamma_C - gamma}), the W phase's dW = -dVn S^T and dX = T^T dW (dk += beta e^gamma dX,
+      its dbeta and d e^gamma terms), then its dk partial (bf16) into shared memory and one
+      barrier arrival; warpgroup 0 adds it and writes dk.
+
+    Against the one-warpgroup kernel: dW and the dk partial are single bf16 operands (there:
+    a bf16 hi / lo pair for dW); the scalar rows come out as seven partial rows, summed here.
+    Shared memory: :func:`grads_smem_bytes` (219 KB at K = V = 128). Interpret mode runs the two
+    warpgroups' work in turn in one thread (see the comment at the end of the body)."""
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    B = BH // H
+    in_dt = jnp.dtype(call.in_dt)
+    scale = call.scale
+    rs = lambda x: x.reshape(BH, n, C)
+    # rows: beta, gamma (row use), gamma (column use), e^gamma, e^{gamma_C - gamma}
+    gates = jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
+    WG = plgpu.Layout.WGMMA
+    ROW, COL = WG.reduce(1), WG.reduce(0)
+    NSC = 7  # output rows: dbeta (wg 0), dgam, -cgam, de_gam (wg 0), de_gam_end, dbeta (wg 1), de_gam (wg 1)
+
+    def body(q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref, th_ref, tl_ref,
+             dq_ref, dk_ref, dv_ref, sc_ref,
+             q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, dkk_s, x_hi, x_lo, dw_s,
+             bars, dk_bar):
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(hh, _i32(G)) if G > 1 else hh
+        rows = pl.ds(c * C, C)
+        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
+                g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
+                th_ref.at[bh, c], tl_ref.at[bh, c])
+        dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
+
+        def issue():
+            for i, (src, dst) in enumerate(zip(srcs, dsts)):
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+        waited = set()  # interpret mode runs both warpgroups in one thread: each barrier waited once
+
+        def wait(*ix):
+            for i in ix:
+                if not (interp and i in waited):
+                    plgpu.barrier_wait(bars.at[i])
+                    waited.add(i)
+        ld = lambda ref, lay=WG: _load(ref, lay, interp)
+        bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
+
+        def masks():
+            i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+            return i_ > j_, i_ >= j_, i_ == j_
+
+        def gamma(m, gam_r):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m, exponent masked first
+            dgm = bc_r(gam_r, (C, C)) - lax.broadcast_in_dim(ld(g_s.at[2], COL), (C, C), [1])
+            return jnp.where(m, jnp.exp(jnp.where(m, dgm, 0.0)), 0.0)
+
+        def wg0():
+            wait(0, 1, 3, 4, 5, 7)
+            beta_r, gam_r, eg_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3))
+            # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
+            dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))],
+                                  interp)
+            strict, incl, _ = masks()
+            gi = gamma(incl, gam_r)
+            m_q = jnp.where(strict, dAqk * qk * gi * scale, 0.0)
+            dgam = jnp.sum(m_q, axis=1)
+            cgam = jnp.sum(m_q, axis=0)
+            dqk = dAqk * gi
+            de_gam = jnp.sum(dqg * ld(q_s).astype(F32), axis=1) * scale
+            dkk_s[...] = dqk.astype(BF16)  # dkk_s holds dQK here, dKK in the T phase
+            plgpu.commit_smem()
+            dq, dk = _mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (_zeros((C, K), interp), _T(dkk_s), q_s)],
+                           interp)
+            q_s[...] = (dq * scale).astype(q_s.dtype)  # q_s is free: dq leaves through it
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])
+            dk = dk * scale
+            # 4. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
+            #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
+            wait(8, 9, 10)
+            kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
+            strict, _, diag = masks()
+            gs = gamma(strict, gam_r)
+            a = kk * bc_r(beta_r, (C, C)) * gs
+            ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
+            x_hi[...], x_lo[...] = ia_hi, ia_lo
+            plgpu.commit_smem()
+            ph, pl_ = _split(p)
+            (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
+            dth, dtl = _split(dt)
+            x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
+            plgpu.commit_smem()
+            (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
+            rh, rl = _split(r)
+            (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
+            strict, _, _ = masks()
+            da = jnp.where(strict, -ra, 0.0)
+            m = da * a
+            dkk = da * gs
+            dkk_s[...] = dkk.astype(BF16)
+            x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
+            plgpu.commit_smem()
+            # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
+            dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
+            dk = dk + dkb * bc_r(beta_r, (C, K))
+            sc_s[0] = jnp.sum(dkb * ld(k_s).astype(F32), axis=1)
+            sc_s[1] = dgam + jnp.sum(m, axis=1)
+            sc_s[2] = -(cgam + jnp.sum(m, axis=0))
+            sc_s[3] = de_gam
+            # warpgroup 1's dk partial, then dk leaves through k_s (both warpgroups are done with it)
+            if not interp:
+                plgpu.barrier_wait(dk_bar)
+            dk = dk + ld(dw_s).astype(F32)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            k_s[...] = dk.astype(k_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
+            plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])
+            plgpu.wait_smem_to_gmem(0)
+
+        def wg1():
+            wait(1, 2, 4, 6, 7, 8, 9, 10)
+            beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
+            # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
+            # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
+            dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
+            kf = ld(k_s).astype(F32)
+            de_end = jnp.sum(dkd * kf, axis=1)
+            dk1 = dkd * bc_r(ee_r, (C, K))
+            dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
+            v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
+            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW,
+            #    d(beta K) = dX e^gamma (+ dKK K, warpgroup 0)
+            wait(5)
+            (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
+            dw_s[...] = (-dw).astype(BF16)
+            plgpu.commit_smem()
+            (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)
+            deg = jnp.sum(dx * kf, axis=1) * beta_r
+            dxe = dx * bc_r(eg_r, (C, K))
+            dk1 = dk1 + dxe * bc_r(beta_r, (C, K))
+            sc_s[4] = de_end
+            sc_s[5] = dbeta + jnp.sum(dxe * kf, axis=1)
+            sc_s[6] = deg
+            dw_s[...] = dk1.astype(BF16)  # the dX wgmma has completed: dw_s carries the dk partial
+            plgpu.commit_smem()
+            if not interp:
+                plgpu.barrier_arrive(dk_bar)
+            plgpu.wait_smem_to_gmem(0)
+
+        if interp:
+            # Mosaic GPU's interpreter runs each warpgroup as a CPU computation of its own, and on a
+            # 2-core machine one blocked in a barrier wait starved the other (hangs, seen in most
+            # runs with several CTAs): in interpret mode the two warpgroups' work runs in turn in one
+            # thread, warpgroup 1 first (its dk partial is what warpgroup 0 waits for). That checks
+            # the split's arithmetic and its shared-memory hand-off, not its synchronisation (the
+            # CUDA lowering and the GPU do).
+            issue()
+            wg1()
+            wg0()
+        else:
+            wg = lax.axis_index("wg")
+            pl.when(wg == 0)(issue)
+            pl.when(wg == 0)(wg0)
+            pl.when(wg == 1)(wg1)
+
+    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt),
+               plgpu.SMEM((5, C), F32), _smem((K, V), BF16), _smem((K, V), BF16), _smem((C, V), BF16),
+               _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((NSC, C), F32),
+               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, K), BF16),
+               plgpu.Barrier(num_barriers=11), plgpu.Barrier(num_arrivals=1)]
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
+                jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    threads = {} if interp else dict(num_threads=2, thread_name="wg")
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
+                      **threads, **kw)
+    dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
+                        t_hi, t_lo)
+    col = lambda x: x.reshape(BH, Tp, 1)
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=col(sc[:, :, 0] + sc[:, :, 5]), dgam=col(sc[:, :, 1]),
+                dgam_row=sc[:, :, 2].reshape(BH, n, 1, C), de_gam=col(sc[:, :, 3] + sc[:, :, 6]),
+                de_gam_end=col(sc[:, :, 4]))
 
 
 def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
