@@ -41,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps (jax.profiler) and print the device's top kernels by time")
     args = ap.parse_args(argv)
+    if args.profile < 0:
+        ap.error(f"--profile must be >= 0 (steps to trace; 0: no profile), got {args.profile}")
     for kv in args.env:
         k, _, v = kv.partition("=")
         os.environ[k] = v

@@ -19,7 +19,8 @@
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
-# one cannot eat the others' (LIMIT_CHECK, LIMIT_BENCH, LIMIT_TRAIN seconds).
+# one cannot eat the others' (LIMIT_<STEP> seconds: LIMIT_CHECK, LIMIT_BENCH, LIMIT_BREAKDOWN,
+# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_SWEEP, LIMIT_TRAIN).
 set -o pipefail
 OUT=${OUT:-gpu_run}
 mkdir -p "$OUT"
@@ -78,7 +79,7 @@ for s in $STEPS; do
   esac
 done
 echo "=== tables"
-for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop regs; do
-  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ]; then tail -40 "$OUT/$f.txt"; else
+for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop regs profile_step; do
+  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ]; then tail -40 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done

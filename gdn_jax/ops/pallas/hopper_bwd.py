@@ -70,6 +70,40 @@ def grads_smem_bytes(call: KernelCall) -> int:
     return inputs + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
 
 
+def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp):
+    """The gradient kernels' T phase (both :func:`chunk_grads` variants): T = (I + A)^-1 with
+    A = strict(beta K K^T * Gamma); dT = (dVn Vn^T)(I + A)^T, dA = -strict(T^T dT T^T),
+    dKK = dA * Gamma. Writes dKK (bf16) into ``dkk_s`` and beta * dKK into ``x_lo`` (the operand of
+    dk += (beta dKK)^T K), committed; returns M = dA * A [C, C] float32 (its row / column sums are
+    gate gradients). ``x_hi`` / ``x_lo``: two [C, C] bf16 scratch tiles; ``masks()`` and
+    ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix."""
+    plgpu = _plgpu()
+    bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
+    strict, _, diag = masks()
+    gs = gamma(strict)
+    a = kk * bc_r(beta_r, (C, C)) * gs
+    ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
+    x_hi[...], x_lo[...] = ia_hi, ia_lo
+    plgpu.commit_smem()
+    ph, pl_ = _split(p)
+    (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
+    dth, dtl = _split(dt)
+    x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
+    plgpu.commit_smem()
+    (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
+    rh, rl = _split(r)
+    (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
+    strict, _, _ = masks()
+    da = jnp.where(strict, -ra, 0.0)
+    m = da * a
+    dkk = da * gs
+    dkk_s[...] = dkk.astype(BF16)
+    x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
+    plgpu.commit_smem()
+    return m
+
+
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
     """The gradient kernel on Hopper (the twin of :func:`gdn_jax.ops.pallas.grads.chunk_grads`
     without the d e^{gamma_C} output, which :func:`reverse_states` computes): grid (B*H, chunks).
@@ -161,28 +195,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma;
             #    dk += (beta dKK)^T K = dKK^T (beta K); dKK stays in SMEM for step 5
             def t_phase(x_hi, x_lo):
-                kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
-                strict, _, diag = masks()
-                gs = gamma(strict)
-                a = kk * bc_r(beta_r, (C, C)) * gs
-                ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
-                x_hi[...], x_lo[...] = ia_hi, ia_lo
-                plgpu.commit_smem()
-                ph, pl_ = _split(p)
-                (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
-                dth, dtl = _split(dt)
-                x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
-                plgpu.commit_smem()
-                (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
-                rh, rl = _split(r)
-                (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
-                strict, _, _ = masks()
-                da = jnp.where(strict, -ra, 0.0)
-                m = da * a
-                dkk = da * gs
-                dkk_s[...] = dkk.astype(BF16)
-                x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
-                plgpu.commit_smem()
+                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp)
                 (dk2,) = _mmas([(dk, _T(x_lo), k_s)], interp)
                 return jnp.sum(m, axis=1), jnp.sum(m, axis=0), dk2
 
@@ -324,28 +337,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             # 4. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
             #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
             wait(8, 9, 10)
-            kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
-            strict, _, diag = masks()
-            gs = gamma(strict, gam_r)
-            a = kk * bc_r(beta_r, (C, C)) * gs
-            ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
-            x_hi[...], x_lo[...] = ia_hi, ia_lo
-            plgpu.commit_smem()
-            ph, pl_ = _split(p)
-            (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
-            dth, dtl = _split(dt)
-            x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
-            plgpu.commit_smem()
-            (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
-            rh, rl = _split(r)
-            (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
-            strict, _, _ = masks()
-            da = jnp.where(strict, -ra, 0.0)
-            m = da * a
-            dkk = da * gs
-            dkk_s[...] = dkk.astype(BF16)
-            x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
-            plgpu.commit_smem()
+            m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
+                         lambda mask: gamma(mask, gam_r), interp)
             # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
             dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
             dk = dk + dkb * bc_r(beta_r, (C, K))
