@@ -70,6 +70,27 @@ def grads_smem_bytes(call: KernelCall) -> int:
     return inputs + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
 
 
+def _grad_gates(call: KernelCall, beta, gam, e_gam, e_gam_end):
+    """The gradient kernels' per-chunk gate rows [BH, n, 5, C] f32: beta, gamma (row use), gamma
+    (column use), e^gamma, e^{gamma_C - gamma} (one register layout per row)."""
+    rs = lambda x: x.reshape(call.BH, call.n, call.C)
+    return jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
+
+
+def _grad_sources(call: KernelCall, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref,
+                  th_ref, tl_ref):
+    """(batch, value head, the chunk's token rows, the eleven GMEM sources of the gradient kernels'
+    TMA copies in their SMEM order: q, k, v, dO, gates, h, dh, Vn, dVn, T hi, T lo) of CTA (bh, c)."""
+    H, G, C = call.H, call.group, call.C
+    b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+    hk = lax.div(hh, _i32(G)) if G > 1 else hh
+    rows = pl.ds(c * C, C)
+    srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
+            g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
+            th_ref.at[bh, c], tl_ref.at[bh, c])
+    return b, hh, rows, srcs
+
+
 def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp):
     """The gradient kernels' T phase (both :func:`chunk_grads` variants): T = (I + A)^-1 with
     A = strict(beta K K^T * Gamma); dT = (dVn Vn^T)(I + A)^T, dA = -strict(T^T dT T^T),
@@ -118,13 +139,11 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         return _chunk_grads_2wg(call, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo)
     plgpu = _plgpu()
     interp = call.platform == "interpret"
-    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    C, K, V, BH, H, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.n, call.Tp
     B = BH // H
     in_dt = jnp.dtype(call.in_dt)
     scale = call.scale
-    rs = lambda x: x.reshape(BH, n, C)
-    # rows: beta, gamma (row use), gamma (column use), e^gamma, e^{gamma_C - gamma}; one layout per row
-    gates = jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
+    gates = _grad_gates(call, beta, gam, e_gam, e_gam_end)
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
 
@@ -132,12 +151,8 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
              dq_ref, dk_ref, dv_ref, sc_ref,
              q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, bars):
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-        hk = lax.div(hh, _i32(G)) if G > 1 else hh
-        rows = pl.ds(c * C, C)
-        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
-                g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
-                th_ref.at[bh, c], tl_ref.at[bh, c])
+        b, hh, rows, srcs = _grad_sources(call, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref,
+                                          dvn_ref, th_ref, tl_ref)
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
         for i, (src, dst) in enumerate(zip(srcs, dsts)):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
@@ -267,13 +282,11 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     warpgroups' work in turn in one thread (see the comment at the end of the body)."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
-    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    C, K, V, BH, H, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.n, call.Tp
     B = BH // H
     in_dt = jnp.dtype(call.in_dt)
     scale = call.scale
-    rs = lambda x: x.reshape(BH, n, C)
-    # rows: beta, gamma (row use), gamma (column use), e^gamma, e^{gamma_C - gamma}
-    gates = jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
+    gates = _grad_gates(call, beta, gam, e_gam, e_gam_end)
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
     NSC = 7  # output rows: dbeta (wg 0), dgam, -cgam, de_gam (wg 0), de_gam_end, dbeta (wg 1), de_gam (wg 1)
@@ -283,12 +296,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
              q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, dkk_s, x_hi, x_lo, dw_s,
              bars, dk_bar):
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-        hk = lax.div(hh, _i32(G)) if G > 1 else hh
-        rows = pl.ds(c * C, C)
-        srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
-                g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
-                th_ref.at[bh, c], tl_ref.at[bh, c])
+        b, hh, rows, srcs = _grad_sources(call, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref,
+                                          dvn_ref, th_ref, tl_ref)
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
 
         def issue():
