@@ -30,7 +30,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--blocks", default="", help="extra value blocks of the forward state pass, e.g. 32,16")
     ap.add_argument("--no-jla", action="store_true")
+    ap.add_argument("--only", default="",
+                    help="comma-separated substrings: time only the lines whose name contains one, e.g. "
+                         "'gradient kernel,2 WG,pallas' (default: every line)")
     args = ap.parse_args(argv)
+    only = [o for o in args.only.split(",") if o]
+
+    def wanted(name):
+        return not only or any(o in name for o in only)
 
     import jax
     import jax.numpy as jnp
@@ -57,14 +64,17 @@ def main(argv=None):
                 print("  not on the Hopper kernels:", HF.covers(cf) or "not an sm_90 GPU", flush=True)
                 continue
             wy = jax.jit(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))()
-            print(f"  fwd WY               {t(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))} ms", flush=True)
+            if wanted("fwd WY"):
+                print(f"  fwd WY               {t(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))} ms", flush=True)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
-            print(f"  fwd WY, dense inv.   {t(lambda: HF.wy_forward(cfd, q, k, v, beta, gc, eg))} ms", flush=True)
+            if wanted("fwd WY, dense inv."):
+                print(f"  fwd WY, dense inv.   {t(lambda: HF.wy_forward(cfd, q, k, v, beta, gc, eg))} ms", flush=True)
             blocks = [cf.bv_mosaic] + [int(b) for b in args.blocks.split(",") if b and int(b) != cf.bv_mosaic]
             for bv in blocks:
                 c2 = dataclasses.replace(cf, bv_mosaic=bv)
                 f = lambda c2=c2: HF.forward_states_and_output(c2, wy["w"], wy["u"], k, ekd, dec, h0, fl, q, eg, wy["aqk"])
-                print(f"  fwd state pass bv{bv:<3d} {t(f)} ms", flush=True)
+                if wanted(f"fwd state pass bv{bv}"):
+                    print(f"  fwd state pass bv{bv:<3d} {t(f)} ms", flush=True)
             cb, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, fl) = prep.kernel_args("bwd")
             if cb.mosaic_bwd:
                 do, dfin = x["do"], jnp.zeros(h0.shape, jnp.float32)
@@ -91,16 +101,18 @@ def main(argv=None):
                         cb, k, v, do, beta, eg, sv["aqk"], sv["t_hi"], sv["t_lo"])))
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg,
                                                                                    save_t=True)))
-                for name, fn in steps:
+                for name, fn in [s for s in steps if wanted(s[0])]:
                     print(f"  {name:<20} {t(fn)} ms", flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             for label, kc in (("pallas", KernelConfig()), ("dense inv", KernelConfig(wy_inverse="dense")),
                               ("no save_wy", KernelConfig(save_wy=False)),
                               ("grads 2 WG", KernelConfig(grad_warpgroups=2))):
+                if not wanted(label):
+                    continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
                 print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
-            if not args.no_jla:
+            if not args.no_jla and wanted("jla"):
                 try:
                     jf, jfb, _ = bp.jla_fns(x)
                     print(f"  jla    fwd {t(jf)}  fwd+bwd {t(jfb)} ms", flush=True)

@@ -91,7 +91,7 @@ def run_case(case, dtype, config):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="*", default=None,
-                    help="KernelConfig field=value items, one config per argument ('' = the defaults)")
+                    help="KernelConfig field=value items, one config per argument ('' or defaults = the defaults)")
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="CPU interpret mode, three cases")
     args = ap.parse_args(argv)
@@ -99,7 +99,7 @@ def main(argv=None):
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
     configs = []
     for sp in specs:
-        kw = parse_overrides(KernelConfig, [x for x in sp.split(",") if x])
+        kw = parse_overrides(KernelConfig, [x for x in sp.split(",") if x and x != "defaults"])
         if not gpu:
             kw.setdefault("platform", "interpret")
         configs.append((sp or "defaults", KernelConfig(**kw)))
