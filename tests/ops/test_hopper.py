@@ -295,7 +295,7 @@ def _two_wg_case(K, V, group, cu):
                         init=True, N=N)
         x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
-    one = _run(x, MOSAIC, cu_seqlens=cu_j)
+    one = _run(x, dataclasses.replace(MOSAIC, grad_warpgroups=1), cu_seqlens=cu_j)
     calls = []
     real = HB._chunk_grads_2wg
     HB._chunk_grads_2wg = lambda *a: calls.append(1) or real(*a)
@@ -338,11 +338,12 @@ def test_two_warpgroup_gradient_kernel_config():
     assert HB.grads_smem_bytes(call) <= HB.SMEM_BYTES
 
 
-def test_two_warpgroup_gradient_kernel_lowers_for_cuda():
-    """value_and_grad with ``grad_warpgroups=2`` through Mosaic GPU's CUDA lowering (two
-    warpgroups per CTA, the cross-warpgroup barrier)."""
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_gradient_kernel_lowers_for_cuda(wgs):
+    """value_and_grad with ``grad_warpgroups`` 1 and 2 (the default: two warpgroups per CTA, the
+    cross-warpgroup barrier) through Mosaic GPU's CUDA lowering."""
     B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=2)
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=wgs)
     sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
     sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
 
