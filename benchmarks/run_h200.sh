@@ -10,6 +10,8 @@
 # and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
 # benchmarks/bench_decode.py; stages = each Hopper kernel alone,
 # benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once;
+# BENCH_SHAPES_A / BENCH_SHAPES_B replace bench_a's / bench_b's shapes, BENCH_FLAGS adds flags to both
+# (e.g. BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min instead of ~4);
 # CHECK_ARGS adds check_gpu.py flags, e.g. CHECK_ARGS="--configs defaults grad_warpgroups=2 --dtypes bfloat16";
 # STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
 # loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
@@ -38,9 +40,9 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for s in $STEPS; do
   case $s in
     check) timeout "${LIMIT_CHECK:-240}" python benchmarks/check_gpu.py ${CHECK_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/check_gpu.txt" | tail -3 ;;
-    bench|bench_a) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes 0,1,2 --reps 20 --no-breakdown \
+    bench|bench_a) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes ${BENCH_SHAPES_A:-0,1,2} --reps 20 --no-breakdown ${BENCH_FLAGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_a.txt" | tail -3 ;;&
-    bench|bench_b) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes 3,4 --reps 20 --no-breakdown \
+    bench|bench_b) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes ${BENCH_SHAPES_B:-3,4} --reps 20 --no-breakdown ${BENCH_FLAGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_b.txt" | tail -3 ;;&
     breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes 0 --reps 20 --no-fla --no-jla \
              --no-chunk 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
