@@ -6,8 +6,10 @@ at the same shape. GPU (sm_90) only.
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
-dense inverse, without ``save_wy`` and with the two-warpgroup gradient kernel
-(``KernelConfig(grad_warpgroups=2)``, also timed alone).
+dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
+(``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and with ``save_states``
+(the forward's state pass also writing h_n and Vn: timed alone as "fwd state pass + h, Vn", with
+the backward's WY stage it leaves, "bwd dVl from saved").
 
 Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
@@ -32,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--no-jla", action="store_true")
     ap.add_argument("--only", default="",
                     help="comma-separated substrings: time only the lines whose name contains one, e.g. "
-                         "'gradient kernel,2 WG,pallas' (default: every line)")
+                         "'kernel,WG,pallas' (default: every line)")
     args = ap.parse_args(argv)
     only = [o for o in args.only.split(",") if o]
 
@@ -75,6 +77,10 @@ def main(argv=None):
                 f = lambda c2=c2: HF.forward_states_and_output(c2, wy["w"], wy["u"], k, ekd, dec, h0, fl, q, eg, wy["aqk"])
                 if wanted(f"fwd state pass bv{bv}"):
                     print(f"  fwd state pass bv{bv:<3d} {t(f)} ms", flush=True)
+            f = lambda: HF.forward_states_and_output(cf, wy["w"], wy["u"], k, ekd, dec, h0, fl, q, eg, wy["aqk"],
+                                                     save_states=True)  # KernelConfig.save_states
+            if wanted("fwd state pass + h, Vn"):
+                print(f"  fwd state pass + h, Vn {t(f)} ms", flush=True)
             cb, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, fl) = prep.kernel_args("bwd")
             if cb.mosaic_bwd:
                 do, dfin = x["do"], jnp.zeros(h0.shape, jnp.float32)
@@ -91,12 +97,13 @@ def main(argv=None):
                                                                    rs["dh"], st["vn"], rs["dvn"], wyb["t_hi"],
                                                                    wyb["t_lo"])),
                 ]
-                c2w = dataclasses.replace(cb, grad_wgs=2)  # KernelConfig.grad_warpgroups=2
-                steps.insert(4, ("bwd grads, 2 WGs", lambda: HB.chunk_grads(c2w, q, k, v, do, beta, gc, eg, ekd,
-                                                                            st["h"], rs["dh"], st["vn"], rs["dvn"],
-                                                                            wyb["t_hi"], wyb["t_lo"])))
+                c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
+                steps.insert(4, ("bwd grads, 1 WG", lambda: HB.chunk_grads(c1w, q, k, v, do, beta, gc, eg, ekd,
+                                                                           st["h"], rs["dh"], st["vn"], rs["dvn"],
+                                                                           wyb["t_hi"], wyb["t_lo"])))
                 if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
                     sv = jax.jit(lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg, save_t=True))()
+                    steps.insert(1, ("bwd dVl from saved", lambda: HB.dvl_from_saved(cb, do, sv["aqk"])))
                     steps.insert(1, ("bwd WY from saved", lambda: HB.wy_from_saved(
                         cb, k, v, do, beta, eg, sv["aqk"], sv["t_hi"], sv["t_lo"])))
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg,
@@ -107,7 +114,8 @@ def main(argv=None):
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             for label, kc in (("pallas", KernelConfig()), ("dense inv", KernelConfig(wy_inverse="dense")),
                               ("no save_wy", KernelConfig(save_wy=False)),
-                              ("grads 2 WG", KernelConfig(grad_warpgroups=2))):
+                              ("grads 1 WG", KernelConfig(grad_warpgroups=1)),
+                              ("save states", KernelConfig(save_states=True))):
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)

@@ -152,6 +152,90 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
         assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
 
 
+@pytest.mark.parametrize("K,V,group,cu", [(128, 128, 1, None), (64, 128, 2, (0, 70, 71, 200))])
+def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
+    """KernelConfig.save_states: the forward's state pass also writes h_n and Vn, and the backward
+    takes them and the forward's W instead of its forward recompute and (with save_wy) of
+    wy_from_saved (neither may run: dvl_from_saved forms dVl alone). The forward's states are
+    the recompute's (same W, U, same kernel arithmetic), so o and the gradients agree with the
+    recomputing backward to float32 rounding (rel_rms <= 1e-5; o bit for bit), also with
+    cu_seqlens (a length-1 sequence among them), value heads (GVA) and both WY residual modes."""
+    N = None if cu is None else len(cu) - 1
+    x = make_inputs(seed_of("hopper-save-states", K, V, group), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
+    if group > 1:
+        y = make_inputs(seed_of("hopper-save-states-v", K, V), 1, 200, 2 * group, K, V, dtype=BF16, init=True, N=N)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"])
+    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    do = jnp.asarray(np.random.default_rng(3).standard_normal(x["v"].shape), F32)
+
+    def run(cfg):
+        def loss(*a):
+            o, S = gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="pallas",
+                                    chunk_size=64, kernel_config=cfg, cu_seqlens=cu_j)
+            return jnp.sum(o.astype(F32) * do) + jnp.sum(S), o
+
+        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args, x["S0"])
+
+    from gdn_jax.ops.pallas.vjp import saves_states
+
+    keep = dataclasses.replace(MOSAIC, save_states=True)
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).calls)
+    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)
+    for save_wy in (True, False):
+        (_, o_ref), ref = run(dataclasses.replace(MOSAIC, save_wy=save_wy))
+        real = HB.recompute_states
+
+        def no_recompute(*a, **kw):
+            raise AssertionError("save_states: the backward must not recompute the states")
+
+        real_wy = HB.wy_from_saved
+        monkeypatch.setattr(HB, "recompute_states", no_recompute)
+        monkeypatch.setattr(HB, "wy_from_saved", no_recompute)  # with save_wy: dvl_from_saved alone
+        try:
+            (_, o), got = run(dataclasses.replace(keep, save_wy=save_wy))
+        finally:
+            monkeypatch.setattr(HB, "recompute_states", real)
+            monkeypatch.setattr(HB, "wy_from_saved", real_wy)
+        assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
+        for a, b in zip(got, ref):
+            assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
+
+
+def test_save_states_ignored_off_hopper():
+    """save_states on the Triton path (no Hopper backward) changes nothing: the call's flag is set
+    but :func:`saves_states` is False (as save_wy)."""
+    from gdn_jax.ops.pallas.vjp import saves_states
+
+    x = make_inputs(seed_of("hopper-save-states-triton"), 1, 64, 1, 64, 64, dtype=BF16)
+    cfg = KernelConfig(platform="interpret", gpu_kernels="triton", save_states=True)
+    assert not saves_states(to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
+                                             config=cfg).calls)
+    with pytest.raises(TypeError, match="KernelConfig.save_states"):
+        KernelConfig(save_states="yes")
+
+
+def test_save_states_lowers_for_cuda():
+    """With save_states the forward's state pass writes h_n and Vn too and the backward has no
+    forward recompute: value_and_grad lowers for CUDA to five Mosaic GPU kernels (fwd WY, fwd
+    state pass, bwd WY from saved, reverse pass, gradients) instead of six."""
+    B, T, H, D = 1, 256, 2, 128
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
+
+    def kernels(**kw):
+        cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw)
+
+        def loss(q, k, v, g, b):
+            o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
+            return jnp.sum(o.astype(F32))
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        return jax.export.export(fn, platforms=["cuda"])(*sds).mlir_module().count("custom_call @mosaic_gpu")
+
+    assert kernels(save_states=True) == 5 and kernels() == 6
+
+
 def test_save_wy_lowers_for_cuda():
     """With save_wy the backward's WY stage is :func:`wy_from_saved`: still six Mosaic GPU kernels."""
     B, T, H, D = 1, 256, 2, 128

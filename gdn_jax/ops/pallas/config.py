@@ -132,6 +132,16 @@ class KernelConfig:
         single bf16 operands). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
         ms; GPU check 16 of 16 at 097d608). In interpret mode the two warpgroups' work runs in
         turn in one thread (Mosaic GPU's interpreter hung with two warpgroup threads on 2 cores).
+      save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk
+        size), the forward's state pass also writes the state entering each chunk ``h`` [B*H,
+        chunks, K, V] and ``Vn`` = U - W h [B*H, T, V] (bf16: what the backward's forward
+        recompute forms), and the forward keeps them and its W [B*H, T, K] as residuals: the
+        backward skips that recompute pass (0.127 of ~1.0 ms at 4x4096x16x128 on an H200) and,
+        with ``save_wy``, forms only dVl = Aqk^T dO in its WY stage (no W, U). Costs bf16
+        residual memory of K / C + 1 value tensors plus one key tensor (at K = V = 128, C = 64:
+        4 times the size of v) and the forward's h / Vn writes. None / False: off (the backward
+        recomputes them); True: on where both directions run the Hopper kernels, ignored
+        elsewhere (like ``save_wy``). Not yet timed on a GPU.
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).
@@ -162,6 +172,7 @@ class KernelConfig:
     save_t: Optional[bool] = None
     merge_state: Optional[bool] = None
     save_wy: Optional[bool] = None
+    save_states: Optional[bool] = None
     wy_inverse: str = "blocked"
     grad_warpgroups: int = 2
     gpu_kernels: Optional[str] = None
@@ -174,7 +185,7 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {type(val).__name__} {val!r}")
             if val not in ok:
                 raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
-        for name in ("fuse_output", "save_t", "merge_state", "save_wy"):
+        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states"):
             val = getattr(self, name)
             if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
                 want = "True or False" if name == "fuse_output" else "None, True or False"
@@ -243,6 +254,7 @@ class KernelCall:
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
+    save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
 
     @property
     def Tp(self) -> int:
@@ -354,6 +366,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, grad_wgs=config.grad_warpgroups,
+        save_states=bool(config.save_states),
     )
     return _with_mosaic(config, call)
 

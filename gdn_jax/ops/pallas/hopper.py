@@ -209,7 +209,7 @@ def covers(call: KernelCall) -> str | None:
 
 
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q=None, e_gam=None,
-                              aqk=None):
+                              aqk=None, save_states: bool = False):
     """The fused forward state pass on Hopper; arguments and result as
     :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`. With ``cu_seqlens``
     (``call.packed``) the per-chunk ``flags`` ride in the gates row of each chunk: at a sequence's
@@ -217,7 +217,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     Without ``q`` (the backward's recompute, :func:`gdn_jax.ops.pallas.hopper_bwd.recompute_states`)
     no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
-    (bf16) leave by TMA instead of ``o`` and the final state."""
+    (bf16) leave by TMA instead of ``o`` and the final state. With ``q`` and ``save_states``
+    (``KernelConfig.save_states``) they leave as well as ``o`` and the final state, the same
+    values the recompute writes (the result has all four)."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -230,6 +232,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     if call.packed:
         last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
     rec = q is None
+    keep = rec or save_states  # h and Vn leave by TMA
     e_o = jnp.zeros((BH, n, C), F32) if rec else e_gam.reshape(BH, n, C) * call.scale
     gates = jnp.stack([e_o, e_gam_end.reshape(BH, n, C), last_row], axis=2).astype(F32)
 
@@ -238,6 +241,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             (k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, vno_ref, k_s, w_s, u_s, g_s, s_s, vn_s, vs_s, f_s, bars,
              h0_bar) = refs
             q_ref = a_ref = q_s = a_s = None
+        elif save_states:
+            (q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref, h_ref, vno_ref,
+             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
         else:
             (q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
              q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
@@ -286,12 +292,13 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             if call.packed:
                 seq, first, last = _slot_flags(g_s, slot)
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
-            if rec:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
+            if keep:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             s_s[...] = S.astype(BF16)
             plgpu.commit_smem()
-            if rec:
+            if keep:
                 plgpu.copy_smem_to_gmem(s_s, h_ref.at[bh, i, :, vsl])
+            if rec:
                 (ws,) = _mmas([((C, bv), w_s.at[slot], s_s)], interp)
             else:
                 ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
@@ -301,8 +308,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             vn_s[...] = vn.astype(BF16)
             vs_s[...] = (vn * lax.broadcast_in_dim(e_end, vn.shape, [0])).astype(BF16)
             plgpu.commit_smem()
-            if rec:
+            if keep:
                 plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
+            if rec:
                 (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
                 return S
             o0 = qs * lax.broadcast_in_dim(_load(g_s.at[slot, 0], row, interp), qs.shape, [0])
@@ -337,10 +345,14 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         _smem((C, bv), in_dt, sw), _smem((K, bv), F32), [plgpu.Barrier(num_barriers=2) for _ in range(6)],
         plgpu.Barrier(num_barriers=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
+    if save_states:
+        out_type += (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv), grid_names=("bh", "vb"),
                       **kw)
-    o, fin = fn(q, k, w.astype(BF16), u.astype(BF16), aqk.astype(BF16), gates, h0)
-    return dict(o=o, final=fin)
+    out = fn(q, k, w.astype(BF16), u.astype(BF16), aqk.astype(BF16), gates, h0)
+    if save_states:
+        return dict(o=out[0], final=out[1], h=out[2], vn=out[3])
+    return dict(o=out[0], final=out[1])
 
 
 def wy_smem_bytes(call: KernelCall) -> int:

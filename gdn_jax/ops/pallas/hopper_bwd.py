@@ -487,6 +487,37 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     return dict(w=w, u=u, dvl=dvl)
 
 
+def dvl_from_saved(call: KernelCall, do, aqk):
+    """dVl = Aqk^T dO [BH, T, V] (input dtype) alone, one CTA per (batch x value head, chunk): the
+    backward's WY stage when the forward kept W, T and its states (``KernelConfig.save_states``
+    with ``save_wy``), so that neither W nor U is formed again. ``do`` in the token layout, ``aqk``
+    [BH, n, C, C] bf16 from :func:`gdn_jax.ops.pallas.hopper.wy_forward`."""
+    plgpu = _plgpu()
+    interp = call.platform == "interpret"
+    C, V, BH, H, n, Tp = call.C, call.V, call.BH, call.H, call.n, call.Tp
+    in_dt = jnp.dtype(call.in_dt)
+
+    def body(do_ref, a_ref, dvl_ref, do_s, a_s, bars):
+        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        rows = pl.ds(c * C, C)
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bars.at[0])
+        plgpu.copy_gmem_to_smem(a_ref.at[bh, c], a_s, bars.at[1])
+        plgpu.barrier_wait(bars.at[0])
+        plgpu.barrier_wait(bars.at[1])
+        (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
+        do_s[...] = dvl.astype(do_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [_smem((C, V), in_dt), _smem((C, C), BF16), plgpu.Barrier(num_barriers=2)]
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    fn = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((BH, Tp, V), in_dt), scratch_types=scratch, grid=(BH, n),
+                      grid_names=("bh", "c"), **kw)
+    return fn(do, aqk.astype(BF16))
+
+
 def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
     """The backward's WY stage on Hopper: :func:`.hopper.wy_forward` with dO. Returns ``w``, ``u``,
     ``dvl`` = Aqk^T dO [BH, T, *] and T = ``t_hi`` + ``t_lo`` [BH, n, C, C] (bf16)."""

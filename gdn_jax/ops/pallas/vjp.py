@@ -20,7 +20,10 @@ per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D1
 * backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
   h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`;
   on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper_bwd`:
-  wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads.
+  wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads (with
+  ``KernelConfig.save_wy`` the forward's Aqk and T replace the WY's inverse; with
+  ``KernelConfig.save_states`` the forward's h_n, Vn and W replace recompute_states, and with
+  both the backward's WY stage is :func:`~.hopper_bwd.dvl_from_saved`, dVl = Aqk^T dO alone).
 """
 from __future__ import annotations
 
@@ -64,17 +67,25 @@ def gate_terms(call: KernelCall, beta_hm, g_hm):
     return beta_hm.reshape(BH, n * C, 1), gam_col, gam_row, e_gam, e_gam_end, e_gam_last
 
 
-def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy=False):
+def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy=False,
+            save_states=False):
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
-    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. With ``save_wy`` (Hopper forward only)
-    a third result: the WY products the Hopper backward reuses, ``(aqk, t_hi, t_lo)``."""
-    if save_wy and not call.mosaic_fwd:
-        raise ValueError("forward(save_wy=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
+    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. With ``save_wy`` and / or
+    ``save_states`` (Hopper forward only) a third result, the residuals the Hopper backward reuses:
+    a dict with the WY products ``aqk, t_hi, t_lo`` (``save_wy``) and the states entering each
+    chunk ``h`` with ``vn`` and ``w`` (``save_states``)."""
+    if (save_wy or save_states) and not call.mosaic_fwd:
+        raise ValueError("forward(save_wy=True / save_states=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
+    saved = {}
     if call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
         out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
-                                               wy["aqk"])
+                                               wy["aqk"], save_states=save_states)
         o, fin = out["o"], out["final"]
+        if save_wy:
+            saved.update(aqk=wy["aqk"], t_hi=wy["t_hi"], t_lo=wy["t_lo"])
+        if save_states:
+            saved.update(h=out["h"], vn=out["vn"], w=wy["w"])
     elif call.fuse_output:
         wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
         out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
@@ -86,31 +97,41 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         o, fin = output(call, q, k, gam, gam_row, e_gam, st["h"], st["vn"])["o"], st["final"]
     if call.packed:
         fin = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], fin, h0)
-    if save_wy:
-        return o, fin, (wy["aqk"], wy["t_hi"], wy["t_lo"])
+    if save_wy or save_states:
+        return o, fin, saved
     return o, fin
+
+
+def _hopper_both(calls) -> bool:
+    cf, cb = calls
+    return bool(cf.mosaic_fwd and cb.mosaic_bwd and cf.C == cb.C and cf.n == cb.n)
 
 
 def saves_wy(calls) -> bool:
     """Whether the forward keeps its WY products for the backward (``KernelConfig.save_wy``): both
     directions on the Hopper kernels at the same chunking."""
-    cf, cb = calls
-    return bool(cb.save_wy and cf.mosaic_fwd and cb.mosaic_bwd and cf.C == cb.C and cf.n == cb.n)
+    return bool(calls[1].save_wy and _hopper_both(calls))
 
 
-def backward(call: KernelCall, inputs, cts, saved_wy=None):
+def saves_states(calls) -> bool:
+    """Whether the forward keeps the states entering each chunk and Vn for the backward
+    (``KernelConfig.save_states``): both directions on the Hopper kernels at the same chunking."""
+    return bool(calls[1].save_states and _hopper_both(calls))
+
+
+def backward(call: KernelCall, inputs, cts, saved=None):
     """The backward kernels of one chunking. ``inputs``: the arguments of :func:`forward`;
-    ``cts``: (do, d final state); ``saved_wy``: the forward's ``(aqk, t_hi, t_lo)``
-    (:func:`saves_wy`) or None. Returns the cotangents of every input of :func:`forward` (None
-    for the flags)."""
+    ``cts``: (do, d final state); ``saved``: the forward's residual dict (:func:`forward` with
+    ``save_wy`` / ``save_states``: :func:`saves_wy`, :func:`saves_states`) or None. Returns the
+    cotangents of every input of :func:`forward` (None for the flags)."""
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     do, dfin = cts
     do = do.astype(call.in_dt)
     dfin = dfin.astype(F32)
     if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
-        return _hopper_backward(call, inputs, do, dfin, saved_wy)
-    if saved_wy is not None:
-        raise ValueError("backward(saved_wy=...) needs the Hopper backward (KernelCall.mosaic_bwd)")
+        return _hopper_backward(call, inputs, do, dfin, saved or {})
+    if saved:
+        raise ValueError("backward(saved=...) needs the Hopper backward (KernelCall.mosaic_bwd)")
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
     if call.merge_state:
         st = merged_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, q, wy["dvl"], do, e_gam, dfin, flags)
@@ -122,14 +143,21 @@ def backward(call: KernelCall, inputs, cts, saved_wy=None):
     return _cotangents(call, gr, st["dh0"], gr["de_gam_last"], flags, dfin)
 
 
-def _hopper_backward(call: KernelCall, inputs, do, dfin, saved_wy=None):
+def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
-    if saved_wy is None:
+    if "aqk" not in saved:
         wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
+    elif "w" in saved:  # the forward's Aqk, T, W and states: only dVl = Aqk^T dO is left to form
+        wy = dict(w=saved["w"], dvl=hopper_bwd.dvl_from_saved(call, do, saved["aqk"]), t_hi=saved["t_hi"],
+                  t_lo=saved["t_lo"])
     else:  # the forward's Aqk and T: no second inverse
-        aqk, t_hi, t_lo = saved_wy
-        wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, aqk, t_hi, t_lo), t_hi=t_hi, t_lo=t_lo)
-    st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
+        t_hi, t_lo = saved["t_hi"], saved["t_lo"]
+        wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, saved["aqk"], t_hi, t_lo), t_hi=t_hi,
+                  t_lo=t_lo)
+    if "h" in saved:  # the forward's states and Vn: no forward recompute
+        st = dict(h=saved["h"], vn=saved["vn"])
+    else:
+        st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
     rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
                                    flags)
     gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
@@ -165,15 +193,17 @@ def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_b
 
     ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; beta
     and g head-major [BH, Tp] f32; ``flags_*`` the per-chunk flags of each chunking. The residuals
-    are the inputs (the backward recomputes the rest) and, with ``KernelConfig.save_wy`` on the
-    Hopper kernels (:func:`saves_wy`), the forward's Aqk and T."""
+    are the inputs (the backward recomputes the rest) and, on the Hopper kernels, with
+    ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
+    ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn."""
     return _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)[0]
 
 
 def _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
-    save = saves_wy(calls)
-    out = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd, save_wy=save)
-    saved = out[2] if save else None
+    save, keep = saves_wy(calls), saves_states(calls)
+    out = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd, save_wy=save,
+                  save_states=keep)
+    saved = out[2] if (save or keep) else None
     return out[:2], (q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved)
 
 
@@ -181,7 +211,7 @@ def _bwd(calls, res, cts):
     q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved = res
     cb = calls[1]
     terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(cb, b, g), beta_hm, g_hm)
-    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts, saved_wy=saved)
+    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts, saved=saved)
     dbeta_hm, dg_hm = terms_vjp(tuple(dterms))
     return dq, dk, dv, dbeta_hm, dg_hm, dh0, None, None
 
