@@ -28,10 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="0", help="comma-separated bench_pallas.SHAPES indices")
+    ap.add_argument("--shapes", default="0", help="comma-separated bench_pallas.SHAPES indices or BxTxHxD")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--blocks", default="", help="extra value blocks of the forward state pass, e.g. 32,16")
     ap.add_argument("--no-jla", action="store_true")
+    ap.add_argument("--interpret", action="store_true",
+                    help="CPU smoke test: every kernel in Mosaic GPU's interpret mode (timings meaningless; "
+                         "no jla), e.g. --interpret --shapes 1x128x1x64 --reps 1")
     ap.add_argument("--only", default="",
                     help="comma-separated substrings: time only the lines whose name contains one, e.g. "
                          "'kernel,WG,pallas' (default: every line)")
@@ -50,77 +53,91 @@ def main(argv=None):
 
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
 
-    def t(f):
-        jf = jax.jit(f)
-        jax.block_until_ready(jf())
-        return f"{bp.time_fn_pipelined(jf, args.reps):.3f} (per call {bp.time_fn(jf, args.reps):.3f})"
+    def t(f, arrays=None):
+        """Pipelined and per-call ms of ``f(arrays)`` jitted (the arrays as arguments: closed-over
+        arrays would be baked into the executable as constants, which XLA then folds for seconds),
+        or of ``f()`` as given when ``arrays`` is None (already a call of a jitted function)."""
+        if arrays is None:
+            call = f
+        else:
+            jf = jax.jit(f)
+            call = lambda: jf(arrays)
+        jax.block_until_ready(call())
+        return f"{bp.time_fn_pipelined(call, args.reps):.3f} (per call {bp.time_fn(call, args.reps):.3f})"
 
-    for si in (int(s) for s in args.shapes.split(",")):
-        shape = bp.SHAPES[si]
+    base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
+    KC = lambda **kw: KernelConfig(**base, **kw)
+    for shape in bp.parse_shapes(args.shapes, on_gpu=True):
         try:
             x = bp.make_inputs(shape)
-            prep = V.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=KernelConfig())
-            cf, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, fl) = prep.kernel_args("fwd")
+            prep = V.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=KC())
+            names = ("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl")
+            cf, fargs = prep.kernel_args("fwd")
+            F = dict(zip(names, fargs))
             print(shape, "fwd: mosaic", cf.mosaic_fwd, "C", cf.C, "value block", cf.bv_mosaic, flush=True)
             if not cf.mosaic_fwd:
                 print("  not on the Hopper kernels:", HF.covers(cf) or "not an sm_90 GPU", flush=True)
                 continue
-            wy = jax.jit(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))()
+            wy_fwd = lambda c, A, **kw: HF.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
+            F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
             if wanted("fwd WY"):
-                print(f"  fwd WY               {t(lambda: HF.wy_forward(cf, q, k, v, beta, gc, eg))} ms", flush=True)
+                print(f"  fwd WY               {t(lambda A: wy_fwd(cf, A), F)} ms", flush=True)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
-                print(f"  fwd WY, dense inv.   {t(lambda: HF.wy_forward(cfd, q, k, v, beta, gc, eg))} ms", flush=True)
+                print(f"  fwd WY, dense inv.   {t(lambda A: wy_fwd(cfd, A), F)} ms", flush=True)
+
+            def state_pass(c, A, **kw):
+                return HF.forward_states_and_output(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                                                    A["q"], A["eg"], A["aqk"], **kw)
+
             blocks = [cf.bv_mosaic] + [int(b) for b in args.blocks.split(",") if b and int(b) != cf.bv_mosaic]
             for bv in blocks:
                 c2 = dataclasses.replace(cf, bv_mosaic=bv)
-                f = lambda c2=c2: HF.forward_states_and_output(c2, wy["w"], wy["u"], k, ekd, dec, h0, fl, q, eg, wy["aqk"])
                 if wanted(f"fwd state pass bv{bv}"):
-                    print(f"  fwd state pass bv{bv:<3d} {t(f)} ms", flush=True)
-            f = lambda: HF.forward_states_and_output(cf, wy["w"], wy["u"], k, ekd, dec, h0, fl, q, eg, wy["aqk"],
-                                                     save_states=True)  # KernelConfig.save_states
-            if wanted("fwd state pass + h, Vn"):
-                print(f"  fwd state pass + h, Vn {t(f)} ms", flush=True)
-            cb, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, fl) = prep.kernel_args("bwd")
+                    print(f"  fwd state pass bv{bv:<3d} {t(lambda A, c2=c2: state_pass(c2, A), F)} ms", flush=True)
+            if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
+                print(f"  fwd state pass + h, Vn {t(lambda A: state_pass(cf, A, save_states=True), F)} ms",
+                      flush=True)
+            cb, bargs = prep.kernel_args("bwd")
+            Bk = dict(zip(names, bargs))
             if cb.mosaic_bwd:
-                do, dfin = x["do"], jnp.zeros(h0.shape, jnp.float32)
-                wyb = jax.jit(lambda: HB.wy_backward(cb, q, k, v, do, beta, gc, eg))()
-                st = jax.jit(lambda: HB.recompute_states(cb, wyb["w"], wyb["u"], k, ekd, dec, h0, fl))()
-                rs = jax.jit(lambda: HB.reverse_states(cb, q, k, wyb["w"], wyb["dvl"], do, eg, ekd, dec, dfin,
-                                                       st["h"], fl))()
-                steps = [
-                    ("bwd WY", lambda: HB.wy_backward(cb, q, k, v, do, beta, gc, eg)),
-                    ("bwd recompute", lambda: HB.recompute_states(cb, wyb["w"], wyb["u"], k, ekd, dec, h0, fl)),
-                    ("bwd reverse pass", lambda: HB.reverse_states(cb, q, k, wyb["w"], wyb["dvl"], do, eg, ekd, dec,
-                                                                   dfin, st["h"], fl)),
-                    ("bwd gradient kernel", lambda: HB.chunk_grads(cb, q, k, v, do, beta, gc, eg, ekd, st["h"],
-                                                                   rs["dh"], st["vn"], rs["dvn"], wyb["t_hi"],
-                                                                   wyb["t_lo"])),
-                ]
+                Bk.update(do=x["do"], dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
+                wy_bwd = lambda A: HB.wy_backward(cb, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"])
+                recompute = lambda A: HB.recompute_states(cb, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+                                                          A["fl"])
+                reverse = lambda A: HB.reverse_states(cb, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"],
+                                                      A["ekd"], A["dec"], A["dfin"], A["h"], A["fl"])
+
+                def grads(c, A):
+                    return HB.chunk_grads(c, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"],
+                                          A["h"], A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
+
+                Bk.update(jax.jit(wy_bwd)(Bk))  # w, u, dvl, t_hi, t_lo
+                Bk.update(jax.jit(recompute)(Bk))  # h, vn
+                Bk.update(jax.jit(reverse)(Bk))  # dh, dvn, dh0, de_gam_last
                 c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
-                steps.insert(4, ("bwd grads, 1 WG", lambda: HB.chunk_grads(c1w, q, k, v, do, beta, gc, eg, ekd,
-                                                                           st["h"], rs["dh"], st["vn"], rs["dvn"],
-                                                                           wyb["t_hi"], wyb["t_lo"])))
+                steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
+                         ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A))]
                 if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
-                    sv = jax.jit(lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg, save_t=True))()
-                    steps.insert(1, ("bwd dVl from saved", lambda: HB.dvl_from_saved(cb, do, sv["aqk"])))
-                    steps.insert(1, ("bwd WY from saved", lambda: HB.wy_from_saved(
-                        cb, k, v, do, beta, eg, sv["aqk"], sv["t_hi"], sv["t_lo"])))
-                    steps.insert(0, ("fwd WY + T (save_wy)", lambda: HF.wy_forward(cb, q, k, v, beta, gc, eg,
-                                                                                   save_t=True)))
+                    sv = jax.jit(lambda A: wy_fwd(cb, A, save_t=True))(Bk)
+                    Bk.update(aqk=sv["aqk"], sv_t_hi=sv["t_hi"], sv_t_lo=sv["t_lo"])
+                    steps[1:1] = [
+                        ("bwd WY from saved", lambda A: HB.wy_from_saved(cb, A["k"], A["v"], A["do"], A["beta"],
+                                                                         A["eg"], A["aqk"], A["sv_t_hi"],
+                                                                         A["sv_t_lo"])),
+                        ("bwd dVl from saved", lambda A: HB.dvl_from_saved(cb, A["do"], A["aqk"]))]
+                    steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
-                    print(f"  {name:<20} {t(fn)} ms", flush=True)
+                    print(f"  {name:<20} {t(fn, Bk)} ms", flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            for label, kc in (("pallas", KernelConfig()), ("dense inv", KernelConfig(wy_inverse="dense")),
-                              ("no save_wy", KernelConfig(save_wy=False)),
-                              ("grads 1 WG", KernelConfig(grad_warpgroups=1)),
-                              ("save states", KernelConfig(save_states=True))):
+            for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("no save_wy", KC(save_wy=False)),
+                              ("grads 1 WG", KC(grad_warpgroups=1)), ("save states", KC(save_states=True))):
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
                 print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
-            if not args.no_jla and wanted("jla"):
+            if not (args.no_jla or args.interpret) and wanted("jla"):
                 try:
                     jf, jfb, _ = bp.jla_fns(x)
                     print(f"  jla    fwd {t(jf)}  fwd+bwd {t(jfb)} ms", flush=True)
