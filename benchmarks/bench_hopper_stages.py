@@ -13,7 +13,9 @@ the backward's WY stage it leaves, "bwd dVl from saved").
 
 Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
-device call's time limit keeps what was printed). Used for results/hopper_h200/stages_*.txt.
+device call's time limit keeps what was printed), with the bytes the stage must move at least
+(:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at 4.3 TB/s. Used for
+results/hopper_h200/stages_*.txt.
 """
 from __future__ import annotations
 
@@ -24,6 +26,45 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+HBM_BYTES_PER_S = 4.3e12  # REFERENCE.md section 5's H200 figure
+
+
+def stage_bytes(shape, C=64):
+    """HBM bytes each stage must move at least (every input read once, every output written once;
+    bf16 tensors, the f32 gate rows left out), by stage name, for ``shape`` = (B, T, H, D) with
+    K = V = D: Xk / Xv the size of q (k) / v, CC of one [C, C] tile per chunk and head (Aqk, T_hi,
+    T_lo), HS of the per-chunk states h_n (or dh_n). Used for the "x floor" column."""
+    B, T, H, D = shape
+    n = -(-T // C)
+    Xk = Xv = B * n * C * H * D * 2
+    CC = B * H * n * C * C * 2
+    HS = B * H * n * D * D * 2
+    return {
+        "fwd WY": 3 * Xk + 2 * Xv + CC,  # q, k, v -> w, u, aqk
+        "fwd WY, dense inv.": 3 * Xk + 2 * Xv + CC,
+        "fwd WY + T (save_wy)": 3 * Xk + 2 * Xv + 3 * CC,  # + t_hi, t_lo
+        "fwd state pass": 3 * Xk + 2 * Xv + CC,  # q, k, w, u, aqk -> o
+        "fwd state pass + h, Vn": 3 * Xk + 3 * Xv + CC + HS,  # + h, vn
+        "bwd WY": 3 * Xk + 4 * Xv + 2 * CC,  # q, k, v, do -> w, u, dvl, t_hi, t_lo
+        "bwd WY from saved": 2 * Xk + 4 * Xv + 3 * CC,  # k, v, do, aqk, t_hi, t_lo -> w, u, dvl
+        "bwd dVl from saved": 2 * Xv + CC,  # do, aqk -> dvl
+        "bwd recompute": 2 * Xk + 2 * Xv + HS,  # k, w, u -> h, vn
+        "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
+        "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
+        "bwd grads, 1 WG": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
+    }
+
+
+def floor_note(name, shape, ms):
+    """'  [N MB, floor F ms, R x]' for a stage line (empty for names without a byte count)."""
+    key = "fwd state pass" if name.startswith("fwd state pass bv") else name
+    nbytes = stage_bytes(shape).get(key)
+    if nbytes is None:
+        return ""
+    floor = nbytes / HBM_BYTES_PER_S * 1e3
+    return f"  [{nbytes / 1e6:.0f} MB, HBM floor {floor:.3f} ms, {ms / floor:.1f}x]"
 
 
 def main(argv=None):
@@ -63,7 +104,12 @@ def main(argv=None):
             jf = jax.jit(f)
             call = lambda: jf(arrays)
         jax.block_until_ready(call())
-        return f"{bp.time_fn_pipelined(call, args.reps):.3f} (per call {bp.time_fn(call, args.reps):.3f})"
+        ms = bp.time_fn_pipelined(call, args.reps)
+        return f"{ms:.3f} (per call {bp.time_fn(call, args.reps):.3f})"
+
+    def line(name, f, arrays):
+        text = t(f, arrays)
+        print(f"  {name:<20} {text} ms{floor_note(name, shape, float(text.split()[0]))}", flush=True)
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
     KC = lambda **kw: KernelConfig(**base, **kw)
@@ -81,10 +127,10 @@ def main(argv=None):
             wy_fwd = lambda c, A, **kw: HF.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
             F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
             if wanted("fwd WY"):
-                print(f"  fwd WY               {t(lambda A: wy_fwd(cf, A), F)} ms", flush=True)
+                line("fwd WY", lambda A: wy_fwd(cf, A), F)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
-                print(f"  fwd WY, dense inv.   {t(lambda A: wy_fwd(cfd, A), F)} ms", flush=True)
+                line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
 
             def state_pass(c, A, **kw):
                 return HF.forward_states_and_output(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
@@ -94,10 +140,9 @@ def main(argv=None):
             for bv in blocks:
                 c2 = dataclasses.replace(cf, bv_mosaic=bv)
                 if wanted(f"fwd state pass bv{bv}"):
-                    print(f"  fwd state pass bv{bv:<3d} {t(lambda A, c2=c2: state_pass(c2, A), F)} ms", flush=True)
+                    line(f"fwd state pass bv{bv}", lambda A, c2=c2: state_pass(c2, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
-                print(f"  fwd state pass + h, Vn {t(lambda A: state_pass(cf, A, save_states=True), F)} ms",
-                      flush=True)
+                line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
             if cb.mosaic_bwd:
@@ -128,7 +173,7 @@ def main(argv=None):
                         ("bwd dVl from saved", lambda A: HB.dvl_from_saved(cb, A["do"], A["aqk"]))]
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
-                    print(f"  {name:<20} {t(fn, Bk)} ms", flush=True)
+                    line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("no save_wy", KC(save_wy=False)),
