@@ -13,7 +13,8 @@
 # BENCH_SHAPES_A / BENCH_SHAPES_B replace bench_a's / bench_b's shapes, BENCH_FLAGS adds flags to both
 # (e.g. BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min instead of ~4);
 # CHECK_ARGS adds check_gpu.py flags, e.g. CHECK_ARGS="--configs defaults grad_warpgroups=2 --dtypes bfloat16";
-# STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
+# PROFILE_ARGS replaces bench_train_step's mixer / width flags of the profile step (e.g.
+# PROFILE_ARGS="--mixers gla mamba2 --d_models 128"); STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
 # loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
 # step's top device kernels (bench_train_step.py --profile); zoology / fig2 = the next
 # piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
@@ -76,7 +77,7 @@ for s in $STEPS; do
              # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
              tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz* ;;
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
-          timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py --mixers gdn attention --d_models 128 \
+          timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
