@@ -16,7 +16,8 @@
 # PROFILE_ARGS replaces bench_train_step's mixer / width flags of the profile step (e.g.
 # PROFILE_ARGS="--mixers gla mamba2 --d_models 128"); STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
 # loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
-# step's top device kernels (bench_train_step.py --profile); zoology / fig2 = the next
+# step's top device kernels (bench_train_step.py --profile); gla = benchmarks/bench_gla_gram.py (the
+# GLA chunk form's decay Gram, library vs a fused variant); zoology / fig2 = the next
 # piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
 # time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
 # $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call; SWEEP_ARGS adds
@@ -25,7 +26,7 @@
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
 # one cannot eat the others' (LIMIT_<STEP> seconds: LIMIT_CHECK, LIMIT_BENCH, LIMIT_BREAKDOWN,
-# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_SWEEP, LIMIT_TRAIN).
+# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_GLA, LIMIT_SWEEP, LIMIT_TRAIN).
 set -o pipefail
 OUT=${OUT:-gpu_run}
 mkdir -p "$OUT"
@@ -79,6 +80,7 @@ for s in $STEPS; do
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
+    gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
