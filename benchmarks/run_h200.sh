@@ -39,6 +39,36 @@ export PYTHONPATH=.:${PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 # (the device's copy of .git can be stale: the working tree is what runs; record the commit by hand)
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+sweep_step() {  # $1 = zoology | fig2: the next piece of that Zoology grid (see the header)
+  local name; name=$([ "$1" = zoology ] && echo zoology_mqar || echo zoology_fig2)
+  # the device returns at most 8 files, 2 folders down: the sweep's results come back as
+  # $OUT/$name.tgz (unpack into results/ and commit), the checkpoints of runs it left
+  # unfinished as $OUT/ckpt_$name.tgz.part-* (unpack into .base/ and carry .base next time)
+  rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name"
+  [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
+  [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
+  # SWEEP_ARGS: extra sweep flags, e.g. "--mixers gdn gla --d_models 64 128 --workers_per_device 2"
+  JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
+    --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
+    --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) ${SWEEP_ARGS:-} \
+    2>&1 | grep -v -i warning | tee "$OUT/$name.txt" | tail -5
+  tar czf "$OUT/$name.tgz" -C /tmp "$name"
+  # keep only the checkpoints of runs without a results.json (finished runs need none)
+  (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
+  # a file comes back only under 16 MiB (64 MiB in all): the checkpoints travel as 15 MB parts
+  # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
+  tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz*
+}
+# SWEEP_GPUS (e.g. "1,2,3" on nvidia-h200-x4): the zoology / fig2 steps run in the background on
+# those GPUs (the sweep spreads its workers over them) while the other steps run on KERNEL_GPU
+# (default 0) -- a multi-GPU machine costs the same device time per minute as one GPU
+bg=""
+if [ -n "${SWEEP_GPUS:-}" ]; then
+  for s in $STEPS; do
+    case $s in zoology|fig2) (export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS; sweep_step $s) & bg="$bg $!" ;; esac
+  done
+  export CUDA_VISIBLE_DEVICES=${KERNEL_GPU:-0}
+fi
 for s in $STEPS; do
   case $s in
     check) timeout "${LIMIT_CHECK:-240}" python benchmarks/check_gpu.py ${CHECK_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/check_gpu.txt" | tail -3 ;;
@@ -59,24 +89,7 @@ for s in $STEPS; do
              | tee "$OUT/regs.txt" | tail -40 ;;
     loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
              2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
-    zoology|fig2) name=$([ $s = zoology ] && echo zoology_mqar || echo zoology_fig2)
-             # the device returns at most 8 files, 2 folders down: the sweep's results come back as
-             # $OUT/$name.tgz (unpack into results/ and commit), the checkpoints of runs it left
-             # unfinished as $OUT/ckpt_$name.tgz (unpack into .base/ and carry .base next time)
-             rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name"
-             [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
-             [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
-             # SWEEP_ARGS: extra sweep flags, e.g. "--mixers gdn gla --d_models 64 128 --workers_per_device 4"
-             JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
-             --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
-             --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) ${SWEEP_ARGS:-} \
-             2>&1 | grep -v -i warning | tee "$OUT/$name.txt" | tail -5
-             tar czf "$OUT/$name.tgz" -C /tmp "$name"
-             # keep only the checkpoints of runs without a results.json (finished runs need none)
-             (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
-             # a file comes back only under 16 MiB: the checkpoints travel as 15 MB parts
-             # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
-             tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz* ;;
+    zoology|fig2) [ -z "${SWEEP_GPUS:-}" ] && sweep_step $s ;;
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
@@ -85,6 +98,7 @@ for s in $STEPS; do
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
 done
+[ -n "$bg" ] && wait $bg
 echo "=== tables"
 for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto bench_loop regs profile_step; do
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ]; then tail -40 "$OUT/$f.txt"; else

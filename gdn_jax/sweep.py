@@ -12,7 +12,8 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
   and no new run starts, so the same command run again picks the grid up where it stopped, cell
   by cell, run by run and step by step (a grid run in pieces of one device call each);
 * **several devices** -- with more than one local GPU/TPU (or ``workers > 1``) the sweep starts one
-  worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each;
+  worker process per device (``CUDA_VISIBLE_DEVICES``/``TPU_VISIBLE_CHIPS`` set to one device each,
+  taken from the sweep's own list when it has one: ``CUDA_VISIBLE_DEVICES=1,2,3`` leaves device 0 free;
   ``workers_per_device > 1``: that many per device, each with its share of the device memory -- small
   models leave an H200 mostly idle, so several runs at once raise the throughput); workers claim
   cells through lock files, so cells are spread dynamically;
@@ -466,6 +467,18 @@ def _accelerators() -> Tuple[int, str]:
     return (n if backend in ("gpu", "cuda", "rocm", "tpu") else 1), backend
 
 
+def visible_device_ids(visible: Optional[str], n_acc: int) -> List[str]:
+    """The device ids the workers are spread over: the parent's own ``CUDA_VISIBLE_DEVICES`` /
+    ``TPU_VISIBLE_CHIPS`` list when it has one (so that ``CUDA_VISIBLE_DEVICES=1,2,3 python
+    experiments/sweep.py ...`` keeps device 0 free for other work), else ``0 .. n_acc - 1``."""
+    if visible and visible.strip():
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if n_acc and len(ids) != n_acc:
+            raise ValueError(f"visible devices {visible!r} name {len(ids)} devices but JAX sees {n_acc}")
+        return ids
+    return [str(i) for i in range(n_acc)]
+
+
 def recorded_config(cfg: SweepConfig) -> Dict[str, Any]:
     """``cfg`` as ``sweep_config.json`` records it: with ``shapes``, ``seq_lens`` / ``num_kv_pairs``
     are the values the shapes run (in order of first appearance), not the unused fields."""
@@ -513,9 +526,10 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
                 bar.update(1)
     else:
         env_key = "TPU_VISIBLE_CHIPS" if backend == "tpu" else "CUDA_VISIBLE_DEVICES"
+        ids = visible_device_ids(os.environ.get(env_key), n_acc)
         procs = []
         for i in range(n_workers):
-            env = dict(os.environ, **{env_key: str(i % n_acc if n_acc else i)})
+            env = dict(os.environ, **{env_key: ids[i % len(ids)] if ids else str(i)})
             if wpd > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
                 env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / wpd:.3f}"  # each its share of the device
             log = open(os.path.join(cfg.out, f"worker{i}.log"), "a")

@@ -93,6 +93,17 @@ def test_workers_split_cells(tmp_path):
     assert sorted(claimed) == sorted(c["cell"] for c in summary["cells"])  # each cell trained exactly once
 
 
+def test_visible_device_ids():
+    """Workers go to the sweep's own visible devices (CUDA_VISIBLE_DEVICES=1,2,3 keeps device 0
+    for other work), else to 0 .. n - 1; a list that disagrees with JAX's count is an error."""
+    assert S.visible_device_ids(None, 2) == ["0", "1"]
+    assert S.visible_device_ids("", 1) == ["0"]
+    assert S.visible_device_ids("1, 2,3", 3) == ["1", "2", "3"]
+    assert S.visible_device_ids("5", 0) == ["5"]
+    with pytest.raises(ValueError, match="name 2 devices but JAX sees 3"):
+        S.visible_device_ids("0,1", 3)
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="preset"):
         S.apply_preset(S.SweepConfig(preset="nope"))
