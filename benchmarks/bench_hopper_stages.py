@@ -1,20 +1,24 @@
 """Each Hopper (Mosaic GPU) kernel of ``backend="pallas"`` timed alone on its real inputs, pipelined
 device time and per synchronised call, plus the whole op and (when importable) jax-linear-attention
-at the same shape. GPU (sm_90) only.
+at the same shape. GPU (sm_90); ``--interpret`` runs every kernel in Mosaic GPU's interpret mode
+on CPU (a smoke test of this script: its times mean nothing there).
 
     python benchmarks/bench_hopper_stages.py --shapes 0,3 --reps 20 [--blocks 64,32,16] [--no-jla]
+    python benchmarks/bench_hopper_stages.py --interpret --shapes 1x70x1x64 --reps 1 --only "own dVl"
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 (``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and with ``save_states``
-(the forward's state pass also writing h_n and Vn: timed alone as "fwd state pass + h, Vn", with
-the backward's WY stage it leaves, "bwd dVl from saved").
+(the forward's state pass also writing h_n and Vn: timed alone as "fwd state pass + h, Vn", and
+the reverse pass forming dVl from the saved Aqk, "bwd reverse, own dVl").
 
-Shapes are ``bench_pallas.SHAPES`` indices. ``--blocks`` times the forward state pass at each value
+Shapes are ``bench_pallas.SHAPES`` indices or BxTxHxD. ``--only`` times just the lines whose
+name contains one of its comma-separated substrings. ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
 device call's time limit keeps what was printed), with the bytes the stage must move at least
-(:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at 4.3 TB/s. Used for
+(:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at 4.3 TB/s (not in
+interpret mode). Used for
 results/hopper_h200/stages_*.txt.
 """
 from __future__ import annotations
@@ -49,7 +53,7 @@ def stage_bytes(shape, C=64):
         "fwd state pass + h, Vn": 3 * Xk + 3 * Xv + CC + HS,  # + h, vn
         "bwd WY": 3 * Xk + 4 * Xv + 2 * CC,  # q, k, v, do -> w, u, dvl, t_hi, t_lo
         "bwd WY from saved": 2 * Xk + 4 * Xv + 3 * CC,  # k, v, do, aqk, t_hi, t_lo -> w, u, dvl
-        "bwd dVl from saved": 2 * Xv + CC,  # do, aqk -> dvl
+        "bwd reverse, own dVl": 3 * Xk + 2 * Xv + CC + 2 * HS,  # q, k, w, do, aqk, h -> dh, dvn
         "bwd recompute": 2 * Xk + 2 * Xv + HS,  # k, w, u -> h, vn
         "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
         "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
@@ -80,7 +84,7 @@ def main(argv=None):
                     help="comma-separated substrings: time only the lines whose name contains one, e.g. "
                          "'kernel,WG,pallas' (default: every line)")
     args = ap.parse_args(argv)
-    only = [o for o in args.only.split(",") if o]
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
 
     def wanted(name):
         return not only or any(o in name for o in only)
@@ -109,7 +113,8 @@ def main(argv=None):
 
     def line(name, f, arrays):
         text = t(f, arrays)
-        print(f"  {name:<20} {text} ms{floor_note(name, shape, float(text.split()[0]))}", flush=True)
+        note = "" if args.interpret else floor_note(name, shape, float(text.split()[0]))
+        print(f"  {name:<22} {text} ms{note}", flush=True)
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
     KC = lambda **kw: KernelConfig(**base, **kw)
@@ -146,7 +151,9 @@ def main(argv=None):
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
             if cb.mosaic_bwd:
-                Bk.update(do=x["do"], dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
+                pad = cb.Tp - x["do"].shape[1]  # the kernels' time axis: T padded to whole chunks
+                Bk.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))),
+                          dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
                 wy_bwd = lambda A: HB.wy_backward(cb, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"])
                 recompute = lambda A: HB.recompute_states(cb, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
                                                           A["fl"])
@@ -170,7 +177,9 @@ def main(argv=None):
                         ("bwd WY from saved", lambda A: HB.wy_from_saved(cb, A["k"], A["v"], A["do"], A["beta"],
                                                                          A["eg"], A["aqk"], A["sv_t_hi"],
                                                                          A["sv_t_lo"])),
-                        ("bwd dVl from saved", lambda A: HB.dvl_from_saved(cb, A["do"], A["aqk"]))]
+                        ("bwd reverse, own dVl", lambda A: HB.reverse_states(  # KernelConfig.save_states
+                            cb, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
+                            A["fl"], aqk=A["aqk"]))]
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)

@@ -62,11 +62,14 @@ sweep_step() {  # $1 = zoology | fig2: the next piece of that Zoology grid (see 
 # SWEEP_GPUS (e.g. "1,2,3" on nvidia-h200-x4): the zoology / fig2 steps run in the background on
 # those GPUs (the sweep spreads its workers over them) while the other steps run on KERNEL_GPU
 # (default 0) -- a multi-GPU machine costs the same device time per minute as one GPU
+# (several sweep steps run one after the other there, as without SWEEP_GPUS: at the same time their
+# workers would ask for more than a GPU's memory)
 bg=""
 if [ -n "${SWEEP_GPUS:-}" ]; then
-  for s in $STEPS; do
-    case $s in zoology|fig2) (export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS; sweep_step $s) & bg="$bg $!" ;; esac
-  done
+  sweeps=$(for s in $STEPS; do case $s in zoology|fig2) echo $s ;; esac; done)
+  if [ -n "$sweeps" ]; then
+    (export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS; for s in $sweeps; do sweep_step $s; done) & bg=$!
+  fi
   export CUDA_VISIBLE_DEVICES=${KERNEL_GPU:-0}
 fi
 for s in $STEPS; do
@@ -104,3 +107,4 @@ for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages train_auto ben
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ]; then tail -40 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
+true  # the script's status is not its last table's test

@@ -66,7 +66,8 @@ class KernelConfig:
       fwd_chunk: chunk of the forward kernels; None: ``min(chunk_size, cap)`` with the
         platform's forward cap (GPU: 64 up to head dim 128, 32 above; float32 inputs use the
         backward's cap).
-      bwd_chunk: chunk of the backward kernels (which recompute everything from the inputs);
+      bwd_chunk: chunk of the backward kernels (which recompute what the forward did not keep:
+        ``save_wy``, ``save_states``);
         None: ``min(chunk_size, cap)`` (GPU: 32; 64 where the Hopper backward is wanted:
         ``gpu_kernels`` "mosaic" or None on sm_90, bf16 inputs, head dims 64 .. 128,
         ``chunk_size >= 64``).
@@ -135,9 +136,10 @@ class KernelConfig:
       save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk
         size), the forward's state pass also writes the state entering each chunk ``h`` [B*H,
         chunks, K, V] and ``Vn`` = U - W h [B*H, T, V] (bf16: what the backward's forward
-        recompute forms), and the forward keeps them and its W [B*H, T, K] as residuals: the
-        backward skips that recompute pass (0.127 of ~1.0 ms at 4x4096x16x128 on an H200) and,
-        with ``save_wy``, forms only dVl = Aqk^T dO in its WY stage (no W, U). Costs bf16
+        recompute forms) as residuals: the backward skips that recompute pass (0.127 of ~1.0 ms
+        at 4x4096x16x128 on an H200) and, with ``save_wy``, its WY stage too (the forward also
+        keeps W [B*H, T, K], and the reverse pass forms dVl = Aqk^T dO from the saved Aqk: the
+        backward is two kernels, reverse pass and gradients). Costs bf16
         residual memory of K / C + 1 value tensors plus one key tensor (at K = V = 128, C = 64:
         4 times the size of v) and the forward's h / Vn writes. None / False: off (the backward
         recomputes them); True: on where both directions run the Hopper kernels, ignored

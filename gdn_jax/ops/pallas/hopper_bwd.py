@@ -443,7 +443,7 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     No K K^T / Q K^T and no inverse (the dependent chain of :func:`wy_backward`). Arguments: k, v,
     dO in the token layout; beta, e^gamma [BH, T, 1] f32; ``aqk``, ``t_hi``, ``t_lo`` [BH, n, C, C]
     bf16 from :func:`gdn_jax.ops.pallas.hopper.wy_forward` (``save_t=True``). Returns ``w``, ``u``,
-    ``dvl`` as :func:`wy_backward` (T is the caller's)."""
+    ``dvl`` as :func:`wy_backward` ([BH, Tp, *]: T padded to whole chunks; T is the caller's)."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -487,37 +487,6 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     return dict(w=w, u=u, dvl=dvl)
 
 
-def dvl_from_saved(call: KernelCall, do, aqk):
-    """dVl = Aqk^T dO [BH, T, V] (input dtype) alone, one CTA per (batch x value head, chunk): the
-    backward's WY stage when the forward kept W, T and its states (``KernelConfig.save_states``
-    with ``save_wy``), so that neither W nor U is formed again. ``do`` in the token layout, ``aqk``
-    [BH, n, C, C] bf16 from :func:`gdn_jax.ops.pallas.hopper.wy_forward`."""
-    plgpu = _plgpu()
-    interp = call.platform == "interpret"
-    C, V, BH, H, n, Tp = call.C, call.V, call.BH, call.H, call.n, call.Tp
-    in_dt = jnp.dtype(call.in_dt)
-
-    def body(do_ref, a_ref, dvl_ref, do_s, a_s, bars):
-        bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-        rows = pl.ds(c * C, C)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_s, bars.at[0])
-        plgpu.copy_gmem_to_smem(a_ref.at[bh, c], a_s, bars.at[1])
-        plgpu.barrier_wait(bars.at[0])
-        plgpu.barrier_wait(bars.at[1])
-        (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
-        do_s[...] = dvl.astype(do_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
-        plgpu.wait_smem_to_gmem(0)
-
-    scratch = [_smem((C, V), in_dt), _smem((C, C), BF16), plgpu.Barrier(num_barriers=2)]
-    kw = dict(interpret=_interpret_params()) if interp else {}
-    fn = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((BH, Tp, V), in_dt), scratch_types=scratch, grid=(BH, n),
-                      grid_names=("bh", "c"), **kw)
-    return fn(do, aqk.astype(BF16))
-
-
 def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
     """The backward's WY stage on Hopper: :func:`.hopper.wy_forward` with dO. Returns ``w``, ``u``,
     ``dvl`` = Aqk^T dO [BH, T, *] and T = ``t_hi`` + ``t_lo`` [BH, n, C, C] (bf16)."""
@@ -534,23 +503,24 @@ def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags
     return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
 
 
-def reverse_smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots)."""
+def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
+    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
+    with the Aqk tile that forms dVl in the kernel instead of a dVl tile)."""
     C, K = call.C, call.K
-    per_slot = 3 * C * K * 2 + 2 * C * bv * 2 + 3 * C * 4
+    per_slot = 3 * C * K * 2 + (C * C if own_dvl else C * bv) * 2 + C * bv * 2 + 3 * C * 4
     return 2 * per_slot + 2 * K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
 
 
-def reverse_block(call: KernelCall) -> int:
+def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
     """The value block of :func:`reverse_states`: the forward's block (``bv_mosaic``) or the largest
     smaller one whose two TMA slots fit in shared memory."""
     bv = call.bv_mosaic
-    while bv > 16 and reverse_smem_bytes(call, bv) > SMEM_BYTES:
+    while bv > 16 and reverse_smem_bytes(call, bv, own_dvl) > SMEM_BYTES:
         bv //= 2
     return bv
 
 
-def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags):
+def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags, aqk=None):
     """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
     plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
     last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
@@ -558,12 +528,20 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
     ``dh0[seq]`` is written after its first.
 
+    With ``aqk`` (the forward's [BH, n, C, C] bf16 Aqk, ``KernelConfig.save_states`` with
+    ``save_wy``) and ``dvl=None`` the kernel forms dVl = Aqk^T dO itself (one more wgmma per chunk,
+    off the dS chain, issued with K dS): no dVl round trip through HBM and no WY stage in the
+    backward.
+
     Returns ``dh`` [BH, n, K, V], ``dvn`` [BH, T, V] (bf16), ``dh0`` (``dfinal``'s shape, f32) and
     ``de_gam_last`` [BH, n, 1, 1] f32 (sum(h_n * dS) over the value blocks)."""
+    if (aqk is None) == (dvl is None):
+        raise ValueError("reverse_states: pass exactly one of dvl and aqk")
+    own_dvl = aqk is not None
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
-    bv = reverse_block(call)
+    bv = reverse_block(call, own_dvl)
     nvb = V // bv
     in_dt = jnp.dtype(call.in_dt)
     last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
@@ -583,7 +561,8 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
-            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows], dvl_ref.at[bh, rows, vsl],
+            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows],
+                    dvl_ref.at[bh, i] if own_dvl else dvl_ref.at[bh, rows, vsl],  # Aqk or dVl
                     do_ref.at[b, rows, hh, vsl], g_ref.at[bh, i])
             for src, dst, bar in zip(srcs, (q_s, k_s, w_s, dvl_s, do_s, g_s), bars):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
@@ -621,11 +600,15 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
             ds_s[...] = dS.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
-            (kd,) = _mmas([((C, bv), k_s.at[slot], ds_s)], interp)
+            if own_dvl:  # dVl = Aqk^T dO with K dS (dvl_s holds this chunk's Aqk)
+                kd, dvl = _mmas([((C, bv), k_s.at[slot], ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])], interp)
+            else:
+                (kd,) = _mmas([((C, bv), k_s.at[slot], ds_s)], interp)
+                dvl = _load(dvl_s.at[slot], WG, interp).astype(F32)
             row = WG.reduce(1)
             e_end = _load(g_s.at[slot, 1], row, interp)
             e_o = _load(g_s.at[slot, 0], row, interp)
-            dvn = _load(dvl_s.at[slot], WG, interp).astype(F32) + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
+            dvn = dvl + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
             dvn_s[...] = dvn.astype(BF16)
             ndvn_s[...] = (-dvn).astype(BF16)
             dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
@@ -647,7 +630,8 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
 
     sw = min(128, 2 * bv)
     scratch = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
-               _smem((2, C, bv), BF16, sw), _smem((2, C, bv), in_dt, sw), plgpu.SMEM((2, 3, C), F32),
+               _smem((2, C, C if own_dvl else bv), BF16, sw), _smem((2, C, bv), in_dt, sw),
+               plgpu.SMEM((2, 3, C), F32),
                _smem((K, bv), BF16, sw), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
                _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((K, bv), F32), plgpu.SMEM((K,), F32),
                [plgpu.Barrier(num_barriers=2) for _ in range(6)], plgpu.Barrier(num_barriers=1),
@@ -656,5 +640,6 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
     kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
-    dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), dvl.astype(BF16), do, gates, dfinal.astype(F32), h.astype(BF16))
+    dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), (aqk if own_dvl else dvl).astype(BF16), do, gates,
+                          dfinal.astype(F32), h.astype(BF16))
     return dict(dh=dh, dvn=dvn, dh0=dh0, de_gam_last=dd.sum((1, 3)).reshape(BH, n, 1, 1))

@@ -9,9 +9,12 @@ exponentials (:func:`gate_terms`: TPU Pallas has no in-kernel cumsum), whose cot
 backward pulls back to g with ``jax.vjp``.
 
 Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): the forward and the backward each
-run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`); the backward recomputes
-everything from the inputs, so the residuals are the inputs only, O(T (K + V)) per head (the
-per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D128).
+run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
+inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
+also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
+``KernelConfig.save_states`` (h_n, Vn and, with save_wy, W; off by default: the per-chunk states
+h_n alone, n K V per head, are 134 MB in bf16 at B4 T4096 H16 D128) keep; the backward recomputes
+the rest.
 
 * forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
   (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output; on
@@ -22,8 +25,9 @@ per-chunk states h_n, n K V per head, would be 134 MB in bf16 at B4 T4096 H16 D1
   on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper_bwd`:
   wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads (with
   ``KernelConfig.save_wy`` the forward's Aqk and T replace the WY's inverse; with
-  ``KernelConfig.save_states`` the forward's h_n, Vn and W replace recompute_states, and with
-  both the backward's WY stage is :func:`~.hopper_bwd.dvl_from_saved`, dVl = Aqk^T dO alone).
+  ``KernelConfig.save_states`` the forward's h_n and Vn replace recompute_states, and with both
+  there is no WY stage: the forward's W is kept too and reverse_states forms dVl = Aqk^T dO from
+  the saved Aqk).
 """
 from __future__ import annotations
 
@@ -72,8 +76,8 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
     ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. With ``save_wy`` and / or
     ``save_states`` (Hopper forward only) a third result, the residuals the Hopper backward reuses:
-    a dict with the WY products ``aqk, t_hi, t_lo`` (``save_wy``) and the states entering each
-    chunk ``h`` with ``vn`` and ``w`` (``save_states``)."""
+    a dict with the WY products ``aqk, t_hi, t_lo`` (``save_wy``), the states entering each
+    chunk ``h`` with ``vn`` (``save_states``) and ``w`` (both)."""
     if (save_wy or save_states) and not call.mosaic_fwd:
         raise ValueError("forward(save_wy=True / save_states=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
     saved = {}
@@ -85,7 +89,9 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         if save_wy:
             saved.update(aqk=wy["aqk"], t_hi=wy["t_hi"], t_lo=wy["t_lo"])
         if save_states:
-            saved.update(h=out["h"], vn=out["vn"], w=wy["w"])
+            saved.update(h=out["h"], vn=out["vn"])
+            if save_wy:  # with the saved Aqk and T the backward has no WY stage: it needs W from here
+                saved["w"] = wy["w"]
     elif call.fuse_output:
         wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
         out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
@@ -147,9 +153,8 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     if "aqk" not in saved:
         wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
-    elif "w" in saved:  # the forward's Aqk, T, W and states: only dVl = Aqk^T dO is left to form
-        wy = dict(w=saved["w"], dvl=hopper_bwd.dvl_from_saved(call, do, saved["aqk"]), t_hi=saved["t_hi"],
-                  t_lo=saved["t_lo"])
+    elif "w" in saved:  # the forward's Aqk, T, W and states: no WY stage (the reverse pass forms dVl)
+        wy = dict(w=saved["w"], dvl=None, t_hi=saved["t_hi"], t_lo=saved["t_lo"])
     else:  # the forward's Aqk and T: no second inverse
         t_hi, t_lo = saved["t_hi"], saved["t_lo"]
         wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, saved["aqk"], t_hi, t_lo), t_hi=t_hi,
@@ -159,7 +164,7 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
     else:
         st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
     rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
-                                   flags)
+                                   flags, aqk=saved["aqk"] if wy["dvl"] is None else None)
     gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
                                 rs["dvn"], wy["t_hi"], wy["t_lo"])
     return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
@@ -195,7 +200,8 @@ def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_b
     and g head-major [BH, Tp] f32; ``flags_*`` the per-chunk flags of each chunking. The residuals
     are the inputs (the backward recomputes the rest) and, on the Hopper kernels, with
     ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
-    ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn."""
+    ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
+    with both, W)."""
     return _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)[0]
 
 
