@@ -77,6 +77,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--blocks", default="", help="extra value blocks of the forward state pass, e.g. 32,16")
     ap.add_argument("--no-jla", action="store_true")
+    ap.add_argument("--once", action="store_true",
+                    help="run each selected stage once after compiling it, no timing (for a profiler such as "
+                         "ncu: run_h200.sh's ncu step)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: every kernel in Mosaic GPU's interpret mode (timings meaningless; "
                          "no jla), e.g. --interpret --shapes 1x128x1x64 --reps 1")
@@ -108,11 +111,16 @@ def main(argv=None):
             jf = jax.jit(f)
             call = lambda: jf(arrays)
         jax.block_until_ready(call())
+        if args.once:
+            return "ran once"
         ms = bp.time_fn_pipelined(call, args.reps)
         return f"{ms:.3f} (per call {bp.time_fn(call, args.reps):.3f})"
 
     def line(name, f, arrays):
         text = t(f, arrays)
+        if args.once:
+            print(f"  {name:<22} {text}", flush=True)
+            return
         note = "" if args.interpret else floor_note(name, shape, float(text.split()[0]))
         print(f"  {name:<22} {text} ms{note}", flush=True)
 
@@ -190,7 +198,7 @@ def main(argv=None):
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
-                print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)} ms", flush=True)
+                print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)}{'' if args.once else ' ms'}", flush=True)
             if not (args.no_jla or args.interpret) and wanted("jla"):
                 try:
                     jf, jfb, _ = bp.jla_fns(x)

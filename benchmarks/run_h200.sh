@@ -17,7 +17,9 @@
 # PROFILE_ARGS="--mixers gla mamba2 --d_models 128"); STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
 # loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
 # step's top device kernels (bench_train_step.py --profile); gla = benchmarks/bench_gla_gram.py (the
-# GLA chunk form's decay Gram, library vs a fused variant); zoology / fig2 = the next
+# GLA chunk form's decay Gram, library vs a fused variant); ncu = Nsight Compute's sections for each
+# Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags, e.g. NCU_ARGS="--shapes 0 --only kernel");
+# zoology / fig2 = the next
 # piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
 # time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
 # $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call; SWEEP_ARGS adds
@@ -26,7 +28,7 @@
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
 # one cannot eat the others' (LIMIT_<STEP> seconds: LIMIT_CHECK, LIMIT_BENCH, LIMIT_BREAKDOWN,
-# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_GLA, LIMIT_SWEEP, LIMIT_TRAIN).
+# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_NCU, LIMIT_GLA, LIMIT_SWEEP, LIMIT_TRAIN).
 set -o pipefail
 OUT=${OUT:-gpu_run}
 mkdir -p "$OUT"
@@ -96,6 +98,12 @@ for s in $STEPS; do
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
+    ncu) # Nsight Compute on each Hopper kernel, run once (speed of light, occupancy, warp stall
+         # reasons): works where the machine's runtime gives ncu the counters (KINDS.md: Firecracker)
+         timeout "${LIMIT_NCU:-240}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+             --section WarpStateStats --section LaunchStats --section SchedulerStats python \
+             benchmarks/bench_hopper_stages.py --once --no-jla ${NCU_ARGS:---shapes 0 --only WY,pass,kernel} \
+             2>&1 | grep -v -i warning > "$OUT/ncu.txt"; tail -5 "$OUT/ncu.txt" ;;
     gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
