@@ -1,34 +1,42 @@
 #!/bin/bash
-# One GPU call that checks and times the Pallas kernels (device minutes are scarce: run this, not
-# the pieces). Writes every output under $OUT (or ./gpu_run when unset) and prints the tables last.
+# One GPU call that checks and times the Pallas kernels and runs the next piece of the recall grids
+# (device minutes are scarce: run this, not the pieces). Writes every output under $OUT (or
+# ./gpu_run when unset) and prints the tables last. A device call is limited to 600 s: pick the
+# steps (STEPS, run in order) and their limits to fit.
 #
 #   bash benchmarks/run_h200.sh                 # check_gpu, the five bench shapes, float32 train steps
-#   STEPS="check bench" bash benchmarks/run_h200.sh
+#   STEPS="check stages" CHECK_ARGS="--configs defaults save_states=True --dtypes bfloat16" bash benchmarks/run_h200.sh
+#   SWEEP_GPUS=1,2,3 STEPS="zoology check ncu" bash benchmarks/run_h200.sh      # nvidia-h200-x4
 #
-# A device call is limited to 600 s: split the steps over calls, e.g. STEPS="check breakdown",
-# STEPS="bench_a", STEPS="bench_b decode" (bench = bench_a + bench_b: shapes 0-2 and 3-4 with FLA
-# and jax-linear-attention live; breakdown = each kernel alone at the first shape; decode =
-# benchmarks/bench_decode.py; stages = each Hopper kernel alone,
-# benchmarks/bench_hopper_stages.py, which replaced breakdown on the H200: breakdown died there once;
-# BENCH_SHAPES_A / BENCH_SHAPES_B replace bench_a's / bench_b's shapes, BENCH_FLAGS adds flags to both
-# (e.g. BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min instead of ~4);
-# CHECK_ARGS adds check_gpu.py flags, e.g. CHECK_ARGS="--configs defaults grad_warpgroups=2 --dtypes bfloat16";
-# PROFILE_ARGS replaces bench_train_step's mixer / width flags of the profile step (e.g.
-# PROFILE_ARGS="--mixers gla mamba2 --d_models 128"); STAGES_ARGS replaces its flags, e.g. STAGES_ARGS="--shapes 0 --only kernel,WG,pallas,jla";
-# loop = benchmarks/bench_loop.py, the training loop against its step; profile = the training
-# step's top device kernels (bench_train_step.py --profile); gla = benchmarks/bench_gla_gram.py (the
-# GLA chunk form's decay Gram, library vs a fused variant); ncu = Nsight Compute's sections for each
-# Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags, e.g. NCU_ARGS="--shapes 0 --only kernel");
-# zoology / fig2 = the next
-# piece of the Zoology grids, `experiments/sweep.py --preset zoology_mqar|zoology_fig2` with a
-# time budget of LIMIT_SWEEP - 60 s, resuming from results/ in the working tree: fetch
-# $OUT/zoology_mqar (or zoology_fig2) back into results/ and commit it after each call; SWEEP_ARGS adds
-# sweep flags, e.g. SWEEP_ARGS="--mixers gdn --d_models 64 --workers_per_device 4").
+# Steps (LIMIT_<STEP> seconds bounds each, so that a slow one cannot eat the others'):
+#   check      benchmarks/check_gpu.py, the suite's float64 cases on the GPU (CHECK_ARGS adds flags)
+#   bench_a/_b benchmarks/bench_pallas.py, shapes 0-2 / 3-4 with FLA and jax-linear-attention live
+#              (bench = both; BENCH_SHAPES_A / _B replace the shapes, BENCH_FLAGS adds flags, e.g.
+#              BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min); LIMIT_BENCH
+#   breakdown  each kernel alone at the first shape (Triton era; replaced by stages on the H200)
+#   stages     benchmarks/bench_hopper_stages.py, each Hopper kernel alone with its HBM floor
+#              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla")
+#   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
+#   ncu        Nsight Compute's speed-of-light, occupancy, warp-stall and scheduler sections for each
+#              Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags; needs a runtime that
+#              gives ncu the counters, KINDS.md)
+#   decode     benchmarks/bench_decode.py
+#   loop       benchmarks/bench_loop.py, the training loop against its step
+#   profile    the MQAR training step's top device kernels (bench_train_step.py --profile;
+#              PROFILE_ARGS replaces its mixers / widths, e.g. "--mixers gla mamba2 --d_models 128")
+#   gla        benchmarks/bench_gla_gram.py, the GLA chunk form's decay Gram: library vs fused variant
+#   fillers    experiments/attention_fillers.py (FILLERS_ARGS adds its flags); json + png come back
+#   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto
+#   zoology / fig2  the next piece of a Zoology grid, `experiments/sweep.py --preset
+#              zoology_mqar|zoology_fig2` with a time budget of LIMIT_SWEEP - 60 s, resuming from
+#              results/ and .base/ckpt_* in the working tree: unpack $OUT/<name>.tgz into results/
+#              and commit it, and the checkpoint parts into .base/, after each call (SWEEP_ARGS adds
+#              sweep flags, e.g. "--mixers gdn --d_models 64 --workers_per_device 2"). With
+#              SWEEP_GPUS (e.g. 1,2,3) they run in the background on those GPUs, one after the
+#              other, while the other steps run on KERNEL_GPU (default 0).
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
-# $WHEELS (default .base/wheels) when present. Each step has its own time limit so that a slow
-# one cannot eat the others' (LIMIT_<STEP> seconds: LIMIT_CHECK, LIMIT_BENCH, LIMIT_BREAKDOWN,
-# LIMIT_STAGES, LIMIT_DECODE, LIMIT_REGS, LIMIT_LOOP, LIMIT_PROFILE, LIMIT_NCU, LIMIT_GLA, LIMIT_SWEEP, LIMIT_TRAIN).
+# $WHEELS (default .base/wheels) when present.
 set -o pipefail
 OUT=${OUT:-gpu_run}
 mkdir -p "$OUT"
@@ -104,6 +112,10 @@ for s in $STEPS; do
              --section WarpStateStats --section LaunchStats --section SchedulerStats python \
              benchmarks/bench_hopper_stages.py --once --no-jla ${NCU_ARGS:---shapes 0 --only WY,pass,kernel} \
              2>&1 | grep -v -i warning > "$OUT/ncu.txt"; tail -5 "$OUT/ncu.txt" ;;
+    fillers) # issue #16's attention experiment: attention mass on the 0 fillers over training
+         # (FILLERS_ARGS: its flags, e.g. "--lengths 512 --key_bias none k"); json + png come back
+         timeout "${LIMIT_FILLERS:-400}" python experiments/attention_fillers.py --out "$OUT/attention_fillers" \
+             ${FILLERS_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/attention_fillers.txt" | tail -5 ;;
     gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
