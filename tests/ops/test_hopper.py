@@ -118,6 +118,23 @@ def test_f32_inputs_bf16_operands():
     assert not _mosaic_taken(x, dataclasses.replace(MOSAIC, f32_inputs="keep"))
 
 
+def test_f16_inputs_bf16_operands():
+    """``KernelConfig(f16_inputs="bf16")``: float16 inputs rounded to bf16 take the Hopper kernels;
+    o, S and gradients come back float16 (S float32: the state's dtype) and within the bf16
+    tolerances of the float64 reference on the unrounded inputs; "keep" (the default) leaves
+    float16 to the Triton kernels."""
+    x = make_inputs(seed_of("hopper-f16"), 1, 96, 2, 128, 128, dtype=F16, init=True)
+    cfg = dataclasses.replace(MOSAIC, f16_inputs="bf16")
+    assert _mosaic_taken(x, cfg)
+    o, S, gr = _run(x, cfg)
+    assert o.dtype == F16 and S.dtype == F32
+    assert all(gr[n].dtype == F16 for n in ("q", "k", "v"))
+    _check(x, (o, S, gr))
+    assert not _mosaic_taken(x, MOSAIC)
+    with pytest.raises(ValueError, match="f16_inputs"):
+        KernelConfig(f16_inputs="fp16")
+
+
 def _call(**kw):
     base = dict(platform="interpret", C=64, n=4, BH=4, H=2, K=128, V=128, K0=128, V0=128, scale=0.1,
                 in_dt=BF16, packed=False, nseq=1, group=1)

@@ -28,7 +28,8 @@ bf16 inputs and max(K, V) >= 64 (``config.BF16_MID_MIN_DIM``) the intermediates 
 rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(u_dtype="f32",
 state_dot="f32", out_dot="f32")`` gives 2.6e-3). float32 inputs keep everything float32 (on
 GPU as 1-pass TF32 dots by default, like XLA's; ``gpu_f32_*="tf32x3"`` for ~float32 accuracy;
-``f32_inputs="bf16"`` for the 16-bit path). The in-chunk triangular inverse is float32 (Triton)
+``f32_inputs="bf16"`` for the 16-bit path; float16 inputs run float16 kernels, or with
+``f16_inputs="bf16"`` the bf16 path, Hopper kernels included). The in-chunk triangular inverse is float32 (Triton)
 or bf16x3 (the Hopper kernels) in every case.
 
 Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering

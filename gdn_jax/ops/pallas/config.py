@@ -44,7 +44,7 @@ BF16_MID_MIN_DIM = 64
 _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "state_dot": ("f32", "mid"),
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
-            "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"),
+            "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -104,6 +104,10 @@ class KernelConfig:
         rounded to bfloat16 before the kernels ("bf16": the 16-bit path, Hopper kernels included;
         o, the final state and the gradients are still returned in float32, accumulation is
         float32 throughout -- the precision of bf16 inputs: rel. rms of o ~4e-3).
+      f16_inputs: float16 q, k, v as given ("keep": float16 kernels -- Triton, the Hopper kernels
+        take bf16 only) or rounded to bfloat16 before the kernels ("bf16": the Hopper kernels on
+        sm_90; o, the final state and the gradients are returned in float16 -- 3 fewer mantissa
+        bits on the inputs than float16 keeps: the precision of bf16 inputs).
       gpu_f32_inv, gpu_f32_mm: Triton precision of float32 dots in the triangular inverse / in
         the others: "tf32", "tf32x3" or "ieee"; None: "tf32" (1-pass, like XLA's float32 matmuls
         on GPU; H200, 2-layer MQAR LM at K = V = 64 / 128: a training step 4.97 / 11.34 ms vs 19.2 /
@@ -179,6 +183,7 @@ class KernelConfig:
     grad_warpgroups: int = 2
     gpu_kernels: Optional[str] = None
     f32_inputs: str = "keep"
+    f16_inputs: str = "keep"
 
     def __post_init__(self):
         for name, ok in _CHOICES.items():

@@ -286,8 +286,9 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     H, V0 = v.shape[2], v.shape[-1]  # value heads (grouped value heads: H = group * Hk)
     G = H // Hk
     in_dt = out_dt = _in_dtype(q, k, v)
-    if in_dt == jnp.dtype(F32) and config.f32_inputs == "bf16":
-        in_dt = jnp.dtype(jnp.bfloat16)  # KernelConfig.f32_inputs: the kernels read bf16 operands
+    if (in_dt == jnp.dtype(F32) and config.f32_inputs == "bf16") or (
+            in_dt == jnp.dtype(jnp.float16) and config.f16_inputs == "bf16"):
+        in_dt = jnp.dtype(jnp.bfloat16)  # KernelConfig.f32_inputs / f16_inputs: the kernels read bf16 operands
     Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
     Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
     C = max(Cf, Cb)  # the time layout is built for the larger chunk (powers of two: the smaller divides it)
