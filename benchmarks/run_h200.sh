@@ -65,6 +65,26 @@ sweep_step() {  # $1 = zoology | fig2: the next piece of that Zoology grid (see 
   tar czf "$OUT/$name.tgz" -C /tmp "$name"
   # keep only the checkpoints of runs without a results.json (finished runs need none)
   (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
+  # 64 MiB come back in all (and travel out again in .base): keep the checkpoints of the runs
+  # furthest along up to CKPT_MB (default 45) MB, drop the rest (those runs restart from step 0)
+  python - "/tmp/ckpt_$name" "${CKPT_MB:-45}" <<'PYEOF'
+import os, shutil, sys
+root, budget = sys.argv[1], float(sys.argv[2]) * 1e6
+runs = []
+for cell in sorted(os.listdir(root)):
+    for lr in sorted(os.listdir(os.path.join(root, cell))):
+        d = os.path.join(root, cell, lr)
+        steps = max([int(s) for s in os.listdir(d) if s.isdigit()] or [0])
+        size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(d) for f in fs)
+        runs.append((steps, size, d))
+used = 0
+for steps, size, d in sorted(runs, reverse=True):
+    if used + size > budget:
+        print(f"checkpoint dropped (over {budget / 1e6:.0f} MB): {d} at step {steps}")
+        shutil.rmtree(d)
+    else:
+        used += size
+PYEOF
   # a file comes back only under 16 MiB (64 MiB in all): the checkpoints travel as 15 MB parts
   # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
   tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz*
