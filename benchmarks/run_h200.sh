@@ -33,7 +33,8 @@
 #              and commit it, and the checkpoint parts into .base/, after each call (SWEEP_ARGS adds
 #              sweep flags, e.g. "--mixers gdn --d_models 64 --workers_per_device 2"). With
 #              SWEEP_GPUS (e.g. 1,2,3) they run in the background on those GPUs, one after the
-#              other, while the other steps run on KERNEL_GPU (default 0).
+#              other, while the other steps run on KERNEL_GPU (default 0). The checkpoints that come
+#              back are capped at CKPT_MB (default 45) MB, the runs furthest along first.
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present.
