@@ -129,7 +129,9 @@ for s in $STEPS; do
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
     ncu) # Nsight Compute on each Hopper kernel, run once (speed of light, occupancy, warp stall
          # reasons): works where the machine's runtime gives ncu the counters (KINDS.md: Firecracker)
-         timeout "${LIMIT_NCU:-240}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+         # (no preallocation: ncu saves and restores the device memory a replayed kernel may touch)
+         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${LIMIT_NCU:-240}" ncu --clock-control none \
+             --launch-count "${NCU_LAUNCHES:-80}" --section SpeedOfLight --section Occupancy \
              --section WarpStateStats --section LaunchStats --section SchedulerStats python \
              benchmarks/bench_hopper_stages.py --once --no-jla ${NCU_ARGS:---shapes 0 --only WY,pass,kernel} \
              2>&1 | grep -v -i warning > "$OUT/ncu.txt"; tail -5 "$OUT/ncu.txt" ;;
