@@ -18,7 +18,8 @@
 #              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla")
 #   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
 #   ncu        Nsight Compute's speed-of-light, occupancy, warp-stall and scheduler sections for each
-#              Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags; needs a runtime that
+#              Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags; NCU_LAUNCHES caps the
+#              kernels profiled, default 80, XLA's small ones included; needs a runtime that
 #              gives ncu the counters, KINDS.md)
 #   decode     benchmarks/bench_decode.py
 #   loop       benchmarks/bench_loop.py, the training loop against its step
