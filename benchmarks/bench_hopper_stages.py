@@ -193,8 +193,9 @@ def main(argv=None):
                     line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("no save_wy", KC(save_wy=False)),
-                              ("grads 1 WG", KC(grad_warpgroups=1)), ("save states", KC(save_states=True))):
+            for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")),
+                              ("no save_wy", KC(save_wy=False)), ("grads 1 WG", KC(grad_warpgroups=1)),
+                              ("save states", KC(save_states=True))):
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
