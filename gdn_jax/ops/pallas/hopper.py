@@ -208,6 +208,17 @@ def covers(call: KernelCall) -> str | None:
     return None
 
 
+def chunk_last_row(call: KernelCall, e_gam_last, flags):
+    """The state passes' per-chunk scalar row [BH, n, C] f32: [e^{gamma_C}, the chunk's flags
+    (``cu_seqlens`` only; exact in float32 below 2^24), 0, ...] -- by concatenation (a scatter
+    into zeros would be a kernel launch of its own on a GPU)."""
+    BH, n, C = call.BH, call.n, call.C
+    cols = [e_gam_last.reshape(BH, n, 1).astype(F32)]
+    if call.packed:
+        cols.append(jnp.broadcast_to(flags.astype(F32)[None, :, None], (BH, n, 1)))
+    return jnp.concatenate(cols + [jnp.zeros((BH, n, C - len(cols)), F32)], axis=-1)
+
+
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q=None, e_gam=None,
                               aqk=None, save_states: bool = False):
     """The fused forward state pass on Hopper; arguments and result as
@@ -226,11 +237,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     B = BH // H
     bv = call.bv_mosaic
     in_dt = jnp.dtype(call.in_dt)
-    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, and
-    # [e^{gamma_C}, the chunk's flags (exact in float32 below 2^24), 0, ...]
-    last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
-    if call.packed:
-        last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
+    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, and last_row
+    last_row = chunk_last_row(call, e_gam_last, flags)
     rec = q is None
     keep = rec or save_states  # h and Vn leave by TMA
     e_o = jnp.zeros((BH, n, C), F32) if rec else e_gam.reshape(BH, n, C) * call.scale

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem,
-                     _split, _wait_slot, write_w_u)
+                     _split, _wait_slot, chunk_last_row, write_w_u)
 
 SMEM_BYTES = 227 * 1024
 
@@ -544,9 +544,7 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     bv = reverse_block(call, own_dvl)
     nvb = V // bv
     in_dt = jnp.dtype(call.in_dt)
-    last_row = jnp.zeros((BH, n, C), F32).at[..., 0].set(e_gam_last.reshape(BH, n))
-    if call.packed:
-        last_row = last_row.at[..., 1].set(jnp.broadcast_to(flags.astype(F32)[None, :], (BH, n)))
+    last_row = chunk_last_row(call, e_gam_last, flags)
     gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C), last_row],
                       axis=2).astype(F32)
     WG = plgpu.Layout.WGMMA
