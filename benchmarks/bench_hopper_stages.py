@@ -9,9 +9,10 @@ on CPU (a smoke test of this script: its times mean nothing there).
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
-(``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and with ``save_states``
-(the forward's state pass also writing h_n and Vn: timed alone as "fwd state pass + h, Vn", and
-the reverse pass forming dVl from the saved Aqk, "bwd reverse, own dVl").
+(``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
+("no save states": the backward recomputes h_n and Vn and runs its WY stage; the default's forward
+state pass also writes h_n and Vn, timed alone as "fwd state pass + h, Vn", and its reverse pass
+forms dVl from the saved Aqk, "bwd reverse, own dVl").
 
 Shapes are ``bench_pallas.SHAPES`` indices or BxTxHxD. ``--only`` times just the lines whose
 name contains one of its comma-separated substrings. ``--blocks`` times the forward state pass at each value
@@ -195,7 +196,7 @@ def main(argv=None):
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")),
                               ("no save_wy", KC(save_wy=False)), ("grads 1 WG", KC(grad_warpgroups=1)),
-                              ("save states", KC(save_states=True))):
+                              ("no save states", KC(save_states=False))):
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)

@@ -120,7 +120,8 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
 def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
     """KernelConfig.save_wy (on by default): the backward from the forward's saved Aqk and T (no second WY with
     its inverse) gives the gradients of the recomputing backward: both use the same bf16 Aqk and
-    T (hi, lo), so they agree to float32 rounding (rel_rms <= 1e-5); its residuals are there."""
+    T (hi, lo), so they agree to float32 rounding (rel_rms <= 1e-5); its residuals are there.
+    (save_states off: with it, on by default, the backward has no WY stage at all -- see below.)"""
     N = None if cu is None else len(cu) - 1
     x = make_inputs(seed_of("hopper-save-wy", K, V, cu), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
@@ -128,6 +129,8 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
     do = jnp.asarray(np.random.default_rng(2).standard_normal(x["v"].shape), F32)
 
     def grads(cfg):
+        cfg = dataclasses.replace(cfg, save_states=False)
+
         def loss(*a):
             o, S = gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="pallas",
                                     chunk_size=64, kernel_config=cfg, cu_seqlens=cu_j)
@@ -155,7 +158,7 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
 
 @pytest.mark.parametrize("K,V,group,cu", [(128, 128, 1, None), (64, 128, 2, (0, 70, 71, 200))])
 def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
-    """KernelConfig.save_states: the forward's state pass also writes h_n and Vn, and the backward
+    """KernelConfig.save_states (on by default): the forward's state pass also writes h_n and Vn, and the backward
     takes them and the forward's W instead of its forward recompute (which must not run); with
     save_wy there is no backward WY stage at all (neither wy_backward nor wy_from_saved may run):
     the reverse pass forms dVl = Aqk^T dO from the saved Aqk. o is the recomputing path's bit for
@@ -185,13 +188,15 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
 
     keep = dataclasses.replace(MOSAIC, save_states=True)
     assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).calls)
-    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    recompute = dataclasses.replace(MOSAIC, save_states=False)
+    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).calls)
 
     def must_not_run(*a, **kw):
         raise AssertionError("save_states: the backward must not run this stage")
 
     for save_wy in (True, False):
-        o_ref, _, ref = run(dataclasses.replace(MOSAIC, save_wy=save_wy))
+        o_ref, _, ref = run(dataclasses.replace(recompute, save_wy=save_wy))
         with monkeypatch.context() as m:
             m.setattr(HB, "recompute_states", must_not_run)
             if save_wy:
@@ -224,10 +229,10 @@ def test_save_states_ignored_off_hopper():
 
 
 def test_save_states_lowers_for_cuda():
-    """With save_states (and save_wy, the default) the forward's state pass writes h_n and Vn too
-    and the backward has neither a forward recompute nor a WY stage: value_and_grad lowers for
+    """With save_states and save_wy (both the default) the forward's state pass writes h_n and Vn
+    too and the backward has neither a forward recompute nor a WY stage: value_and_grad lowers for
     CUDA to four Mosaic GPU kernels (fwd WY, fwd state pass, reverse pass, gradients) instead of
-    six; without save_wy the backward keeps its WY: five."""
+    six (save_states=False); without save_wy the backward keeps its WY: five."""
     B, T, H, D = 1, 256, 2, 128
     sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
     sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
@@ -242,13 +247,14 @@ def test_save_states_lowers_for_cuda():
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
         return jax.export.export(fn, platforms=["cuda"])(*sds).mlir_module().count("custom_call @mosaic_gpu")
 
-    assert kernels(save_states=True) == 4 and kernels(save_states=True, save_wy=False) == 5 and kernels() == 6
+    assert kernels() == 4 and kernels(save_states=True, save_wy=False) == 5 and kernels(save_states=False) == 6
+    assert kernels(save_states=True) == 4
 
 
 def test_save_wy_lowers_for_cuda():
     """With save_wy the backward's WY stage is :func:`wy_from_saved`: still six Mosaic GPU kernels."""
     B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True)
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True, save_states=False)
     sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
     sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
 
@@ -296,3 +302,39 @@ def test_x64_mode():
         got = jax.grad(loss, argnums=(0, 1, 2))(*args)
     for a, b in zip(got, ref):
         assert _rel(a.astype(F32), b.astype(F32)) < 1e-6
+
+
+def test_undifferentiated_call_writes_no_residuals(monkeypatch):
+    """A call that is not differentiated runs the Hopper forward without the residual writes of
+    save_wy / save_states (both on by default): wy_forward(save_t=False) and
+    forward_states_and_output(save_states=False); under jax.grad they are written. Traced for CUDA
+    (jax.export), nothing runs."""
+    from gdn_jax.ops.pallas import hopper as HF
+
+    seen = []
+    wy, st = HF.wy_forward, HF.forward_states_and_output
+
+    def wy_rec(*a, save_t=False, **kw):
+        seen.append(("save_t", save_t))
+        return wy(*a, save_t=save_t, **kw)
+
+    def st_rec(*a, save_states=False, **kw):
+        seen.append(("save_states", save_states))
+        return st(*a, save_states=save_states, **kw)
+
+    monkeypatch.setattr(HF, "wy_forward", wy_rec)
+    monkeypatch.setattr(HF, "forward_states_and_output", st_rec)
+    B, T, H, D = 1, 128, 2, 128
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic")
+
+    def fwd(q, k, v, g, b):
+        return gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
+
+    jax.export.export(jax.jit(fwd), platforms=["cuda"])(*sds)
+    assert seen == [("save_t", False), ("save_states", False)]
+    seen.clear()
+    loss = lambda *a: jnp.sum(fwd(*a).astype(F32))
+    jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(*sds)
+    assert seen == [("save_t", True), ("save_states", True)]

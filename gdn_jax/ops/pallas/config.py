@@ -145,9 +145,11 @@ class KernelConfig:
         keeps W [B*H, T, K], and the reverse pass forms dVl = Aqk^T dO from the saved Aqk: the
         backward is two kernels, reverse pass and gradients). Costs bf16
         residual memory of K / C + 1 value tensors plus one key tensor (at K = V = 128, C = 64:
-        4 times the size of v) and the forward's h / Vn writes. None / False: off (the backward
-        recomputes them); True: on where both directions run the Hopper kernels, ignored
-        elsewhere (like ``save_wy``). Not yet timed on a GPU.
+        4 times the size of v) and the forward's h / Vn writes. None (default) / True: on where
+        both directions run the Hopper kernels, ignored elsewhere (like ``save_wy``); False: off
+        (the backward recomputes them: less residual memory). H200, 4x4096x16x128 (107bcdb):
+        fwd+bwd 1.407 -> 1.204 ms pipelined, 1.847 -> 1.653 ms per call; GPU check 16 of 16.
+        A call that is not differentiated writes none of these residuals (``save_wy`` neither).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
         with twice the programs (GPU / interpret; never on TPU); None: on GPU when the state
         passes have at most 128 programs (fewer than an H200's 132 SMs).
@@ -373,7 +375,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, grad_wgs=config.grad_warpgroups,
-        save_states=bool(config.save_states),
+        save_states=config.save_states is not False,
     )
     return _with_mosaic(config, call)
 

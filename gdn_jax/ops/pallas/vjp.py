@@ -12,9 +12,9 @@ Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): the forward and th
 run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
 inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
 also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
-``KernelConfig.save_states`` (h_n, Vn and, with save_wy, W; off by default: the per-chunk states
+``KernelConfig.save_states`` (h_n, Vn and, with save_wy, W; on by default: the per-chunk states
 h_n alone, n K V per head, are 134 MB in bf16 at B4 T4096 H16 D128) keep; the backward recomputes
-the rest.
+the rest. A call that is not differentiated runs the forward without these residual writes.
 
 * forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
   (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output; on
@@ -201,8 +201,8 @@ def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_b
     are the inputs (the backward recomputes the rest) and, on the Hopper kernels, with
     ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
     ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
-    with both, W)."""
-    return _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd)[0]
+    with both, W). Undifferentiated, the forward writes no residuals."""
+    return forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd)
 
 
 def _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
