@@ -12,7 +12,9 @@ dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 (``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
 ("no save states": the backward recomputes h_n and Vn and runs its WY stage; the default's forward
 state pass also writes h_n and Vn, timed alone as "fwd state pass + h, Vn", and its reverse pass
-forms dVl from the saved Aqk, "bwd reverse, own dVl").
+forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradient kernel
+(``KernelConfig(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
+the m of :func:`grad_chunks_per_cta`).
 
 Shapes are ``bench_pallas.SHAPES`` indices or BxTxHxD. ``--only`` times just the lines whose
 name contains one of its comma-separated substrings. ``--blocks`` times the forward state pass at each value
@@ -59,12 +61,22 @@ def stage_bytes(shape, C=64):
         "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
         "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
         "bwd grads, 1 WG": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
+        "bwd grads m per CTA": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
     }
+
+
+def grad_chunks_per_cta(n: int, BH: int, sms: int = 132) -> list:
+    """Chunks per CTA to time for the persistent gradient kernel (``KernelConfig.grad_chunks_per_cta``)
+    at ``n`` chunks and ``BH`` rows: 2, 4 and the count that makes one wave of about ``sms`` CTAs
+    (an H200 has 132 SMs; the kernel fits one CTA per SM), those below ``n`` and above 1."""
+    wave = -(-(BH * n) // sms)
+    return sorted({m for m in (2, 4, wave) if 1 < m <= n})
 
 
 def floor_note(name, shape, ms):
     """'  [N MB, floor F ms, R x]' for a stage line (empty for names without a byte count)."""
     key = "fwd state pass" if name.startswith("fwd state pass bv") else name
+    key = "bwd grads m per CTA" if name.startswith("bwd grads ") and name.endswith(" per CTA") else key
     nbytes = stage_bytes(shape).get(key)
     if nbytes is None:
         return ""
@@ -179,6 +191,9 @@ def main(argv=None):
                 c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
                 steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A))]
+                for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
+                    cm = dataclasses.replace(cb, grad_per_cta=m)
+                    steps.append((f"bwd grads {m} per CTA", lambda A, cm=cm: grads(cm, A)))
                 if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
                     sv = jax.jit(lambda A: wy_fwd(cb, A, save_t=True))(Bk)
                     Bk.update(aqk=sv["aqk"], sv_t_hi=sv["t_hi"], sv_t_lo=sv["t_lo"])
@@ -194,9 +209,10 @@ def main(argv=None):
                     line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            for label, kc in (("pallas", KC()), ("dense inv", KC(wy_inverse="dense")),
-                              ("no save_wy", KC(save_wy=False)), ("grads 1 WG", KC(grad_warpgroups=1)),
-                              ("no save states", KC(save_states=False))):
+            whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("no save_wy", KC(save_wy=False)),
+                     ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
+            whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
+            for label, kc in whole:
                 if not wanted(label):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)

@@ -11,16 +11,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_bench_hopper_stages_interpret():
-    # the stages of KernelConfig.save_states and the default gradient kernel (every precomputed
+    # the stages of KernelConfig.save_states, the default gradient kernel and the persistent one
+    # (KernelConfig.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
     # intermediate runs too: forward WY, backward WY, recompute, reverse pass); T = 70 is not a
     # multiple of the chunk (dO is padded to the kernels' time axis)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
-                          "--shapes", "1x70x1x64", "--reps", "1", "--only", "+ h,own dVl,gradient kernel"],
+                          "--shapes", "1x70x1x64", "--reps", "1", "--only", "+ h,own dVl,gradient kernel,bwd grads 2 per"],
                          capture_output=True, text=True, env=env, timeout=600)
     text = res.stdout
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel"):
+    for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
     assert "fwd WY " not in text and "pallas" not in text  # --only filters the rest

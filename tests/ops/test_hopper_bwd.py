@@ -338,3 +338,59 @@ def test_undifferentiated_call_writes_no_residuals(monkeypatch):
     loss = lambda *a: jnp.sum(fwd(*a).astype(F32))
     jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(*sds)
     assert seen == [("save_t", True), ("save_states", True)]
+
+
+@pytest.mark.parametrize("K,V,group,cu,per_cta", [(64, 64, 1, None, 3), (64, 128, 2, (0, 70, 71, 200), 2)])
+def test_grad_chunks_per_cta_equals_one_chunk_per_cta(K, V, group, cu, per_cta):
+    """KernelConfig.grad_chunks_per_cta: the persistent gradient kernel (each CTA loops over
+    ``per_cta`` chunks of one head, loading the next chunk's tiles while this one computes) gives
+    the one-chunk-per-CTA kernel's results bit for bit: the per-chunk arithmetic is the same. T = 200
+    at chunk 64 is 4 chunks, so at 3 per CTA the second CTA has one (a loop that runs past the last
+    chunk must skip it); with cu_seqlens (a length-1 sequence among them) and value heads (GVA).
+    In interpret mode (CI) the warpgroups run in turn, so this checks the loop, the chunk indexing
+    and the prefetches' tiles, not the in-CTA synchronisation (the GPU check does)."""
+    N = None if cu is None else len(cu) - 1
+    x = make_inputs(seed_of("hopper-grad-per-cta", K, V, group), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
+    if group > 1:
+        y = make_inputs(seed_of("hopper-grad-per-cta-v", K, V), 1, 200, 2 * group, K, V, dtype=BF16, init=True, N=N)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+
+    def grads(cfg):
+        def loss(*a):
+            o, S = gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="pallas",
+                                    chunk_size=64, kernel_config=cfg, cu_seqlens=cu_j)
+            return jnp.sum(o.astype(F32) * do) + jnp.sum(S * dS)
+
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args, jnp.asarray(x["S0"], F32))
+
+    ref = grads(MOSAIC)
+    got = grads(dataclasses.replace(MOSAIC, grad_chunks_per_cta=per_cta))
+    for name, a, b in zip(GRAD_NAMES, got, ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu_j, do=x["do"], dS=x["dS"])
+    check_close({"d" + n: (val, rg[n], TOL_GATE if n in ("g", "beta") else TOL_GRAD) for n, val in zip(GRAD_NAMES, got)})
+
+
+def test_grad_chunks_per_cta_lowers_for_cuda():
+    """The persistent gradient kernel lowers for CUDA (one Mosaic GPU kernel, grid (B*H, ceil(n / m)),
+    two warpgroups); the option needs the two-warpgroup kernel and a positive int."""
+    B, T, H, D = 1, 448, 2, 128  # 7 chunks: 3 per CTA leaves a CTA with one
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_chunks_per_cta=3)
+
+    def loss(q, k, v, g, b):
+        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
+        return jnp.sum(o.astype(F32))
+
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*sds).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 4
+    with pytest.raises(ValueError, match="grad_chunks_per_cta=2 needs the two-warpgroup"):
+        KernelConfig(grad_chunks_per_cta=2, grad_warpgroups=1)
+    with pytest.raises(ValueError, match="grad_chunks_per_cta"):
+        KernelConfig(grad_chunks_per_cta=0)
+    with pytest.raises(TypeError, match="grad_chunks_per_cta"):
+        KernelConfig(grad_chunks_per_cta=2.0)

@@ -46,7 +46,8 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked")}
-_OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages")
+_OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
+                  "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
 
 
@@ -137,6 +138,15 @@ class KernelConfig:
         single bf16 operands). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
         ms; GPU check 16 of 16 at 097d608). In interpret mode the two warpgroups' work runs in
         turn in one thread (Mosaic GPU's interpreter hung with two warpgroup threads on 2 cores).
+      grad_chunks_per_cta: chunks of one head per CTA of the Hopper two-warpgroup gradient kernel.
+        None / 1 (default): one CTA per chunk (its ~180 KB of input tiles arrive before it computes,
+        and at 219 KB of shared memory one CTA fits an SM, so nothing hides that wait). m > 1: a
+        persistent kernel, grid (B*H, ceil(chunks / m)), each CTA looping over m consecutive
+        chunks and loading the next chunk's tiles while this one computes, each as soon as its
+        tile is free (dO and dh after the first products, h after both warpgroups' products with
+        it, v after dv has left; q, k, Vn, dVn, T and the gates once the chunk is done). Same
+        values (the arithmetic per chunk is unchanged). Built 2026-12-02, not yet run on a GPU;
+        needs ``grad_warpgroups=2``.
       save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk
         size), the forward's state pass also writes the state entering each chunk ``h`` [B*H,
         chunks, K, V] and ``Vn`` = U - W h [B*H, T, V] (bf16: what the backward's forward
@@ -183,6 +193,7 @@ class KernelConfig:
     save_states: Optional[bool] = None
     wy_inverse: str = "blocked"
     grad_warpgroups: int = 2
+    grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
     f32_inputs: str = "keep"
     f16_inputs: str = "keep"
@@ -214,6 +225,9 @@ class KernelConfig:
             raise TypeError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
         if self.grad_warpgroups not in (1, 2):
             raise ValueError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
+        if (self.grad_chunks_per_cta or 1) > 1 and self.grad_warpgroups != 2:
+            raise ValueError(f"KernelConfig.grad_chunks_per_cta={self.grad_chunks_per_cta} needs the two-warpgroup "
+                             f"gradient kernel (grad_warpgroups=2), got grad_warpgroups={self.grad_warpgroups}")
         for name in ("fwd_chunk", "bwd_chunk"):
             val = getattr(self, name)
             if val is not None and val not in SUPPORTED_CHUNK_SIZES:
@@ -263,6 +277,7 @@ class KernelCall:
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
+    grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
     save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
 
     @property
@@ -375,6 +390,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, grad_wgs=config.grad_warpgroups,
+        grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
     )
     return _with_mosaic(config, call)

@@ -291,18 +291,36 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     ROW, COL = WG.reduce(1), WG.reduce(0)
     NSC = 7  # output rows: dbeta (wg 0), dgam, -cgam, de_gam (wg 0), de_gam_end, dbeta (wg 1), de_gam (wg 1)
 
+    per_cta = call.grad_per_cta  # chunks per CTA: > 1 runs the persistent, prefetching kernel
+    pf = per_cta > 1
+
     def body(q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref, th_ref, tl_ref,
              dq_ref, dk_ref, dv_ref, sc_ref,
              q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, dkk_s, x_hi, x_lo, dw_s,
-             bars, dk_bar):
-        bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, hh, rows, srcs = _grad_sources(call, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref,
-                                          dvn_ref, th_ref, tl_ref)
+             bars, dk_bar, *sync):
+        bh = lax.axis_index("bh")
+        c0 = lax.axis_index("c") * _i32(per_cta) if pf else lax.axis_index("c")
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
+        # the persistent kernel's two in-CTA barriers: h_s free (both warpgroups done with it) and
+        # warpgroup 1 done with the chunk (its tiles may be overwritten by the next chunk's)
+        h_free, wg1_done = sync if pf else (None, None)
 
-        def issue():
-            for i, (src, dst) in enumerate(zip(srcs, dsts)):
-                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        def sources(c):
+            return _grad_sources(call, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref,
+                                 th_ref, tl_ref)
+
+        if not pf:  # one chunk: its sources once
+            src0 = sources(c0)
+            sources = lambda c: src0  # noqa: E731
+
+        def issue(c, which=range(11)):
+            srcs = sources(c)[3]
+            for i in which:
+                plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars.at[i])
+
+        def prefetch(nxt, c, which):  # the next chunk's tiles (persistent kernel only)
+            if pf:
+                pl.when(nxt)(lambda: issue(c + 1, which))
 
         waited = set()  # interpret mode runs both warpgroups in one thread: each barrier waited once
 
@@ -313,21 +331,28 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                     waited.add(i)
         ld = lambda ref, lay=WG: _load(ref, lay, interp)
         bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
+        store_wait = (lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)) if pf else (
+            lambda: plgpu.wait_smem_to_gmem(0))
 
         def masks():
             i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
             return i_ > j_, i_ >= j_, i_ == j_
 
-        def gamma(m, gam_r):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m, exponent masked first
+        def gamma(m_, gam_r):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m_, exponent masked first
             dgm = bc_r(gam_r, (C, C)) - lax.broadcast_in_dim(ld(g_s.at[2], COL), (C, C), [1])
-            return jnp.where(m, jnp.exp(jnp.where(m, dgm, 0.0)), 0.0)
+            return jnp.where(m_, jnp.exp(jnp.where(m_, dgm, 0.0)), 0.0)
 
-        def wg0():
+        def wg0(c, nxt):
+            b, hh, rows, _ = sources(c)
             wait(0, 1, 3, 4, 5, 7)
             beta_r, gam_r, eg_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3))
             # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
             dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))],
                                   interp)
+            if pf:  # dO is free; h_s once warpgroup 1 is done with it too
+                if not interp:
+                    plgpu.barrier_arrive(h_free)
+                prefetch(nxt, c, (3,))
             strict, incl, _ = masks()
             gi = gamma(incl, gam_r)
             m_q = jnp.where(strict, dAqk * qk * gi * scale, 0.0)
@@ -364,14 +389,20 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
             plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])
-            plgpu.wait_smem_to_gmem(0)
+            store_wait()
+            if pf:  # the rest of the next chunk's tiles, once warpgroup 1 is done with this one
+                if not interp:
+                    plgpu.barrier_wait(wg1_done)
+                prefetch(nxt, c, (0, 1, 4, 7, 8, 9, 10))
 
-        def wg1():
+        def wg1(c, nxt):
+            b, hh, rows, _ = sources(c)
             wait(1, 2, 4, 6, 7, 8, 9, 10)
             beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
             # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
             # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
             dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
+            prefetch(nxt, c, (6,))  # dh is free
             kf = ld(k_s).astype(F32)
             de_end = jnp.sum(dkd * kf, axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
@@ -383,6 +414,10 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             #    d(beta K) = dX e^gamma (+ dKK K, warpgroup 0)
             wait(5)
             (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
+            if pf and not interp:  # h_s is free once warpgroup 0's first products are done too
+                plgpu.barrier_arrive(h_free)
+                plgpu.barrier_wait(h_free)
+                prefetch(nxt, c, (5,))
             dw_s[...] = (-dw).astype(BF16)
             plgpu.commit_smem()
             (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)
@@ -396,7 +431,26 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             plgpu.commit_smem()
             if not interp:
                 plgpu.barrier_arrive(dk_bar)
-            plgpu.wait_smem_to_gmem(0)
+            store_wait()
+            if pf:  # v_s (dv's staging tile) is free; then this warpgroup is done with the chunk
+                prefetch(nxt, c, (2,))
+                if not interp:
+                    plgpu.barrier_arrive(wg1_done)
+
+        def chunk(wg_fn):  # (chunk index, whether a next chunk of this CTA follows) -> wg_fn
+            if not pf:
+                return lambda: wg_fn(c0, None)
+
+            def loop():
+                def step(j, carry):
+                    c = c0 + j
+                    nxt = (j + 1 < per_cta) & (c + 1 < n)
+                    pl.when(c < n)(lambda: wg_fn(c, nxt))
+                    return carry
+
+                lax.fori_loop(_i32(0), _i32(per_cta), step, _i32(0))
+                plgpu.wait_smem_to_gmem(0)
+            return loop
 
         if interp:
             # Mosaic GPU's interpreter runs each warpgroup as a CPU computation of its own, and on a
@@ -404,26 +458,36 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             # runs with several CTAs): in interpret mode the two warpgroups' work runs in turn in one
             # thread, warpgroup 1 first (its dk partial is what warpgroup 0 waits for). That checks
             # the split's arithmetic and its shared-memory hand-off, not its synchronisation (the
-            # CUDA lowering and the GPU do).
-            issue()
-            wg1()
-            wg0()
+            # CUDA lowering and the GPU do). The persistent kernel's h prefetch waits for warpgroup
+            # 0 here (on the GPU it follows warpgroup 1's dW product and the h_free barrier).
+            def both(c, nxt):
+                waited.clear()
+                wg1(c, nxt)
+                wg0(c, nxt)
+                if pf:
+                    prefetch(nxt, c, (5,))
+
+            issue(c0)
+            chunk(both)()
         else:
             wg = lax.axis_index("wg")
-            pl.when(wg == 0)(issue)
-            pl.when(wg == 0)(wg0)
-            pl.when(wg == 1)(wg1)
+            pl.when(wg == 0)(lambda: issue(c0))
+            pl.when(wg == 0)(chunk(wg0))
+            pl.when(wg == 1)(chunk(wg1))
 
     scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt),
                plgpu.SMEM((5, C), F32), _smem((K, V), BF16), _smem((K, V), BF16), _smem((C, V), BF16),
                _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((NSC, C), F32),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, K), BF16),
                plgpu.Barrier(num_barriers=11), plgpu.Barrier(num_arrivals=1)]
+    if pf:
+        scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
     kw = dict(interpret=_interpret_params()) if interp else {}
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
+    grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
                       **threads, **kw)
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
