@@ -144,7 +144,8 @@ class KernelConfig:
         persistent kernel, grid (B*H, ceil(chunks / m)), each CTA looping over m consecutive
         chunks and loading the next chunk's tiles while this one computes, each as soon as its
         tile is free (dO and dh after the first products, h after both warpgroups' products with
-        it, v after dv has left; q, k, Vn, dVn, T and the gates once the chunk is done). Same
+        it, q, Vn, dVn and T after the T phase and warpgroup 1's dX, v after dv has left; only k
+        and the gates, 17 of ~180 KB, once dk has left). Same
         values (the arithmetic per chunk is unchanged). Built 2026-12-02, not yet run on a GPU;
         needs ``grad_warpgroups=2``.
       save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk

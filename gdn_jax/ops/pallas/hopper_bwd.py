@@ -302,8 +302,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         c0 = lax.axis_index("c") * _i32(per_cta) if pf else lax.axis_index("c")
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
         # the persistent kernel's two in-CTA barriers: h_s free (both warpgroups done with it) and
-        # warpgroup 1 done with the chunk (its tiles may be overwritten by the next chunk's)
-        h_free, wg1_done = sync if pf else (None, None)
+        # warpgroup 1 done with Vn, dVn and T (after its dX product)
+        h_free, t_free = sync if pf else (None, None)
 
         def sources(c):
             return _grad_sources(call, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h_ref, dh_ref, vn_ref, dvn_ref,
@@ -375,6 +375,11 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                          lambda mask: gamma(mask, gam_r), interp)
             # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
             dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
+            if pf:  # q (dq has left), Vn, dVn and T (once warpgroup 1 is done with them) are free
+                if not interp:
+                    plgpu.barrier_wait(t_free)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                prefetch(nxt, c, (0, 7, 8, 9, 10))
             dk = dk + dkb * bc_r(beta_r, (C, K))
             sc_s[0] = jnp.sum(dkb * ld(k_s).astype(F32), axis=1)
             sc_s[1] = dgam + jnp.sum(m, axis=1)
@@ -390,10 +395,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
             plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])
             store_wait()
-            if pf:  # the rest of the next chunk's tiles, once warpgroup 1 is done with this one
-                if not interp:
-                    plgpu.barrier_wait(wg1_done)
-                prefetch(nxt, c, (0, 1, 4, 7, 8, 9, 10))
+            # k and the gates: warpgroup 1 read them at its start, before its dk_bar arrival
+            prefetch(nxt, c, (1, 4))
 
         def wg1(c, nxt):
             b, hh, rows, _ = sources(c)
@@ -421,6 +424,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             dw_s[...] = (-dw).astype(BF16)
             plgpu.commit_smem()
             (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)
+            if pf and not interp:  # done with Vn, dVn and T
+                plgpu.barrier_arrive(t_free)
             deg = jnp.sum(dx * kf, axis=1) * beta_r
             dxe = dx * bc_r(eg_r, (C, K))
             dk1 = dk1 + dxe * bc_r(beta_r, (C, K))
@@ -432,10 +437,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             if not interp:
                 plgpu.barrier_arrive(dk_bar)
             store_wait()
-            if pf:  # v_s (dv's staging tile) is free; then this warpgroup is done with the chunk
-                prefetch(nxt, c, (2,))
-                if not interp:
-                    plgpu.barrier_arrive(wg1_done)
+            prefetch(nxt, c, (2,))  # v_s (dv's staging tile) is free
 
         def chunk(wg_fn):  # (chunk index, whether a next chunk of this CTA follows) -> wg_fn
             if not pf:
