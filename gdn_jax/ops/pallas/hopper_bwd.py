@@ -400,12 +400,18 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
 
         def wg1(c, nxt):
             b, hh, rows, _ = sources(c)
-            wait(1, 2, 4, 6, 7, 8, 9, 10)
-            beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
+            if not pf:
+                wait(1, 2, 4, 6, 7, 8, 9, 10)
+                beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
+            else:  # the first products need neither k, v nor the gates (the tiles that land last)
+                wait(6, 7, 8, 9, 10)
             # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
             # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
             dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
             prefetch(nxt, c, (6,))  # dh is free
+            if pf:
+                wait(1, 2, 4)
+                beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
             kf = ld(k_s).astype(F32)
             de_end = jnp.sum(dkd * kf, axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
