@@ -8,41 +8,31 @@ import sys
 # XLA's compiler, not to running them. LLVM at -O0 and XLA:CPU's classic (non-MLIR) fusion
 # emitters compile 2-4x faster (e.g. tests/ops/test_gated_delta_rule.py's backend-vs-reference
 # grid: 134 s -> 32 s on one core); the programs and the float64 comparisons are the same.
-# XLA:CPU's YNNPACK fusions (`__ynn_fusion`, on by default from jaxlib 0.10.2) are switched off:
-# they crash asynchronously on an Eigen worker thread in 0.10.2 (jax-ml/jax#39257, #40412: the
-# Python traceback then lands in whatever the main thread was doing, often a later compile), which
-# is what killed an xdist worker in 4 of 7 fresh-clone CI runs on 2026-12-02, always with the
-# traceback in a compile in tests/ops/test_robustness.py; our programs do get them (the dots of
-# the chunked backends), and with the flag they get none.
 # Set before jax creates its CPU client (flags are read then); inherited by the xdist workers and
 # the subprocess and notebook tests. An XLA that does not know a flag aborts the process, so the
-# flags are first tried in a subprocess (once per run: the result is passed on in the environment);
-# a flag that fails alone is left out. GDN_TEST_XLA_DEFAULTS=1 keeps XLA's compile defaults (the
-# YNN switch stays); a flag already in XLA_FLAGS wins.
+# flags are first tried in a subprocess (once per run: the result is passed on in the environment).
+# GDN_TEST_XLA_DEFAULTS=1 keeps XLA's defaults; a flag already in XLA_FLAGS wins.
 _FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-_STABLE_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=",)
 
 
-def _xla_flags(wanted):
+def _fast_xla_flags():
     import subprocess
 
-    def works(flags):
+    have = os.environ.get("XLA_FLAGS", "").split()
+    new = [f for f in _FAST_XLA_FLAGS if not any(h.split("=")[0] == f.split("=")[0] for h in have)]
+    for extra in (new, new[:1]):  # both, else the optimization level alone
+        if not extra:
+            break
+        flags = " ".join(have + extra)
         probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.ones(2).sum().block_until_ready()"],
                                env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True)
-        return probe.returncode == 0
-
-    have = os.environ.get("XLA_FLAGS", "").split()
-    new = [f for f in wanted if not any(h.split("=")[0] == f.split("=")[0] for h in have)]
-    if not new:
-        return
-    if not works(" ".join(have + new)):
-        new = [f for f in new if works(" ".join(have + [f]))]
-    os.environ["XLA_FLAGS"] = " ".join(have + new)
+        if probe.returncode == 0:
+            os.environ["XLA_FLAGS"] = flags
+            break
 
 
-if not os.environ.get("_GDN_TEST_XLA_FLAGS_SET"):
-    fast = () if os.environ.get("GDN_TEST_XLA_DEFAULTS") == "1" else _FAST_XLA_FLAGS
-    _xla_flags(fast + _STABLE_XLA_FLAGS)
+if os.environ.get("GDN_TEST_XLA_DEFAULTS") != "1" and not os.environ.get("_GDN_TEST_XLA_FLAGS_SET"):
+    _fast_xla_flags()
     os.environ["_GDN_TEST_XLA_FLAGS_SET"] = "1"
 
 import jax  # noqa: E402
