@@ -14,7 +14,10 @@ dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 state pass also writes h_n and Vn, timed alone as "fwd state pass + h, Vn", and its reverse pass
 forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradient kernel
 (``KernelConfig(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
-the m of :func:`grad_chunks_per_cta`).
+the m of :func:`grad_chunks_per_cta`). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
+(each selected whole-op line, and jla) and prints where a call's time goes: kernels, the idle gaps
+between them, and the host's time outside them (per call we pay ~0.41 ms above the pipelined time at
+4x4096x16x128, jla ~0.27).
 
 Shapes are ``bench_pallas.SHAPES`` indices or BxTxHxD. ``--only`` times just the lines whose
 name contains one of its comma-separated substrings. ``--blocks`` times the forward state pass at each value
@@ -84,6 +87,76 @@ def floor_note(name, shape, ms):
     return f"  [{nbytes / 1e6:.0f} MB, HBM floor {floor:.3f} ms, {ms / floor:.1f}x]"
 
 
+def timeline(call, n, top=8):
+    """Where a synchronised call's time goes: trace ``n`` calls of ``call`` (each waited for) under
+    ``jax.profiler.trace`` and, from the device's kernel events, per call: host wall time, the span
+    from the first kernel's start to the last one's end, the kernels' summed time, their number, the
+    idle gaps between them inside the span (the launch path), and what the host spends outside the
+    span (dispatch before the first kernel, the wait after the last). Medians over the calls, then
+    the median call's kernels in order (gap before each, duration). A line of text; on a machine
+    without device kernels (CPU, interpret mode) it says so."""
+    import glob
+    import tempfile
+    import time
+
+    import jax
+
+    jax.block_until_ready(call())
+    d = tempfile.mkdtemp(prefix="bench_hopper_timeline_")
+    walls = []
+    with jax.profiler.trace(d):
+        for _ in range(n):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            walls.append(time.perf_counter() - t0)
+            time.sleep(0.002)  # a clear gap between calls in the trace
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return "no trace written"
+    prof = jax.profiler.ProfileData.from_file(files[0])
+    ev = []
+    for plane in prof.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = [ln for ln in plane.lines if "stream" in ln.name.lower()] or list(plane.lines)
+        for ln in lines:
+            ev += [(e.start_ns, e.end_ns, e.name) for e in ln.events]
+    return summarize_timeline(ev, walls)
+
+
+def summarize_timeline(ev, walls):
+    """:func:`timeline`'s text from the device's kernel events ``ev`` ((start_ns, end_ns, name),
+    calls >= 1 ms apart) and the calls' host wall times ``walls`` (s)."""
+    import statistics
+
+    if not ev:
+        return "no device kernels in the trace (CPU / interpret mode)"
+    ev = sorted(ev)
+    calls, cur = [], [ev[0]]
+    for e in ev[1:]:  # calls are >= 2 ms apart (the sleep); kernels of one call are not
+        if e[0] - max(x[1] for x in cur) > 1_000_000:
+            calls.append(cur)
+            cur = []
+        cur.append(e)
+    calls.append(cur)
+    rows = []
+    for c in calls:
+        span = max(x[1] for x in c) - c[0][0]
+        busy = sum(x[1] - x[0] for x in c)
+        rows.append((span / 1e6, busy / 1e6, len(c), c))
+    med = lambda i: statistics.median(r[i] for r in rows)
+    wall = statistics.median(walls) * 1e3
+    out = [f"{len(calls)} calls: wall {wall:.3f} ms, kernel span {med(0):.3f}, kernels busy {med(1):.3f} "
+           f"({med(2):.0f} kernels), idle inside the span {med(0) - med(1):.3f}, host outside it "
+           f"{wall - med(0):.3f} ms"]
+    mid = sorted(rows, key=lambda r: r[0])[len(rows) // 2][3]
+    prev = mid[0][0]
+    for s0, e0, name in mid[:64]:
+        out.append(f"      gap {max(0, s0 - prev) / 1e3:7.1f} us  {(e0 - s0) / 1e3:8.1f} us  {name[:70]}")
+        prev = max(prev, e0)
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="0", help="comma-separated bench_pallas.SHAPES indices or BxTxHxD")
@@ -96,6 +169,9 @@ def main(argv=None):
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: every kernel in Mosaic GPU's interpret mode (timings meaningless; "
                          "no jla), e.g. --interpret --shapes 1x128x1x64 --reps 1")
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="also trace this many synchronised whole-op fwd+bwd calls of each selected whole-op "
+                         "line (and jla) and print where each call's time goes: kernels, gaps, host")
     ap.add_argument("--only", default="",
                     help="comma-separated substrings: time only the lines whose name contains one, e.g. "
                          "'kernel,WG,pallas' (default: every line)")
@@ -217,10 +293,14 @@ def main(argv=None):
                     continue
                 f, fb = bp.jax_fns("pallas", x, 64, kc)
                 print(f"  {label:<10} fwd {t(f)}  fwd+bwd {t(fb)}{'' if args.once else ' ms'}", flush=True)
+                if args.timeline:
+                    print(f"    timeline {label} fwd+bwd: {timeline(fb, args.timeline)}", flush=True)
             if not (args.no_jla or args.interpret) and wanted("jla"):
                 try:
                     jf, jfb, _ = bp.jla_fns(x)
                     print(f"  jla    fwd {t(jf)}  fwd+bwd {t(jfb)} ms", flush=True)
+                    if args.timeline:
+                        print(f"    timeline jla fwd+bwd: {timeline(jfb, args.timeline)}", flush=True)
                 except Exception as e:  # not installed / fails: say so, keep going
                     print(f"  jla: {type(e).__name__}: {str(e)[:200]}", flush=True)
         except Exception:

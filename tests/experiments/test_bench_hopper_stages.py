@@ -25,3 +25,20 @@ def test_bench_hopper_stages_interpret():
     for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
     assert "fwd WY " not in text and "pallas" not in text  # --only filters the rest
+
+
+def test_summarize_timeline():
+    """bench_hopper_stages --timeline's arithmetic on synthetic kernel events: two calls 5 ms apart,
+    each two kernels (10 us and 20 us) with a 5 us gap; host wall 0.1 ms per call."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_hopper_stages as bhs
+
+    ev = []
+    for t0 in (0, 5_000_000):
+        ev += [(t0, t0 + 10_000, "wy"), (t0 + 15_000, t0 + 35_000, "grads")]
+    text = bhs.summarize_timeline(ev, [1e-4, 1e-4])
+    first = text.splitlines()[0]
+    assert first.startswith("2 calls: wall 0.100 ms, kernel span 0.035, kernels busy 0.030 (2 kernels)"), first
+    assert "idle inside the span 0.005, host outside it 0.065 ms" in first, first
+    assert re.search(r"gap +5\.0 us +20\.0 us  grads", text), text
+    assert bhs.summarize_timeline([], [1.0]).startswith("no device kernels")
