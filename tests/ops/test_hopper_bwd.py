@@ -156,6 +156,20 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
         assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
 
 
+def _gva_case(tag, K, V, group, cu):
+    """Inputs at B 1, T 200, 2 key heads (``group`` value heads each), bf16, an initial state, and
+    ``cu`` as cu_seqlens (or None): (inputs dict, cu_seqlens array or None, (q, k, v, g, beta),
+    dO f32, d final state f32)."""
+    N = None if cu is None else len(cu) - 1
+    x = make_inputs(seed_of(tag, K, V, group), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
+    if group > 1:
+        y = make_inputs(seed_of(tag + "-v", K, V), 1, 200, 2 * group, K, V, dtype=BF16, init=True, N=N)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    return x, cu_j, args, jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+
+
 @pytest.mark.parametrize("K,V,group,cu", [(128, 128, 1, None), (64, 128, 2, (0, 70, 71, 200))])
 def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
     """KernelConfig.save_states (on by default): the forward's state pass also writes h_n and Vn, and the backward
@@ -166,14 +180,7 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
     states are the recompute's); with it dVl stays float32 instead of a bf16 round trip
     (rel_rms <= 5e-3 against the recomputing backward) and every output is within the suite's
     float64 tolerances. Also with cu_seqlens (a length-1 sequence among them) and value heads (GVA)."""
-    N = None if cu is None else len(cu) - 1
-    x = make_inputs(seed_of("hopper-save-states", K, V, group), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
-    if group > 1:
-        y = make_inputs(seed_of("hopper-save-states-v", K, V), 1, 200, 2 * group, K, V, dtype=BF16, init=True, N=N)
-        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
-    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+    x, cu_j, args, do, dS = _gva_case("hopper-save-states", K, V, group, cu)
 
     def run(cfg):
         def loss(*a):
@@ -349,14 +356,7 @@ def test_grad_chunks_per_cta_equals_one_chunk_per_cta(K, V, group, cu, per_cta):
     chunk must skip it); with cu_seqlens (a length-1 sequence among them) and value heads (GVA).
     In interpret mode (CI) the warpgroups run in turn, so this checks the loop, the chunk indexing
     and the prefetches' tiles, not the in-CTA synchronisation (the GPU check does)."""
-    N = None if cu is None else len(cu) - 1
-    x = make_inputs(seed_of("hopper-grad-per-cta", K, V, group), 1, 200, 2, K, V, dtype=BF16, init=True, N=N)
-    if group > 1:
-        y = make_inputs(seed_of("hopper-grad-per-cta-v", K, V), 1, 200, 2 * group, K, V, dtype=BF16, init=True, N=N)
-        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
-    cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
+    x, cu_j, args, do, dS = _gva_case("hopper-grad-per-cta", K, V, group, cu)
 
     def grads(cfg):
         def loss(*a):
