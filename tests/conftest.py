@@ -43,9 +43,8 @@ for _p in (_REPO, _TESTS):  # `gdn_jax`, and the tests' shared `reference` / `co
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# one cache directory per xdist worker: with one shared directory an xdist worker died in 5 of 9
-# fresh-clone runs on 2026-12-02 (segfault with the traceback in a compile or in the cache write,
-# always in tests/ops/test_robustness.py); with one per worker 0 of the first runs (see README)
+# one cache directory per xdist worker (tried against the xdist worker crash of 2026-12-02: it
+# still happened in 1 of 4 runs, so not the cause; harmless, kept; see README)
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(_REPO, ".jax_cache", os.environ.get("PYTEST_XDIST_WORKER", "main")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
