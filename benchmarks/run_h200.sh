@@ -17,10 +17,12 @@
 #   stages     benchmarks/bench_hopper_stages.py, each Hopper kernel alone with its HBM floor
 #              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla")
 #   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
-#   ncu        Nsight Compute's speed-of-light, occupancy, warp-stall and scheduler sections for each
-#              Hopper kernel run once (NCU_ARGS: bench_hopper_stages flags; NCU_LAUNCHES caps the
-#              kernels profiled, default 80, XLA's small ones included; needs a runtime that
-#              gives ncu the counters, KINDS.md)
+#   ncu        Nsight Compute's speed-of-light, occupancy, warp-state, scheduler sections and the
+#              per-reason stall ratios for each Hopper kernel run once (NCU_ARGS: bench_hopper_stages
+#              flags; only kernels whose name matches NCU_KERNELS, default regex:mosaic -- XLA's
+#              fusions and autotuning kernels used all 60 launches of the first run; NCU_LAUNCHES caps
+#              them, default 12, the stages' preparation kernels included; needs a runtime that gives
+#              ncu the counters, KINDS.md: Firecracker does)
 #   decode     benchmarks/bench_decode.py
 #   loop       benchmarks/bench_loop.py, the training loop against its step
 #   profile    the MQAR training step's top device kernels (bench_train_step.py --profile;
@@ -132,8 +134,9 @@ for s in $STEPS; do
          # reasons): works where the machine's runtime gives ncu the counters (KINDS.md: Firecracker)
          # (no preallocation: ncu saves and restores the device memory a replayed kernel may touch)
          XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${LIMIT_NCU:-240}" ncu --clock-control none \
-             --launch-count "${NCU_LAUNCHES:-80}" --section SpeedOfLight --section Occupancy \
-             --section WarpStateStats --section LaunchStats --section SchedulerStats python \
+             --kernel-name "${NCU_KERNELS:-regex:mosaic}" --launch-count "${NCU_LAUNCHES:-12}" \
+             --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+             --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.+_per_issue_active\.ratio" python \
              benchmarks/bench_hopper_stages.py --once --no-jla ${NCU_ARGS:---shapes 0 --only WY,pass,kernel} \
              2>&1 | grep -v -i warning > "$OUT/ncu.txt"; tail -5 "$OUT/ncu.txt" ;;
     fillers) # issue #16's attention experiment: attention mass on the 0 fillers over training

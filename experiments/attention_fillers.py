@@ -183,7 +183,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if b != "none" and (set(b) - set("qkvo") or len(set(b)) != len(b)):
             ap.error(f"--key_bias takes 'none' or letters of 'qkvo', got {b!r}")
     os.makedirs(args.out, exist_ok=True)
-    runs = []
+    runs: List[Dict[str, Any]] = []
+    res = {"settings": s, "key_bias": list(args.key_bias), "tiny": args.tiny, "jax_version": jax.__version__,
+           "platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+           "command": " ".join(["python", "experiments/attention_fillers.py", *(argv if argv is not None
+                                                                               else sys.argv[1:])]),
+           "runs": runs}
+
+    def write():  # after every run: a time limit that stops the script keeps the runs done so far
+        with open(os.path.join(args.out, "attention_fillers.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        plot(runs, os.path.join(args.out, "attention_fillers.png"))
+
     for L, N in zip(s["lengths"], s["pairs"]):
         for b in args.key_bias:
             cfg = RecallConfig(task="mqar", mixer="attention", vocab_size=s["vocab_size"], seq_len=L, num_kv_pairs=N,
@@ -197,14 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                     diag_batch=s["diag_batch"]))
             except (TypeError, ValueError) as e:
                 ap.error(str(e))
-    res = {"settings": s, "key_bias": list(args.key_bias), "tiny": args.tiny, "jax_version": jax.__version__,
-           "platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-           "command": " ".join(["python", "experiments/attention_fillers.py", *(argv if argv is not None
-                                                                               else sys.argv[1:])]),
-           "runs": runs}
-    with open(os.path.join(args.out, "attention_fillers.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    plot(runs, os.path.join(args.out, "attention_fillers.png"))
+            write()
     print(f"wrote {args.out}/attention_fillers.json and .png")
     return res
 
