@@ -12,7 +12,11 @@ attention weight on
 * ``filler``: the 0 tokens (every 0 is a filler: keys are >= 1, values >= vocab/2);
 * ``key``: the context position holding the queried key (``k_j`` with ``k_j`` = the query token);
 * ``value``: the position after it (``v_j``, the answer: an induction head's target);
+* ``after_value``: the position after that, the next pair's key ``k_{j+1}`` (none for the last
+  pair);
 * ``self``: the query position itself;
+* ``context``: any of the 2N key-value positions (key, value and after_value of the queried pair
+  included);
 
 and the accuracy at the query positions. ``--key_bias`` variants: ``none`` (gdn_jax's attention:
 no biases, RoPE) and ``k`` (a bias on the key projection, added before RoPE:
@@ -64,13 +68,15 @@ def make_diag(graphdef, num_kv_pairs: int):
         ctx = (pos < 2 * num_kv_pairs)[None, None, :]
         is_key = (inputs[:, None, :] == inputs[:, :, None]) & ctx & (pos % 2 == 0)[None, None, :]  # [B, T, S]
         is_value = jnp.pad(is_key, ((0, 0), (0, 0), (1, 0)))[:, :, :L]  # the position after the key
+        is_after = jnp.pad(is_key, ((0, 0), (0, 0), (2, 0)))[:, :, :L] & ctx  # the next pair's key k_{j+1}
         is_self = jnp.eye(L, dtype=bool)[None]
         x = model.embed_tokens(inputs)
         layers = []
         for blk in model.blocks:
             w = blk.mixer.attention_weights(blk.norm1(x))  # [B, H, T, S]
             masses = {}
-            for name, m in (("filler", filler), ("key", is_key), ("value", is_value), ("self", is_self)):
+            for name, m in (("filler", filler), ("key", is_key), ("value", is_value), ("after_value", is_after),
+                            ("self", is_self), ("context", ctx)):
                 per_t = jnp.einsum("bhts,bts->bht", w, jnp.broadcast_to(m, (B, L, L)).astype(w.dtype))
                 masses[name] = jnp.sum(per_t * qmask[:, None, :], axis=(0, 2))  # [H]
             layers.append(masses)
@@ -106,7 +112,8 @@ def run_one(cfg: RecallConfig, *, diag_every: int, diag_examples: int, diag_batc
                                   for k, v in lay.items()})
         last = rec["layers"][-1]
         log(f"  step {step:>6}: acc {rec['accuracy']:.3f}  layer {len(rec['layers'])} mass filler "
-            f"{last['filler']['mean']:.3f} key {last['key']['mean']:.3f} value {last['value']['mean']:.3f}")
+            f"{last['filler']['mean']:.3f} key {last['key']['mean']:.3f} value {last['value']['mean']:.3f} "
+            f"after_value {last['after_value']['mean']:.3f} context {last['context']['mean']:.3f}")
         return rec
 
     curve = [measure(0, None)]

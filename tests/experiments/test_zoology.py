@@ -193,6 +193,8 @@ def test_attention_fillers_tiny(tmp_path):
                 tot = sum(lay[k]["mean"] for k in ("filler", "key", "value", "self"))
                 assert all(0 <= lay[k]["mean"] <= 1 for k in lay) and tot <= 1 + 1e-5
                 assert len(lay["filler"]["heads"]) == 2
+                # the queried pair's key, value and the next key lie in the context
+                assert lay["key"]["mean"] + lay["value"]["mean"] + lay["after_value"]["mean"] <= lay["context"]["mean"] + 1e-5
 
 
 def test_loop_clock_excludes_data_setup_and_counts_final_checkpoint(tmp_path, monkeypatch):
