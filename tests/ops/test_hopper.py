@@ -183,6 +183,9 @@ def test_dispatch():
         KernelConfig(f32_inputs="tf32")
     with pytest.raises(ValueError, match="KernelConfig.wy_inverse must be one of"):
         KernelConfig(wy_inverse="Blocked")
+    for bad in (None, 1, "yes"):
+        with pytest.raises(TypeError, match="KernelConfig.wy_compact must be True or False"):
+            KernelConfig(wy_compact=bad)
     with pytest.raises(TypeError, match="KernelConfig.wy_inverse must be one of"):
         KernelConfig(wy_inverse=np.array([1, 2]))
 
@@ -297,6 +300,56 @@ def test_blocked_inverse_lowers_for_cuda():
     text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
                              platforms=["cuda"])(*sds).mlir_module()
     assert text.count("mosaic_gpu") >= 6
+
+
+@pytest.mark.parametrize("inverse,save_wy,group", [("blocked", True, 1), ("dense", False, 2)])
+def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
+    """``KernelConfig(wy_compact=True)``: the forward WY kernel with v in q's tile (loaded after
+    Q K^T), Aqk's staging tile reused as the inverse's L hi tile, W / U formed one after the other
+    and leaving through K's / v's tiles gives the separate layout's values bit for bit (the same
+    products) -- with and without the saved T (``save_wy``), both inverses, grouped value heads; and
+    the compact layout did run (its shared-memory budget is the smaller one)."""
+    from gdn_jax.ops.pallas import hopper as HP
+
+    x = make_inputs(seed_of("hopper-compact", inverse, group), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
+                    init=True)
+    if group > 1:
+        y = make_inputs(seed_of("hopper-compact-v", inverse), 1, 150, 2 * group, 128, 128, gates="strong",
+                        dtype=BF16, init=True)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    base = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse=inverse)
+    ref = _run(x, base)
+    seen = []
+    real = HP.wy_compact
+    monkeypatch.setattr(HP, "wy_compact", lambda call: seen.append(real(call)) or real(call))
+    got = _run(x, dataclasses.replace(base, wy_compact=True))
+    assert any(seen)
+    for a, b in [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]:
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _check(x, got)
+    call = _call(config=dataclasses.replace(MOSAIC, wy_compact=True))
+    assert HP.wy_smem_bytes(call) <= (227 * 1024) // 3 - 1024 < HP.wy_smem_bytes(dataclasses.replace(
+        call, wy_compact=False))
+    # K != V: the separate tiles (v cannot share q's)
+    assert not HP.wy_compact(dataclasses.replace(call, V=64))
+
+
+@pytest.mark.parametrize("save_wy", [True, False])
+def test_compact_wy_lowers_for_cuda(save_wy):
+    """value_and_grad with ``wy_compact=True`` through Mosaic GPU's CUDA lowering (the forward WY
+    kernel with and without the saved T; the backward's WY, when it runs, keeps its layout)."""
+    B, T, H, D = 1, 256, 2, 128
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_compact=True, save_wy=save_wy)
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
+
+    def loss(q, k, v, g, b):
+        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
+        return jnp.sum(o.astype(F32))
+
+    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
+                             platforms=["cuda"])(*sds).mlir_module()
+    assert text.count("mosaic_gpu") >= 4
 
 
 def _two_wg_case(K, V, group, cu):

@@ -132,6 +132,16 @@ class KernelConfig:
         exactly, and the last two rounds contracting only over the half of K where their
         operands are nonzero: 6.6 MFLOP; same bf16x3 products, so the same T). Default "blocked"
         (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16 at 879550f).
+      wy_compact: the Hopper forward WY kernel (without and with ``save_wy``'s T) in less shared
+        memory and fewer live registers, for three CTAs per SM instead of two (Nsight Compute,
+        H200: two CTAs of one warpgroup per SM, held there by BOTH its 196 registers and its 99 KB
+        of shared memory; the kernel is latency-bound, 5.4 cycles per issued instruction): v is
+        loaded into q's tile once Q K^T has read it, Aqk's staging tile becomes the inverse's L hi
+        tile once Aqk has left, W leaves through K's tile and U through v's, and W and U are formed
+        one after the other (one [C, K] accumulator live instead of two). 73 KB at K = V = 128.
+        Same products, so the same values (bit for bit in interpret mode). Applies where K == V;
+        other calls keep the separate tiles. Default False (built 2026-12-02: not yet timed on a
+        GPU; ptxas decides whether the registers fit three CTAs).
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
         and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
@@ -193,6 +203,7 @@ class KernelConfig:
     save_wy: Optional[bool] = None
     save_states: Optional[bool] = None
     wy_inverse: str = "blocked"
+    wy_compact: bool = False
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -206,10 +217,10 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {type(val).__name__} {val!r}")
             if val not in ok:
                 raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
-        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states"):
+        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states", "wy_compact"):
             val = getattr(self, name)
-            if not (isinstance(val, bool) or (val is None and name != "fuse_output")):
-                want = "True or False" if name == "fuse_output" else "None, True or False"
+            if not (isinstance(val, bool) or (val is None and name not in ("fuse_output", "wy_compact"))):
+                want = "True or False" if name in ("fuse_output", "wy_compact") else "None, True or False"
                 raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
         for name in _OPTIONAL_INTS + _INTS:
             val = getattr(self, name)
@@ -277,6 +288,7 @@ class KernelCall:
     bv_mosaic: int = 64  # value block of the Hopper state pass
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
+    wy_compact: bool = False  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
     save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
@@ -390,7 +402,8 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
-        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, grad_wgs=config.grad_warpgroups,
+        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_compact=config.wy_compact,
+        grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
     )

@@ -369,14 +369,34 @@ def wy_smem_bytes(call: KernelCall) -> int:
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
     blocked = 4 * C * 16 * 2 if call.wy_inverse == "blocked" else 0
+    if wy_compact(call):  # the forward's: v shares q's tile, Aqk's tile is L hi's
+        return 2 * C * K * isz + 4 * C * C * 2 + 4 * C * 4 + blocked
     return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4 + blocked
 
 
-def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp):
+def wy_compact(call: KernelCall) -> bool:
+    """Whether the forward WY kernel runs in its compact layout (``KernelConfig.wy_compact``, where
+    K == V: v takes q's tile)."""
+    return call.wy_compact and call.K == call.V
+
+
+def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=False):
     """W = T (beta e^gamma K) and U = T (beta V) as bf16x2 products (``t_pair`` = T's (hi, lo):
     registers or SMEM; ``kb_s``, ``vb_s`` the scaled K and V tiles), written to ``w_dst`` /
-    ``u_dst`` by TMA through ``w_s`` and ``vb_s``; waits for every copy of the CTA to land."""
+    ``u_dst`` by TMA through ``w_s`` and ``vb_s``; waits for every copy of the CTA to land.
+    ``sequential``: W first, then U (one accumulator live at a time; ``w_s`` may be ``kb_s``)."""
     plgpu = _plgpu()
+    if sequential:
+        (Wm,) = _mmas([((C, K), t_pair, (kb_s, kb_s))], interp)
+        w_s[...] = Wm.astype(w_s.dtype)  # the W wgmma has completed: kb_s is free
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(w_s, w_dst)
+        (Um,) = _mmas([((C, V), t_pair, (vb_s, vb_s))], interp)
+        vb_s[...] = Um.astype(vb_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(vb_s, u_dst)
+        plgpu.wait_smem_to_gmem(0)
+        return
     Wm, Um = _mmas([((C, K), t_pair, (kb_s, kb_s)), ((C, V), t_pair, (vb_s, vb_s))], interp)
     w_s[...] = Wm.astype(w_s.dtype)
     vb_s[...] = Um.astype(vb_s.dtype)
@@ -484,6 +504,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
 
     backward = do is not None
     blocked = call.wy_inverse == "blocked" and C % 16 == 0 and C >= 32
+    # KernelConfig.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
+    # staging tile is L's hi tile of the inverse's rounds once Aqk has left
+    compact = wy_compact(call) and not backward
 
     def body(*refs):
         small = ()
@@ -492,6 +515,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             *refs, tc_hi, tc_lo, lc_hi, lc_lo = refs
             refs = (*refs, bars)
             small = (tc_hi, tc_lo, lc_hi, lc_lo)
+        if compact:  # (.., x_s, k_s, a_s, t_hi, t_lo, l_lo, g_s, bars): x_s is q's and v's, a_s is L hi's
+            *refs, x_s, k_s, a_s, t_hi, t_lo, l_lo, g_s, bars = refs
+            refs = (*refs, x_s, k_s, x_s, a_s, t_hi, t_lo, a_s, l_lo, g_s, bars)
         if backward:
             (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
              q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
@@ -509,11 +535,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         if backward:
             srcs.append(do_ref.at[b, rows, h])
             dsts.append(do_s)
-        for i, (src, dst) in enumerate(zip(srcs, dsts)):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-        for i in range(4):
+        first = (0, 1, 3) if compact else range(len(srcs))  # compact: v after Q K^T
+        for i in first:
+            plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars.at[i])
+        for i in (0, 1, 3) if compact else range(4):
             plgpu.barrier_wait(bars.at[i])
         kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
+        if compact:  # the wgmmas reading q have completed: v lands in its tile during the inverse
+            plgpu.copy_gmem_to_smem(srcs[2], v_s, bars.at[2])
         i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
         bcast_r = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
@@ -540,6 +569,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         if blocked:  # the rounds inside the 16x16 diagonal blocks on those blocks alone
             T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small)
             lg = 4
+        if compact:  # l_hi is Aqk's staging tile: its store must have read it
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         while (1 << lg) < C:
             bi = i >> lg
             L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
@@ -560,6 +591,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                 (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
             lg += 1
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
+        if compact:
+            plgpu.barrier_wait(bars.at[2])
         k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
                     * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
         v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
@@ -571,14 +604,22 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(t_lo, tlo_ref.at[bh, c])
-        write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
+        if compact:  # W leaves through K's tile, U through v's (q's), one after the other
+            write_w_u((th, tl), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+                      sequential=True)
+        else:
+            write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
     # T and L tiles (hi, lo): with the blocked inverse in a 32-byte swizzle, so that a wgmma can
     # contract over 16-row slices of them (K = 16)
     sw = 32 if blocked else None
-    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
-               _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw),
-               plgpu.SMEM((4, C), F32)]
+    if compact:  # q / v, k, Aqk / L hi, T hi, T lo, L lo, gates
+        scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt)] + [_smem((C, C), BF16, sw) for _ in range(4)] + [
+            plgpu.SMEM((4, C), F32)]
+    else:
+        scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
+                   _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw),
+                   _smem((C, C), BF16, sw), plgpu.SMEM((4, C), F32)]
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
         scratch.append(_smem((C, V), in_dt))
