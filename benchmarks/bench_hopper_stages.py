@@ -233,6 +233,14 @@ def main(argv=None):
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
+            cfc = dataclasses.replace(cf, wy_compact=True)  # KernelConfig.wy_compact=True
+            for label, kw in (("fwd WY compact", {}), ("fwd WY + T compact", dict(save_t=True))):
+                if wanted(label) and HF.wy_compact(cfc):
+                    line(label, lambda A, kw=kw: wy_fwd(cfc, A, **kw), F)
+                    # the same values as the separate layout, bit for bit (every output array)
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F) for c in (cfc, cf))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    {label}: outputs equal to the separate layout's: {same}", flush=True)
 
             def state_pass(c, A, **kw):
                 return HF.forward_states_and_output(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
@@ -285,7 +293,8 @@ def main(argv=None):
                     line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("no save_wy", KC(save_wy=False)),
+            whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)),
+                     ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
             for label, kc in whole:

@@ -11,20 +11,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_bench_hopper_stages_interpret():
-    # the stages of KernelConfig.save_states, the default gradient kernel and the persistent one
+    # the stages of KernelConfig.save_states, the default gradient kernel, the persistent one and
+    # the compact forward WY (KernelConfig.wy_compact)
     # (KernelConfig.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
     # intermediate runs too: forward WY, backward WY, recompute, reverse pass); T = 70 is not a
     # multiple of the chunk (dO is padded to the kernels' time axis)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
-                          "--shapes", "1x70x1x64", "--reps", "1", "--only", "+ h,own dVl,gradient kernel,bwd grads 2 per"],
+                          "--shapes", "1x70x1x64", "--reps", "1", "--only", "+ h,own dVl,gradient kernel,bwd grads 2 per,fwd WY compact"],
                          capture_output=True, text=True, env=env, timeout=600)
     text = res.stdout
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA"):
+    for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA",
+                 "fwd WY compact"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
-    assert "fwd WY " not in text and "pallas" not in text  # --only filters the rest
+    # KernelConfig.wy_compact's line checks its outputs against the separate layout's
+    assert "fwd WY compact: outputs equal to the separate layout's: True" in text, text
+    assert not re.search(r"fwd WY +[0-9]", text) and "pallas" not in text  # --only filters the rest
 
 
 def test_summarize_timeline():
