@@ -162,3 +162,21 @@ def check_close(pairs, *, scale=1.0):
             bad.append(f"{name}: rel_rms={e:.3e} > {tol * scale:g}")
     assert not bad, "; ".join(bad) + f"  (all: { {k: f'{v:.2e}' for k, v in errs.items()} })"
     return errs
+
+
+def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True):
+    """The MLIR text of ``backend="pallas"`` lowered for CUDA with ``jax.export`` (nothing runs):
+    ``jax.value_and_grad`` (``grad=True``) or ``jax.grad`` (``grad="grad"``) of sum(o) over q, k,
+    v [B, T, H, D] bf16, g float32 and beta bf16 [B, T, H], chunk 64, ``kernel_config=config``.
+    Count the Mosaic GPU kernels with ``text.count("custom_call @mosaic_gpu")``."""
+    from gdn_jax.ops import gated_delta_rule
+
+    sds = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3
+    sds += [jax.ShapeDtypeStruct((B, T, H), jnp.float32), jax.ShapeDtypeStruct((B, T, H), jnp.bfloat16)]
+
+    def loss(q, k, v, g, b):
+        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=config)
+        return jnp.sum(o.astype(jnp.float32))
+
+    fn = (jax.grad if grad == "grad" else jax.value_and_grad)(loss, argnums=(0, 1, 2, 3, 4))
+    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()

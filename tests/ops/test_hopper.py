@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
+from conftest import (BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, cuda_lowering,
+                      make_inputs, seed_of)
 from reference import reference, reference_grads
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
@@ -288,17 +289,7 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
 def test_blocked_inverse_lowers_for_cuda():
     """value_and_grad with ``wy_inverse="blocked"`` (both WY kernels: ``save_wy=False``) through Mosaic
     GPU's CUDA lowering: the m64n16k16 wgmmas of the compressed rounds and the K = 16 expansion."""
-    B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_inverse="blocked", save_wy=False)
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-
-    def loss(q, k, v, g, b):
-        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-        return jnp.sum(o.astype(F32))
-
-    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
-                             platforms=["cuda"])(*sds).mlir_module()
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_inverse="blocked", save_wy=False))
     assert text.count("mosaic_gpu") >= 6
 
 
@@ -338,17 +329,7 @@ def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
 def test_compact_wy_lowers_for_cuda(save_wy):
     """value_and_grad with ``wy_compact=True`` through Mosaic GPU's CUDA lowering (the forward WY
     kernel with and without the saved T; the backward's WY, when it runs, keeps its layout)."""
-    B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_compact=True, save_wy=save_wy)
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-
-    def loss(q, k, v, g, b):
-        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-        return jnp.sum(o.astype(F32))
-
-    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
-                             platforms=["cuda"])(*sds).mlir_module()
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_compact=True, save_wy=save_wy))
     assert text.count("mosaic_gpu") >= 4
 
 
@@ -412,15 +393,5 @@ def test_two_warpgroup_gradient_kernel_config():
 def test_gradient_kernel_lowers_for_cuda(wgs):
     """value_and_grad with ``grad_warpgroups`` 1 and 2 (the default: two warpgroups per CTA, the
     cross-warpgroup barrier) through Mosaic GPU's CUDA lowering."""
-    B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=wgs)
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-
-    def loss(q, k, v, g, b):
-        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-        return jnp.sum(o.astype(F32))
-
-    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
-                             platforms=["cuda"])(*sds).mlir_module()
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=wgs))
     assert text.count("mosaic_gpu") >= 5

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BF16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
+from conftest import (BF16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, cuda_lowering, make_inputs,
+                      seed_of)
 from reference import reference, reference_grads
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
@@ -240,19 +241,9 @@ def test_save_states_lowers_for_cuda():
     too and the backward has neither a forward recompute nor a WY stage: value_and_grad lowers for
     CUDA to four Mosaic GPU kernels (fwd WY, fwd state pass, reverse pass, gradients) instead of
     six (save_states=False); without save_wy the backward keeps its WY: five."""
-    B, T, H, D = 1, 256, 2, 128
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-
     def kernels(**kw):
-        cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw)
-
-        def loss(q, k, v, g, b):
-            o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-            return jnp.sum(o.astype(F32))
-
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-        return jax.export.export(fn, platforms=["cuda"])(*sds).mlir_module().count("custom_call @mosaic_gpu")
+        text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw))
+        return text.count("custom_call @mosaic_gpu")
 
     assert kernels() == 4 and kernels(save_states=True, save_wy=False) == 5 and kernels(save_states=False) == 6
     assert kernels(save_states=True) == 4
@@ -260,16 +251,8 @@ def test_save_states_lowers_for_cuda():
 
 def test_save_wy_lowers_for_cuda():
     """With save_wy the backward's WY stage is :func:`wy_from_saved`: still six Mosaic GPU kernels."""
-    B, T, H, D = 1, 256, 2, 128
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True, save_states=False)
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-
-    def loss(q, k, v, g, b):
-        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-        return jnp.sum(o.astype(F32))
-
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*sds).mlir_module()
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True, save_states=False),
+                         grad="grad")
     assert text.count("mosaic_gpu") >= 6
 
 
@@ -377,16 +360,9 @@ def test_grad_chunks_per_cta_equals_one_chunk_per_cta(K, V, group, cu, per_cta):
 def test_grad_chunks_per_cta_lowers_for_cuda():
     """The persistent gradient kernel lowers for CUDA (one Mosaic GPU kernel, grid (B*H, ceil(n / m)),
     two warpgroups); the option needs the two-warpgroup kernel and a positive int."""
-    B, T, H, D = 1, 448, 2, 128  # 7 chunks: 3 per CTA leaves a CTA with one
-    sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
-    sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_chunks_per_cta=3)
-
-    def loss(q, k, v, g, b):
-        o, _ = gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)
-        return jnp.sum(o.astype(F32))
-
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*sds).mlir_module()
+    # T = 448: 7 chunks, 3 per CTA leaves a CTA with one
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_chunks_per_cta=3), T=448,
+                         grad="grad")
     assert text.count("custom_call @mosaic_gpu") == 4
     with pytest.raises(ValueError, match="grad_chunks_per_cta=2 needs the two-warpgroup"):
         KernelConfig(grad_chunks_per_cta=2, grad_warpgroups=1)
