@@ -51,6 +51,45 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 # ---------------------------------------------------------------------------
+# compiled executables are released after every test module
+# ---------------------------------------------------------------------------
+# XLA:CPU maps memory for every executable it JIT-links (~3.5 mappings each, held while the jitted
+# function's caches keep it), and Linux caps a process at vm.max_map_count mappings (65530 here).
+# An xdist worker that ran ~half the suite reached the cap: the next compile aborted in LLVM's
+# RuntimeDyld (section allocation failed) or a large allocation segfaulted -- the "worker crashed"
+# of 2026-12-02 (always late, in tests/ops/test_robustness.py; reproduced in one process by first
+# using up the mappings; native backtrace llvm::report_fatal_error <- RuntimeDyldImpl::emitSection
+# <- jitLinkForORC). So after each module its executables go (the persistent cache on disk makes
+# a later recompile cheap). GDN_TEST_MAPS_LOG=<file> appends "worker module maps_before maps_after".
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return -1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables(request):
+    yield
+    before = _maps()
+    for obj in list(vars(request.module).values()):  # the module's functools caches of jitted functions
+        if callable(getattr(obj, "cache_clear", None)) and hasattr(obj, "cache_info"):
+            obj.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+    log = os.environ.get("GDN_TEST_MAPS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.module.__name__} {before} {_maps()}\n")
+
+
+# ---------------------------------------------------------------------------
 # shared by the operator tests: tolerances and the one input maker
 # ---------------------------------------------------------------------------
 import zlib  # noqa: E402
