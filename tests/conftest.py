@@ -59,8 +59,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # RuntimeDyld (section allocation failed) or a large allocation segfaulted -- the "worker crashed"
 # of 2026-12-02 (always late, in tests/ops/test_robustness.py; reproduced in one process by first
 # using up the mappings; native backtrace llvm::report_fatal_error <- RuntimeDyldImpl::emitSection
-# <- jitLinkForORC). So after each module its executables go (the persistent cache on disk makes
-# a later recompile cheap). GDN_TEST_MAPS_LOG=<file> appends "worker module maps_before maps_after".
+# <- jitLinkForORC). So after a module, once the process holds more than _MAPS_RELEASE mappings,
+# the executables go. Not after every module: programs shared by modules (the float64 reference)
+# would recompile each time -- that took the fresh-clone suite from ~14 to ~25 min. One module
+# adds at most ~18 k mappings (test_gated_delta_rule), so the peak stays near 45 k.
+# GDN_TEST_MAPS_LOG=<file> appends "worker module maps_before maps_after" after every module.
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
@@ -74,15 +77,22 @@ def _maps() -> int:
         return -1
 
 
+_MAPS_RELEASE = 25_000
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables(request):
     yield
     before = _maps()
-    for obj in list(vars(request.module).values()):  # the module's functools caches of jitted functions
-        if callable(getattr(obj, "cache_clear", None)) and hasattr(obj, "cache_info"):
-            obj.cache_clear()
-    jax.clear_caches()
-    gc.collect()
+    if before > _MAPS_RELEASE:
+        for mod in list(sys.modules.values()):  # the test modules' functools caches of jitted functions
+            if not str(getattr(mod, "__file__", "") or "").startswith(_TESTS):
+                continue
+            for obj in list(vars(mod).values()):
+                if callable(getattr(obj, "cache_clear", None)) and hasattr(obj, "cache_info"):
+                    obj.cache_clear()
+        jax.clear_caches()
+        gc.collect()
     log = os.environ.get("GDN_TEST_MAPS_LOG")
     if log:
         with open(log, "a") as f:
