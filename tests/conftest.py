@@ -61,8 +61,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # using up the mappings; native backtrace llvm::report_fatal_error <- RuntimeDyldImpl::emitSection
 # <- jitLinkForORC). So after a module, once the process holds more than _MAPS_RELEASE mappings,
 # the executables go. Not after every module: programs shared by modules (the float64 reference)
-# would recompile each time -- that took the fresh-clone suite from ~14 to ~25 min. One module
-# adds at most ~18 k mappings (test_gated_delta_rule), so the peak stays near 45 k.
+# would recompile each time. One module adds at most ~18 k mappings (test_gated_delta_rule), so the
+# peak stays near 45 k.
 # GDN_TEST_MAPS_LOG=<file> appends "worker module maps_before maps_after" after every module.
 import gc  # noqa: E402
 
