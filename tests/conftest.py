@@ -51,7 +51,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 # ---------------------------------------------------------------------------
-# compiled executables are released after every test module
+# compiled executables are released once a worker holds many memory mappings
 # ---------------------------------------------------------------------------
 # XLA:CPU maps memory for every executable it JIT-links (~3.5 mappings each, held while the jitted
 # function's caches keep it), and Linux caps a process at vm.max_map_count mappings (65530 here).
