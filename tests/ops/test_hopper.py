@@ -189,6 +189,8 @@ def test_dispatch():
             KernelConfig(wy_compact=bad)
     with pytest.raises(TypeError, match="KernelConfig.wy_inverse must be one of"):
         KernelConfig(wy_inverse=np.array([1, 2]))
+    with pytest.raises(ValueError, match="KernelConfig.wy_precision must be one of"):
+        KernelConfig(wy_precision="tf32")
 
 
 @pytest.mark.parametrize("cu", [(0, 40, 41, 150), (0, 64, 64, 100, 230)], ids=["len1", "empty"])
@@ -276,7 +278,7 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
     ref = _run(x, dense)
     calls = []
     real = HP._blocked_rounds
-    monkeypatch.setattr(HP, "_blocked_rounds", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(HP, "_blocked_rounds", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = _run(x, dataclasses.replace(dense, wy_inverse="blocked"))
     assert len(calls) == (1 if save_wy else 2)  # the forward's WY (and the backward's without save_wy)
     o, S, gr = got
@@ -290,6 +292,36 @@ def test_blocked_inverse_lowers_for_cuda():
     """value_and_grad with ``wy_inverse="blocked"`` (both WY kernels: ``save_wy=False``) through Mosaic
     GPU's CUDA lowering: the m64n16k16 wgmmas of the compressed rounds and the K = 16 expansion."""
     text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_inverse="blocked", save_wy=False))
+    assert text.count("mosaic_gpu") >= 6
+
+
+@pytest.mark.parametrize("inverse,save_wy", [("blocked", True), ("dense", False)])
+def test_bf16_rounds(inverse, save_wy):
+    """``KernelConfig(wy_precision="bf16")``: the inverse's doubling rounds with bf16 operands (one
+    wgmma per product instead of bf16x3's three) -- in the forward's WY and, with ``save_wy=False``,
+    the backward's. The option takes effect (o and the gradients differ from bf16x3's), the change
+    stays below the bf16 rounding of the kernels' outputs (rel_rms <= 2e-3 against bf16x3; the
+    rounds' errors do not compound: T_2 is exact and each round's accumulator is float32), and the
+    result is within the suite's tolerances of float64."""
+    x = make_inputs(seed_of("hopper-bf16-rounds", inverse), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
+                    init=True)
+    base = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse=inverse)
+    ref = _run(x, base)
+    got = _run(x, dataclasses.replace(base, wy_precision="bf16"))
+    o, S, gr = got
+    errs = []
+    for a, b in [(o, ref[0]), (S, ref[1])] + [(gr[n], ref[2][n]) for n in gr]:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        errs.append(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+    assert max(errs) > 0 and max(errs) <= 2e-3, errs
+    _check(x, got)
+
+
+def test_bf16_rounds_lower_for_cuda():
+    """value_and_grad with ``wy_precision="bf16"`` through Mosaic GPU's CUDA lowering, both WY
+    kernels (``save_wy=False``), the compact forward WY among them."""
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_precision="bf16", wy_compact=True,
+                                      save_wy=False))
     assert text.count("mosaic_gpu") >= 6
 
 

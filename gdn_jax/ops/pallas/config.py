@@ -45,7 +45,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
-            "wy_inverse": ("dense", "blocked")}
+            "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -132,6 +132,16 @@ class KernelConfig:
         exactly, and the last two rounds contracting only over the half of K where their
         operands are nonzero: 6.6 MFLOP; same bf16x3 products, so the same T). Default "blocked"
         (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16 at 879550f).
+      wy_precision: the products inside the Hopper WY kernels' doubling rounds of T = (I + A)^-1:
+        "bf16x3" (each operand split into bf16 hi + lo, three wgmmas per product: hi hi + lo hi +
+        hi lo, ~2^-16 relative) or "bf16" (the operands rounded to bf16 once, one wgmma per
+        product, float32 accumulation -- XLA's default precision for bf16 matmuls). The rounds
+        start from T_2 exact and every round's float32 accumulator carries T forward, so the
+        rounding does not compound: H200, 4x4096x16x128, T differs from bf16x3's by 1.7e-4 RMS
+        relative and W / U (bf16 outputs, one bf16 rounding = 2^-9 relative) by 5-6e-4, with the
+        forward WY + T kernel 0.267 -> 0.204 ms (knockout of the lo terms, 2026-12-02). The
+        products forming W, U (T hi + lo against the scaled K, V) and T's expansion stay exact.
+        Default "bf16x3".
       wy_compact: the Hopper forward WY kernel (without and with ``save_wy``'s T) in less shared
         memory and fewer live registers, for three CTAs per SM instead of two (Nsight Compute,
         H200: two CTAs of one warpgroup per SM, held there by BOTH its 196 registers and its 99 KB
@@ -203,6 +213,7 @@ class KernelConfig:
     save_wy: Optional[bool] = None
     save_states: Optional[bool] = None
     wy_inverse: str = "blocked"
+    wy_precision: str = "bf16x3"
     wy_compact: bool = False
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
@@ -288,6 +299,7 @@ class KernelCall:
     bv_mosaic: int = 64  # value block of the Hopper state pass
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
+    wy_precision: str = "bf16x3"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
     wy_compact: bool = False  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -402,7 +414,8 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
-        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_compact=config.wy_compact,
+        save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
+        wy_compact=config.wy_compact,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

@@ -134,10 +134,11 @@ def _iota(shape, dim, interp):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _split(x):
-    """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative (bf16x3 products)."""
+def _split(x, lo=True):
+    """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative (bf16x3 products); with
+    ``lo=False`` (``KernelConfig.wy_precision="bf16"``) (hi, None)."""
     hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16) if lo else None
 
 
 def _i32(x):
@@ -408,16 +409,32 @@ def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp, sequential
 
 def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
     """bf16x3 terms of ``A @ B`` contracted over the row / column ``slices`` ((start, size) pairs)
-    only, where A (registers, hi / lo) and B (SMEM, hi / lo) may be nonzero: (As, Bs) for :func:`_mmas`."""
+    only, where A (registers, hi / lo) and B (SMEM, hi / lo) may be nonzero: (As, Bs) for
+    :func:`_mmas`; with ``a_lo`` None (``wy_precision="bf16"``) the hi terms alone."""
     As, Bs = [], []
     for a, n in slices:
-        h, l_ = a_hi[:, a:a + n], a_lo[:, a:a + n]
+        h = a_hi[:, a:a + n]
+        if a_lo is None:
+            As.append(h)
+            Bs.append(b_hi.at[pl.ds(a, n)])
+            continue
+        l_ = a_lo[:, a:a + n]
         As += [h, l_, h]
         Bs += [b_hi.at[pl.ds(a, n)], b_hi.at[pl.ds(a, n)], b_lo.at[pl.ds(a, n)]]
     return tuple(As), tuple(Bs)
 
 
-def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
+def _round_tiles(hp, pairs):
+    """Store each (hi, lo) register pair of a doubling round into its (hi_ref, lo_ref) SMEM tiles
+    (the lo tiles only with bf16x3 products, ``hp``), then make the stores visible to wgmma."""
+    for (hi, lo), (hi_ref, lo_ref) in pairs:
+        hi_ref[...] = hi
+        if hp:
+            lo_ref[...] = lo
+    _plgpu().commit_smem()
+
+
+def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, hp=True):
     """The doubling rounds of T = (I + A)^-1 that stay inside the 16 x 16 diagonal blocks
     (T_2 -> T_4 -> T_8 -> T_16), computed on those blocks alone (``KernelConfig.wy_inverse="blocked"``).
 
@@ -427,8 +444,9 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     round's FLOPs. Each round: ``Pc = (T L)c``, ``Tc <- Tc - (P T)c``. Then T_16 is expanded to
     [C, C] exactly: ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in
     ``eye_s``, T_hi's tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round
-    overwrites it). ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full). Returns T_16 as a
-    float32 [C, C] array."""
+    overwrites it). ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full); ``hp``: bf16x3
+    products (else one bf16 wgmma per block, ``KernelConfig.wy_precision="bf16"``). Returns T_16 as
+    a float32 [C, C] array."""
     plgpu = _plgpu()
     nb = C // 16
     rb = _iota((C, 16), 0, interp) >> 4
@@ -442,12 +460,16 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     def masked(x, b):
         return jnp.where(rb == b, x, jnp.zeros_like(x))
 
-    def terms(hi, lo, b_hi, b_lo):  # bf16x3: hi*B_hi + lo*B_hi + hi*B_lo per block
+    def terms(hi, lo, b_hi, b_lo):  # bf16x3: hi*B_hi + lo*B_hi + hi*B_lo per block (bf16: hi*B_hi)
         As, Bs = [], []
         for b in range(nb):
             rows = pl.ds(16 * b, 16)
-            h, l_ = masked(hi, b), masked(lo, b)
-            As += [h, l_, h]
+            h = masked(hi, b)
+            if not hp:
+                As.append(h)
+                Bs.append(b_hi.at[rows])
+                continue
+            As += [h, masked(lo, b), h]
             Bs += [b_hi.at[rows], b_hi.at[rows], b_lo.at[rows]]
         return tuple(As), tuple(Bs)
 
@@ -455,12 +477,11 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo):
     for lg in (1, 2, 3):
         bi = i >> lg
         Lc = compress(jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0))
-        th, tl = _split(Tc)
-        lh, ll = _split(Lc)
-        tc_hi[...], tc_lo[...], lc_hi[...], lc_lo[...] = th, tl, lh, ll
-        plgpu.commit_smem()
+        th, tl = _split(Tc, hp)
+        lh, ll = _split(Lc, hp)
+        _round_tiles(hp, [((th, tl), (tc_hi, tc_lo)), ((lh, ll), (lc_hi, lc_lo))])
         (P,) = _mmas([((C, 16), *terms(th, tl, lc_hi, lc_lo))], interp)
-        ph, pl_ = _split(-P)
+        ph, pl_ = _split(-P, hp)
         (Tc,) = _mmas([(Tc, *terms(ph, pl_, tc_hi, tc_lo))], interp)
     eye_s[...] = jnp.where(i == j, 1.0, 0.0).astype(BF16)
     plgpu.commit_smem()
@@ -485,7 +506,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         W   = T (beta e^gamma K),  U = T (beta V)
 
     Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
-    the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel).
+    the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); with
+    ``KernelConfig.wy_precision="bf16"`` the doubling rounds' products take bf16 operands (one
+    wgmma each, float32 accumulation), W, U and T's outputs keep the hi / lo pair.
     Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16); with ``do``
     (the backward, :func:`gdn_jax.ops.pallas.hopper_bwd.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
     and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``;
@@ -507,6 +530,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     # KernelConfig.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
     # staging tile is L's hi tile of the inverse's rounds once Aqk has left
     compact = wy_compact(call) and not backward
+    hp = call.wy_precision == "bf16x3"  # KernelConfig.wy_precision: the rounds' products
 
     def body(*refs):
         small = ()
@@ -567,28 +591,28 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
         lg = 1
         if blocked:  # the rounds inside the 16x16 diagonal blocks on those blocks alone
-            T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small)
+            T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small, hp=hp)
             lg = 4
         if compact:  # l_hi is Aqk's staging tile: its store must have read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         while (1 << lg) < C:
             bi = i >> lg
             L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
-            th, tl = _split(T)
-            lh, ll = _split(L)
-            t_hi[...], t_lo[...], l_hi[...], l_lo[...] = th, tl, lh, ll
-            plgpu.commit_smem()
+            th, tl = _split(T, hp)
+            lh, ll = _split(L, hp)
+            _round_tiles(hp, [((th, tl), (t_hi, t_lo)), ((lh, ll), (l_hi, l_lo))])
             if blocked:  # contract only where the operand is nonzero: L's odd s-blocks of rows, P's even columns
                 sz = 1 << lg
                 odd = [(sz * (2 * t + 1), sz) for t in range(C // (2 * sz))]
                 even = [(2 * t * sz, sz) for t in range(C // (2 * sz))]
                 (P,) = _mmas([((C, C), *_k_slices(th, tl, l_hi, l_lo, odd))], interp)
-                ph, pl_ = _split(-P)
+                ph, pl_ = _split(-P, hp)
                 (T,) = _mmas([(T, *_k_slices(ph, pl_, t_hi, t_lo, even))], interp)
             else:
-                (P,) = _mmas([((C, C), (th, tl, th), (l_hi, l_hi, l_lo))], interp)
-                ph, pl_ = _split(-P)
-                (T,) = _mmas([(T, (ph, pl_, ph), (t_hi, t_hi, t_lo))], interp)
+                terms = lambda h, l_, b_hi, b_lo: ((h, l_, h), (b_hi, b_hi, b_lo)) if hp else ((h,), (b_hi,))
+                (P,) = _mmas([((C, C), *terms(th, tl, l_hi, l_lo))], interp)
+                ph, pl_ = _split(-P, hp)
+                (T,) = _mmas([(T, *terms(ph, pl_, t_hi, t_lo))], interp)
             lg += 1
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
         if compact:
