@@ -7,7 +7,7 @@ on CPU (a smoke test of this script: its times mean nothing there).
     python benchmarks/bench_hopper_stages.py --interpret --shapes 1x70x1x64 --reps 1 --only "own dVl"
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
-``wy_precision="bf16"`` ("bf16 rounds"; whole op "wy bf16") and ``wy_compact``, ``save_wy``'s kernels (the
+``wy_precision="bf16"`` / ``"bf16_blocks"`` ("bf16 rounds"; whole op "wy bf16") and ``wy_compact``, ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 (``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
@@ -234,10 +234,11 @@ def main(argv=None):
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
-            cfp = dataclasses.replace(cf, wy_precision="bf16")  # KernelConfig.wy_precision="bf16"
-            for label, kw in (("fwd WY bf16 rounds", {}), ("fwd WY + T bf16 rounds", dict(save_t=True))):
-                if wanted(label):
-                    line(label, lambda A, kw=kw: wy_fwd(cfp, A, **kw), F)
+            for prec in ("bf16", "bf16_blocks"):  # KernelConfig.wy_precision
+                cfp = dataclasses.replace(cf, wy_precision=prec)
+                for label, kw in ((f"fwd WY {prec} rounds", {}), (f"fwd WY + T {prec} rounds", dict(save_t=True))):
+                    if wanted(label):
+                        line(label, lambda A, kw=kw, cfp=cfp: wy_fwd(cfp, A, **kw), F)
             cfc = dataclasses.replace(cf, wy_compact=True)  # KernelConfig.wy_compact=True
             for label, kw in (("fwd WY compact", {}), ("fwd WY + T compact", dict(save_t=True))):
                 if wanted(label) and HF.wy_compact(cfc):
@@ -300,6 +301,7 @@ def main(argv=None):
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
             whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
+                     ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

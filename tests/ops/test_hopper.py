@@ -295,11 +295,12 @@ def test_blocked_inverse_lowers_for_cuda():
     assert text.count("mosaic_gpu") >= 6
 
 
-@pytest.mark.parametrize("inverse,save_wy", [("blocked", True), ("dense", False)])
-def test_bf16_rounds(inverse, save_wy):
+@pytest.mark.parametrize("inverse,save_wy,precision", [("blocked", True, "bf16"), ("dense", False, "bf16"),
+                                                       ("blocked", False, "bf16_blocks")])
+def test_bf16_rounds(inverse, save_wy, precision):
     """``KernelConfig(wy_precision="bf16")``: the inverse's doubling rounds with bf16 operands (one
     wgmma per product instead of bf16x3's three) -- in the forward's WY and, with ``save_wy=False``,
-    the backward's. The option takes effect (o and the gradients differ from bf16x3's), the change
+    the backward's; ``"bf16_blocks"`` in the rounds inside the 16 x 16 diagonal blocks only. The option takes effect (o and the gradients differ from bf16x3's), the change
     stays below the bf16 rounding of the kernels' outputs (rel_rms <= 2e-3 against bf16x3; the
     rounds' errors do not compound: T_2 is exact and each round's accumulator is float32), and the
     result is within the suite's tolerances of float64."""
@@ -307,7 +308,7 @@ def test_bf16_rounds(inverse, save_wy):
                     init=True)
     base = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse=inverse)
     ref = _run(x, base)
-    got = _run(x, dataclasses.replace(base, wy_precision="bf16"))
+    got = _run(x, dataclasses.replace(base, wy_precision=precision))
     o, S, gr = got
     errs = []
     for a, b in [(o, ref[0]), (S, ref[1])] + [(gr[n], ref[2][n]) for n in gr]:

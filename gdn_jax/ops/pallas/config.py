@@ -45,7 +45,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
-            "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16")}
+            "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -134,14 +134,19 @@ class KernelConfig:
         (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16 at 879550f).
       wy_precision: the products inside the Hopper WY kernels' doubling rounds of T = (I + A)^-1:
         "bf16x3" (each operand split into bf16 hi + lo, three wgmmas per product: hi hi + lo hi +
-        hi lo, ~2^-16 relative) or "bf16" (the operands rounded to bf16 once, one wgmma per
-        product, float32 accumulation -- XLA's default precision for bf16 matmuls). The rounds
-        start from T_2 exact and every round's float32 accumulator carries T forward, so the
-        rounding does not compound: H200, 4x4096x16x128, T differs from bf16x3's by 1.7e-4 RMS
-        relative and W / U (bf16 outputs, one bf16 rounding = 2^-9 relative) by 5-6e-4, with the
-        forward WY + T kernel 0.267 -> 0.204 ms (knockout of the lo terms, 2026-12-02). The
-        products forming W, U (T hi + lo against the scaled K, V) and T's expansion stay exact.
-        Default "bf16x3".
+        hi lo, ~2^-16 relative), "bf16" (the operands rounded to bf16 once, one wgmma per
+        product, float32 accumulation -- XLA's default precision for bf16 matmuls) or
+        "bf16_blocks" (bf16 in the three rounds inside the 16 x 16 diagonal blocks, T_2 -> T_16,
+        bf16x3 in the two rounds across them). The rounds start from T_2 exact and every round's
+        float32 accumulator carries T forward. The products forming W, U (T hi + lo against the
+        scaled K, V) and T's expansion stay exact. Measured (2026-12-02): H200, 4x4096x16x128,
+        forward WY 0.261 -> 0.175 ms with "bf16" (WY + T 0.265 -> 0.183); T within 1.7e-4 RMS
+        relative of bf16x3's. The rounding shows most at beta near 2 (I + A furthest from I):
+        against float64 (GPU check, bf16 inputs) o 5.1e-3 -> 6.1e-3, dk 6.8e-3 -> 8.8e-3, dbeta
+        6.8e-3 -> 9.2e-3, and dg of the initial-state case 7.6e-3 -> 1.1e-2 (all within the
+        suite's tolerances); "bf16_blocks" keeps bf16x3's errors to within ~5 % there (interpret
+        mode: o 5.3e-3, dg 7.2e-3): the rounds across the blocks carry the rounding. Default
+        "bf16x3".
       wy_compact: the Hopper forward WY kernel (without and with ``save_wy``'s T) in less shared
         memory and fewer live registers, for three CTAs per SM instead of two (Nsight Compute,
         H200: two CTAs of one warpgroup per SM, held there by BOTH its 196 registers and its 99 KB

@@ -508,7 +508,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
     the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); with
     ``KernelConfig.wy_precision="bf16"`` the doubling rounds' products take bf16 operands (one
-    wgmma each, float32 accumulation), W, U and T's outputs keep the hi / lo pair.
+    wgmma each, float32 accumulation), with ``"bf16_blocks"`` only the rounds inside the 16 x 16
+    diagonal blocks (T_2 -> T_16); W, U and T's outputs keep the hi / lo pair.
     Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16); with ``do``
     (the backward, :func:`gdn_jax.ops.pallas.hopper_bwd.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
     and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``;
@@ -530,7 +531,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     # KernelConfig.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
     # staging tile is L's hi tile of the inverse's rounds once Aqk has left
     compact = wy_compact(call) and not backward
-    hp = call.wy_precision == "bf16x3"  # KernelConfig.wy_precision: the rounds' products
+    # KernelConfig.wy_precision: bf16x3 products (else bf16) in the rounds inside the 16x16 diagonal
+    # blocks (T_2 -> T_16) and in the rounds across them (T_16 -> T_64)
+    hp_in, hp_across = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
 
     def body(*refs):
         small = ()
@@ -591,13 +594,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
         lg = 1
         if blocked:  # the rounds inside the 16x16 diagonal blocks on those blocks alone
-            T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small, hp=hp)
+            T = _blocked_rounds(A, T, i, j, C, interp, t_hi, *small, hp=hp_in)
             lg = 4
         if compact:  # l_hi is Aqk's staging tile: its store must have read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         while (1 << lg) < C:
             bi = i >> lg
             L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
+            hp = hp_in if lg < 4 else hp_across
             th, tl = _split(T, hp)
             lh, ll = _split(L, hp)
             _round_tiles(hp, [((th, tl), (t_hi, t_lo)), ((lh, ll), (l_hi, l_lo))])
