@@ -7,7 +7,8 @@ on CPU (a smoke test of this script: its times mean nothing there).
     python benchmarks/bench_hopper_stages.py --interpret --shapes 1x70x1x64 --reps 1 --only "own dVl"
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
-``wy_precision="bf16"`` / ``"bf16_blocks"`` ("bf16 rounds"; whole op "wy bf16") and ``wy_compact``, ``save_wy``'s kernels (the
+each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
+``wy_compact=True`` against the separate tiles (the default is compact), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 (``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
@@ -234,7 +235,7 @@ def main(argv=None):
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
-            for prec in ("bf16", "bf16_blocks"):  # KernelConfig.wy_precision
+            for prec in ("bf16x3", "bf16", "bf16_blocks"):  # KernelConfig.wy_precision
                 cfp = dataclasses.replace(cf, wy_precision=prec)
                 for label, kw in ((f"fwd WY {prec} rounds", {}), (f"fwd WY + T {prec} rounds", dict(save_t=True))):
                     if wanted(label):
@@ -244,7 +245,8 @@ def main(argv=None):
                 if wanted(label) and HF.wy_compact(cfc):
                     line(label, lambda A, kw=kw: wy_fwd(cfc, A, **kw), F)
                     # the same values as the separate layout, bit for bit (every output array)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F) for c in (cfc, cf))
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F)
+                            for c in (cfc, dataclasses.replace(cf, wy_compact=False)))
                     same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
                     print(f"    {label}: outputs equal to the separate layout's: {same}", flush=True)
 
@@ -299,7 +301,8 @@ def main(argv=None):
                     line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-            whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)),
+            whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)), ("wy separate", KC(wy_compact=False)),
+                     ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("no save_wy", KC(save_wy=False)),

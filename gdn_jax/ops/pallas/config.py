@@ -145,8 +145,10 @@ class KernelConfig:
         against float64 (GPU check, bf16 inputs) o 5.1e-3 -> 6.1e-3, dk 6.8e-3 -> 8.8e-3, dbeta
         6.8e-3 -> 9.2e-3, and dg of the initial-state case 7.6e-3 -> 1.1e-2 (all within the
         suite's tolerances); "bf16_blocks" keeps bf16x3's errors to within ~5 % there (interpret
-        mode: o 5.3e-3, dg 7.2e-3): the rounds across the blocks carry the rounding. Default
-        "bf16x3".
+        mode; GPU: o 5.3e-3, dg 6.9e-3) at 0.217 ms: the rounds across the blocks carry the
+        rounding. Default "bf16" (fwd+bwd 1.209 -> 1.111 ms pipelined at 4x4096x16x128 with
+        ``wy_compact``; GPU check 16 of 16 within the suite's tolerances, results/hopper_h200/
+        check_gpu_d3e7322.txt); "bf16x3" for the exact T.
       wy_compact: the Hopper forward WY kernel (without and with ``save_wy``'s T) in less shared
         memory and fewer live registers, for three CTAs per SM instead of two (Nsight Compute,
         H200: two CTAs of one warpgroup per SM, held there by BOTH its 196 registers and its 99 KB
@@ -155,8 +157,10 @@ class KernelConfig:
         tile once Aqk has left, W leaves through K's tile and U through v's, and W and U are formed
         one after the other (one [C, K] accumulator live instead of two). 73 KB at K = V = 128.
         Same products, so the same values (bit for bit in interpret mode). Applies where K == V;
-        other calls keep the separate tiles. Default False (built 2026-12-02: not yet timed on a
-        GPU; ptxas decides whether the registers fit three CTAs).
+        other calls keep the separate tiles. Default True: H200, 4x4096x16x128, forward WY 0.261
+        -> 0.252 ms (0.252 -> 0.248 in a second call), the outputs bit-equal to the separate
+        layout's on the GPU too (results/hopper_h200/stages_d3e7322.txt); ptxas: 166-196
+        registers, so still two CTAs per SM -- the gain is small.
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
         and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
@@ -218,8 +222,8 @@ class KernelConfig:
     save_wy: Optional[bool] = None
     save_states: Optional[bool] = None
     wy_inverse: str = "blocked"
-    wy_precision: str = "bf16x3"
-    wy_compact: bool = False
+    wy_precision: str = "bf16"
+    wy_compact: bool = True
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -304,8 +308,8 @@ class KernelCall:
     bv_mosaic: int = 64  # value block of the Hopper state pass
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
-    wy_precision: str = "bf16x3"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
-    wy_compact: bool = False  # KernelConfig.wy_compact (the Hopper forward WY kernel)
+    wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
+    wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
     save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
