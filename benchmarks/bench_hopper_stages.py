@@ -66,6 +66,7 @@ def stage_bytes(shape, C=64):
         "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
         "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
         "bwd grads, 1 WG": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
+        "bwd grads, bf16 T phase": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd grads m per CTA": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
     }
 
@@ -281,8 +282,10 @@ def main(argv=None):
                 Bk.update(jax.jit(recompute)(Bk))  # h, vn
                 Bk.update(jax.jit(reverse)(Bk))  # dh, dvn, dh0, de_gam_last
                 c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
+                cgp = dataclasses.replace(cb, grad_precision="bf16")  # KernelConfig.grad_precision="bf16"
                 steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
-                         ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A))]
+                         ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
+                         ("bwd grads, bf16 T phase", lambda A: grads(cgp, A))]
                 for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
                     cm = dataclasses.replace(cb, grad_per_cta=m)
                     steps.append((f"bwd grads {m} per CTA", lambda A, cm=cm: grads(cm, A)))
@@ -305,6 +308,7 @@ def main(argv=None):
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
+                     ("grads bf16", KC(grad_precision="bf16")),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

@@ -191,6 +191,8 @@ def test_dispatch():
         KernelConfig(wy_inverse=np.array([1, 2]))
     with pytest.raises(ValueError, match="KernelConfig.wy_precision must be one of"):
         KernelConfig(wy_precision="tf32")
+    with pytest.raises(ValueError, match="KernelConfig.grad_precision must be one of"):
+        KernelConfig(grad_precision="fp8")
 
 
 @pytest.mark.parametrize("cu", [(0, 40, 41, 150), (0, 64, 64, 100, 230)], ids=["len1", "empty"])
@@ -318,11 +320,33 @@ def test_bf16_rounds(inverse, save_wy, precision):
     _check(x, got)
 
 
+@pytest.mark.parametrize("wgs", [2, 1])
+def test_grad_precision_bf16(wgs):
+    """``KernelConfig(grad_precision="bf16")``: the gradient kernel's T phase (dT, T^T dT, dA) with
+    one bf16 wgmma per product, in both gradient kernels. It takes effect (dk, dbeta, dg differ from
+    bf16x3's; o, the final state, dq and dv do not: the T phase feeds only dk and the gates), the
+    change stays near one bf16 rounding of dk (rel_rms <= 3e-3 against bf16x3), and the gradients are
+    within the suite's tolerances of float64."""
+    x = make_inputs(seed_of("hopper-grad-precision", wgs), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
+                    init=True)
+    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs)
+    ref = _run(x, base)
+    got = _run(x, dataclasses.replace(base, grad_precision="bf16"))
+    rel = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                                     / np.mean(np.asarray(b, np.float64) ** 2)))
+    assert rel(got[0], ref[0]) == 0 and rel(got[1], ref[1]) == 0
+    assert rel(got[2]["q"], ref[2]["q"]) == 0 and rel(got[2]["v"], ref[2]["v"]) == 0
+    errs = [rel(got[2][n], ref[2][n]) for n in ("k", "beta", "g")]
+    assert min(errs) > 0 and max(errs) <= 3e-3, errs
+    _check(x, got)
+
+
 def test_bf16_rounds_lower_for_cuda():
     """value_and_grad with ``wy_precision="bf16"`` through Mosaic GPU's CUDA lowering, both WY
-    kernels (``save_wy=False``), the compact forward WY among them."""
+    kernels (``save_wy=False``), the compact forward WY among them, and the gradient kernel with
+    ``grad_precision="bf16"``."""
     text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_precision="bf16", wy_compact=True,
-                                      save_wy=False))
+                                      save_wy=False, grad_precision="bf16"))
     assert text.count("mosaic_gpu") >= 6
 
 

@@ -45,7 +45,8 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "out_dot": ("f32", "mid"), "gpu_f32_inv": (None, "tf32", "tf32x3", "ieee"),
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
-            "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16")}
+            "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
+            "grad_precision": ("bf16x3", "bf16")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -161,6 +162,12 @@ class KernelConfig:
         -> 0.252 ms (0.252 -> 0.248 in a second call), the outputs bit-equal to the separate
         layout's on the GPU too (results/hopper_h200/stages_d3e7322.txt); ptxas: 166-196
         registers, so still two CTAs per SM -- the gain is small.
+      grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
+        (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
+        each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
+        float32 accumulation). Interpret mode, 1x128x1x64 against bf16x3: dk 1.2e-3, dbeta
+        4.1e-4, d gamma 3.7e-4 RMS relative (dk is written in bf16: one rounding is ~1.1e-3).
+        Default "bf16x3" (built 2026-12-02; not yet timed on a GPU).
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
         and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
@@ -224,6 +231,7 @@ class KernelConfig:
     wy_inverse: str = "blocked"
     wy_precision: str = "bf16"
     wy_compact: bool = True
+    grad_precision: str = "bf16x3"
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -309,6 +317,7 @@ class KernelCall:
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
+    grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -424,7 +433,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
-        wy_compact=config.wy_compact,
+        wy_compact=config.wy_compact, grad_precision=config.grad_precision,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

@@ -91,30 +91,36 @@ def _grad_sources(call: KernelCall, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h
     return b, hh, rows, srcs
 
 
-def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp):
+def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp, hp=True):
     """The gradient kernels' T phase (both :func:`chunk_grads` variants): T = (I + A)^-1 with
     A = strict(beta K K^T * Gamma); dT = (dVn Vn^T)(I + A)^T, dA = -strict(T^T dT T^T),
     dKK = dA * Gamma. Writes dKK (bf16) into ``dkk_s`` and beta * dKK into ``x_lo`` (the operand of
     dk += (beta dKK)^T K), committed; returns M = dA * A [C, C] float32 (its row / column sums are
     gate gradients). ``x_hi`` / ``x_lo``: two [C, C] bf16 scratch tiles; ``masks()`` and
-    ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix."""
+    ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix;
+    ``hp``: the three C x C x C products as bf16x3 (else one bf16 wgmma each, T as its hi part:
+    ``KernelConfig.grad_precision="bf16"``)."""
     plgpu = _plgpu()
     bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
     kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
     strict, _, diag = masks()
     gs = gamma(strict)
     a = kk * bc_r(beta_r, (C, C)) * gs
-    ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0))
-    x_hi[...], x_lo[...] = ia_hi, ia_lo
+    # bf16x3 terms of A @ B (A, B each as its (hi, lo) pair), or the hi product alone
+    x3 = lambda a_, b_: ((a_[0], a_[1], a_[0]), (b_[0], b_[0], b_[1])) if hp else ((a_[0],), (b_[0],))
+    ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0), hp)
+    x_hi[...] = ia_hi
+    if hp:
+        x_lo[...] = ia_lo
     plgpu.commit_smem()
-    ph, pl_ = _split(p)
-    (dt,) = _mmas([((C, C), (ph, pl_, ph), (_T(x_hi), _T(x_hi), _T(x_lo)))], interp)
-    dth, dtl = _split(dt)
-    x_hi[...], x_lo[...] = dth, dtl  # the wgmma above has completed: its operands are free
+    (dt,) = _mmas([((C, C), *x3(_split(p, hp), (_T(x_hi), _T(x_lo))))], interp)
+    dth, dtl = _split(dt, hp)
+    x_hi[...] = dth  # the wgmma above has completed: its operands are free
+    if hp:
+        x_lo[...] = dtl
     plgpu.commit_smem()
-    (r,) = _mmas([((C, C), (_T(th_s), _T(tl_s), _T(th_s)), (x_hi, x_hi, x_lo))], interp)
-    rh, rl = _split(r)
-    (ra,) = _mmas([((C, C), (rh, rl, rh), (_T(th_s), _T(th_s), _T(tl_s)))], interp)
+    (r,) = _mmas([((C, C), *x3((_T(th_s), _T(tl_s)), (x_hi, x_lo)))], interp)
+    (ra,) = _mmas([((C, C), *x3(_split(r, hp), (_T(th_s), _T(tl_s))))], interp)
     strict, _, _ = masks()
     da = jnp.where(strict, -ra, 0.0)
     m = da * a
@@ -210,7 +216,8 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma;
             #    dk += (beta dKK)^T K = dKK^T (beta K); dKK stays in SMEM for step 5
             def t_phase(x_hi, x_lo):
-                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp)
+                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp,
+                             hp=call.grad_precision == "bf16x3")
                 (dk2,) = _mmas([(dk, _T(x_lo), k_s)], interp)
                 return jnp.sum(m, axis=1), jnp.sum(m, axis=0), dk2
 
@@ -372,7 +379,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
             wait(8, 9, 10)
             m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
-                         lambda mask: gamma(mask, gam_r), interp)
+                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3")
             # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
             dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
             if pf:  # q (dq has left), Vn, dVn and T (once warpgroup 1 is done with them) are free
