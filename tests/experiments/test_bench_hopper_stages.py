@@ -46,3 +46,37 @@ def test_summarize_timeline():
     assert "idle inside the span 0.005, host outside it 0.065 ms" in first, first
     assert re.search(r"gap +5\.0 us +20\.0 us  grads", text), text
     assert bhs.summarize_timeline([], [1.0]).startswith("no device kernels")
+
+
+def test_bench_knockouts_interpret():
+    """benchmarks/bench_knockouts.py on CPU (interpret mode): every knockout's text edit still applies
+    to today's kernel source (a stale edit raises), each variant runs, the table lists them all,
+    and the unmodified kernel's difference from itself is 0 while a knockout's is not."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_knockouts as bk
+
+    for kernel, edits in (("wy", bk.WY_EDITS), ("grads", bk.GRAD_EDITS)):
+        res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_knockouts.py"), "--kernel", kernel,
+                              "--interpret"], capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        table = res.stdout.split("=== knockouts")[1]
+        for name in edits:
+            assert re.search(r"^" + re.escape(name) + r" +0\.000 ", table, re.M), (name, table)
+        assert re.search(r"^base +0\.000 +(\w+ 0\.0e\+00 ?)+$", table, re.M), table
+        first = "no inverse rounds" if kernel == "wy" else "T^T dVn, T^T dW with T hi only"
+        line = [ln for ln in table.splitlines() if ln.startswith(first)][0]
+        assert any(float(v) > 0 for v in re.findall(r"\d\.\de[-+]\d\d", line)), line
+
+
+def test_bench_knockouts_stale_edit():
+    """An edit whose text is no longer in the kernel's source is an error that names it."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_knockouts as bk
+    from gdn_jax.ops.pallas import hopper
+
+    import pytest
+
+    with pytest.raises(ValueError, match="knockout 'gone': text not found in hopper.py"):
+        bk.edited_module(hopper, [("no such line in the kernel", "")], "gone")

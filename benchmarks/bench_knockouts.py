@@ -1,0 +1,133 @@
+"""Knockouts of a Hopper (Mosaic GPU) kernel: the kernel's source with parts removed or simplified
+(text edits of ``hopper.py`` / ``hopper_bwd.py``, exec'd as a sibling module), each variant timed
+alone on real inputs (pipelined device ms) and its outputs compared with the unmodified kernel's
+(RMS relative). What a kernel spends its time on, without a profiler: e.g. the forward WY's
+inverse rounds, its W / U products, the bf16x3 terms of its products, or the gradient kernel's T
+phase. A knocked-out variant computes wrong values on purpose (its error column says how wrong);
+only its time is the measurement. GPU (sm_90); ``--interpret`` runs tiny shapes in Mosaic GPU's
+interpret mode on CPU (a smoke test: the edits still apply to today's kernel source).
+
+    python benchmarks/bench_knockouts.py --kernel wy      # forward WY + T, 4x4096x16x128
+    python benchmarks/bench_knockouts.py --kernel grads   # the two-warpgroup gradient kernel
+    python benchmarks/bench_knockouts.py --kernel wy --interpret
+
+Used for results/hopper_h200/wy_knockouts_74f1d5d.txt (session 20).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# (old, new) text edits per variant; an edit whose old text occurs twice applies to the last
+# occurrence (the two-warpgroup gradient kernel comes after the one-warpgroup kernel)
+WY_EDITS = {
+    "base": [],
+    "no inverse rounds": [("        if blocked:  # the rounds inside", "        if False:  # the rounds inside"),
+                          ("        while (1 << lg) < C:", "        while False:")],
+    "no W / U": [("        if compact:  # W leaves through", "        if True:\n            pass\n        elif compact:  # W leaves through"),
+                 ("        else:\n            write_w_u((th, tl), k_s, v_s, q_s,", "        elif False:\n            write_w_u((th, tl), k_s, v_s, q_s,")],
+    "W / U with T hi only": [("    (Wm,) = _mmas([((C, K), t_pair, (kb_s, kb_s))], interp)", "    (Wm,) = _mmas([((C, K), t_pair[0], kb_s)], interp)"),
+                             ("    (Um,) = _mmas([((C, V), t_pair, (vb_s, vb_s))], interp)", "    (Um,) = _mmas([((C, V), t_pair[0], vb_s)], interp)")],
+}
+WY_EDITS["no rounds, no W / U"] = WY_EDITS["no inverse rounds"] + WY_EDITS["no W / U"]
+
+GRAD_EDITS = {
+    "base": [],
+    "no T phase": [("            m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,\n"
+                    "                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == \"bf16x3\")",
+                    "            m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
+    "T^T dVn, T^T dW with T hi only": [
+        ("dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)",
+         "dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s),), (dvn_s,))], interp)"),
+        ("    (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)",
+         "    (dx,) = _mmas([((C, K), (_T(th_s),), (dw_s,))], interp)")],
+}
+
+
+def edited_module(module, edits, name):
+    """``module``'s source with ``edits`` applied, exec'd as a module of the same package; raises
+    ValueError when an edit's old text is not in the source (the kernel changed: update the edit)."""
+    with open(module.__file__) as f:
+        src = f.read()
+    for old, new in edits:
+        if old not in src:
+            raise ValueError(f"knockout {name!r}: text not found in {os.path.basename(module.__file__)}: {old[:70]!r}")
+        i = src.rindex(old)
+        src = src[:i] + new + src[i + len(old):]
+    mod = types.ModuleType(f"{module.__package__}._knockout")
+    mod.__package__ = module.__package__
+    exec(compile(src, f"{module.__file__} [{name}]", "exec"), mod.__dict__)
+    return mod
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", choices=("wy", "grads"), default="wy")
+    ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD (K = V = D)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test at 1x128x1x64 (times meaningless)")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import bench_pallas as bp
+    from gdn_jax.ops import KernelConfig
+    from gdn_jax.ops.pallas import hopper as HF, hopper_bwd as HB, vjp as V
+
+    shape = (1, 128, 1, 64) if args.interpret else tuple(int(a) for a in args.shape.split("x"))
+    x = bp.make_inputs(shape)
+    base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
+    prep = V.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=KernelConfig(**base))
+    names = ("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl")
+    if args.kernel == "wy":
+        call, kargs = prep.kernel_args("fwd")
+        A = dict(zip(names, kargs))
+        module, edits, keys = HF, WY_EDITS, ("w", "u", "t_hi")
+
+        def run(M):
+            return M.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], save_t=True)
+    else:
+        call, kargs = prep.kernel_args("bwd")
+        A = dict(zip(names, kargs))
+        pad = call.Tp - x["do"].shape[1]
+        A.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))), dfin=jnp.zeros(A["h0"].shape, jnp.float32))
+        A.update(jax.jit(lambda A: HB.wy_backward(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"]))(A))
+        A.update(jax.jit(lambda A: HB.recompute_states(call, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+                                                       A["fl"]))(A))
+        A.update(jax.jit(lambda A: HB.reverse_states(call, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"],
+                                                     A["dec"], A["dfin"], A["h"], A["fl"]))(A))
+        module, edits, keys = HB, GRAD_EDITS, ("dq", "dk", "dv", "dbeta", "dgam")
+
+        def run(M):
+            return M.chunk_grads(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
+                                 A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
+    on = call.mosaic_fwd if args.kernel == "wy" else call.mosaic_bwd
+    print(jax.__version__, jax.devices()[0].device_kind, shape, args.kernel, "on the Hopper kernels:", on, flush=True)
+    if not on:
+        return 1
+    rows, ref = [], None
+    for name, ed in edits.items():
+        M = edited_module(module, ed, name)
+        fn = jax.jit(lambda A, M=M: run(M))
+        out = jax.block_until_ready(fn(A))
+        ref = out if ref is None else ref
+        err = {}
+        for k in keys:
+            a, b = out[k].astype(jnp.float32), ref[k].astype(jnp.float32)
+            err[k] = float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
+        ms = 0.0 if args.interpret else bp.time_fn_pipelined(lambda: fn(A), args.reps)
+        rows.append((name, ms, err))
+        print(f"  {name:<32} {ms:.3f} ms  " + " ".join(f"{k} {v:.1e}" for k, v in err.items()), flush=True)
+    print(f"=== knockouts of the {args.kernel} kernel at {shape} (pipelined ms; RMS relative difference from base)")
+    for name, ms, err in rows:
+        print(f"{name:<32} {ms:7.3f}  " + " ".join(f"{k} {v:.1e}" for k, v in err.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
