@@ -407,21 +407,22 @@ def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp, sequential
     plgpu.wait_smem_to_gmem(0)
 
 
+def _terms(a, b, hp):
+    """The (As, Bs) terms of ``A @ B`` for :func:`_mmas` from A's and B's (hi, lo) pairs: bf16x3
+    (hi hi + lo hi + hi lo) with ``hp``, else the hi product alone (the lo parts may be None)."""
+    return ((a[0], a[1], a[0]), (b[0], b[0], b[1])) if hp else ((a[0],), (b[0],))
+
+
 def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
     """bf16x3 terms of ``A @ B`` contracted over the row / column ``slices`` ((start, size) pairs)
     only, where A (registers, hi / lo) and B (SMEM, hi / lo) may be nonzero: (As, Bs) for
     :func:`_mmas`; with ``a_lo`` None (``wy_precision="bf16"``) the hi terms alone."""
-    As, Bs = [], []
+    As, Bs = (), ()
     for a, n in slices:
-        h = a_hi[:, a:a + n]
-        if a_lo is None:
-            As.append(h)
-            Bs.append(b_hi.at[pl.ds(a, n)])
-            continue
-        l_ = a_lo[:, a:a + n]
-        As += [h, l_, h]
-        Bs += [b_hi.at[pl.ds(a, n)], b_hi.at[pl.ds(a, n)], b_lo.at[pl.ds(a, n)]]
-    return tuple(As), tuple(Bs)
+        lo = None if a_lo is None else a_lo[:, a:a + n]
+        A_, B_ = _terms((a_hi[:, a:a + n], lo), (b_hi.at[pl.ds(a, n)], b_lo.at[pl.ds(a, n)]), a_lo is not None)
+        As, Bs = As + A_, Bs + B_
+    return As, Bs
 
 
 def _round_tiles(hp, pairs):
@@ -461,17 +462,12 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
         return jnp.where(rb == b, x, jnp.zeros_like(x))
 
     def terms(hi, lo, b_hi, b_lo):  # bf16x3: hi*B_hi + lo*B_hi + hi*B_lo per block (bf16: hi*B_hi)
-        As, Bs = [], []
+        As, Bs = (), ()
         for b in range(nb):
             rows = pl.ds(16 * b, 16)
-            h = masked(hi, b)
-            if not hp:
-                As.append(h)
-                Bs.append(b_hi.at[rows])
-                continue
-            As += [h, masked(lo, b), h]
-            Bs += [b_hi.at[rows], b_hi.at[rows], b_lo.at[rows]]
-        return tuple(As), tuple(Bs)
+            A_, B_ = _terms((masked(hi, b), masked(lo, b) if hp else None), (b_hi.at[rows], b_lo.at[rows]), hp)
+            As, Bs = As + A_, Bs + B_
+        return As, Bs
 
     Tc = compress(T2)
     for lg in (1, 2, 3):
@@ -613,10 +609,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                 ph, pl_ = _split(-P, hp)
                 (T,) = _mmas([(T, *_k_slices(ph, pl_, t_hi, t_lo, even))], interp)
             else:
-                terms = lambda h, l_, b_hi, b_lo: ((h, l_, h), (b_hi, b_hi, b_lo)) if hp else ((h,), (b_hi,))
-                (P,) = _mmas([((C, C), *terms(th, tl, l_hi, l_lo))], interp)
+                (P,) = _mmas([((C, C), *_terms((th, tl), (l_hi, l_lo), hp))], interp)
                 ph, pl_ = _split(-P, hp)
-                (T,) = _mmas([(T, *terms(ph, pl_, t_hi, t_lo))], interp)
+                (T,) = _mmas([(T, *_terms((ph, pl_), (t_hi, t_lo), hp))], interp)
             lg += 1
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
         if compact:

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem,
-                     _split, _wait_slot, chunk_last_row, write_w_u)
+                     _split, _terms, _wait_slot, chunk_last_row, write_w_u)
 
 SMEM_BYTES = 227 * 1024
 
@@ -106,21 +106,19 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     strict, _, diag = masks()
     gs = gamma(strict)
     a = kk * bc_r(beta_r, (C, C)) * gs
-    # bf16x3 terms of A @ B (A, B each as its (hi, lo) pair), or the hi product alone
-    x3 = lambda a_, b_: ((a_[0], a_[1], a_[0]), (b_[0], b_[0], b_[1])) if hp else ((a_[0],), (b_[0],))
     ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0), hp)
     x_hi[...] = ia_hi
     if hp:
         x_lo[...] = ia_lo
     plgpu.commit_smem()
-    (dt,) = _mmas([((C, C), *x3(_split(p, hp), (_T(x_hi), _T(x_lo))))], interp)
+    (dt,) = _mmas([((C, C), *_terms(_split(p, hp), (_T(x_hi), _T(x_lo)), hp))], interp)
     dth, dtl = _split(dt, hp)
     x_hi[...] = dth  # the wgmma above has completed: its operands are free
     if hp:
         x_lo[...] = dtl
     plgpu.commit_smem()
-    (r,) = _mmas([((C, C), *x3((_T(th_s), _T(tl_s)), (x_hi, x_lo)))], interp)
-    (ra,) = _mmas([((C, C), *x3(_split(r, hp), (_T(th_s), _T(tl_s))))], interp)
+    (r,) = _mmas([((C, C), *_terms((_T(th_s), _T(tl_s)), (x_hi, x_lo), hp))], interp)
+    (ra,) = _mmas([((C, C), *_terms(_split(r, hp), (_T(th_s), _T(tl_s)), hp))], interp)
     strict, _, _ = masks()
     da = jnp.where(strict, -ra, 0.0)
     m = da * a
