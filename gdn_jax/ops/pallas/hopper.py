@@ -365,14 +365,17 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
 
 def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward`: q, k, v tiles, Aqk, T and L as bf16 hi / lo pairs (and
-    their compressed [C, 16] pairs with ``wy_inverse="blocked"``)."""
+    """Shared memory of :func:`wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
+    tiles, Aqk's staging tile, T and L as bf16 (hi, lo) pairs (their lo tiles only where
+    ``wy_precision`` uses them), and their compressed [C, 16] pairs with ``wy_inverse="blocked"``."""
     C, K, V = call.C, call.K, call.V
     isz = jnp.dtype(call.in_dt).itemsize
-    blocked = 4 * C * 16 * 2 if call.wy_inverse == "blocked" else 0
-    if wy_compact(call):  # the forward's: v shares q's tile, Aqk's tile is L hi's
-        return 2 * C * K * isz + 4 * C * C * 2 + 4 * C * 4 + blocked
-    return (2 * C * K + 2 * C * V) * isz + C * C * 2 + 4 * C * C * 2 + 4 * C * 4 + blocked
+    hp_in, lo_any = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
+    blocked = (2 + 2 * hp_in) * C * 16 * 2 if call.wy_inverse == "blocked" else 0
+    cc = (2 + 2 * lo_any) * C * C * 2  # T hi, L hi (Aqk's staging tile when compact), lo tiles
+    if wy_compact(call):  # the forward's: v shares q's tile
+        return 2 * C * K * isz + cc + 4 * C * 4 + blocked
+    return (2 * C * K + C * V) * isz + C * C * 2 + cc + 4 * C * 4 + blocked
 
 
 def wy_compact(call: KernelCall) -> bool:
@@ -420,7 +423,8 @@ def _k_slices(a_hi, a_lo, b_hi, b_lo, slices):
     As, Bs = (), ()
     for a, n in slices:
         lo = None if a_lo is None else a_lo[:, a:a + n]
-        A_, B_ = _terms((a_hi[:, a:a + n], lo), (b_hi.at[pl.ds(a, n)], b_lo.at[pl.ds(a, n)]), a_lo is not None)
+        b_lo_ = None if a_lo is None else b_lo.at[pl.ds(a, n)]
+        A_, B_ = _terms((a_hi[:, a:a + n], lo), (b_hi.at[pl.ds(a, n)], b_lo_), a_lo is not None)
         As, Bs = As + A_, Bs + B_
     return As, Bs
 
@@ -465,7 +469,8 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
         As, Bs = (), ()
         for b in range(nb):
             rows = pl.ds(16 * b, 16)
-            A_, B_ = _terms((masked(hi, b), masked(lo, b) if hp else None), (b_hi.at[rows], b_lo.at[rows]), hp)
+            A_, B_ = _terms((masked(hi, b), masked(lo, b) if hp else None),
+                            (b_hi.at[rows], b_lo.at[rows] if hp else None), hp)
             As, Bs = As + A_, Bs + B_
         return As, Bs
 
@@ -531,24 +536,43 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     # blocks (T_2 -> T_16) and in the rounds across them (T_16 -> T_64)
     hp_in, hp_across = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
 
+    # scratch tiles by name (T and L as bf16 hi / lo pairs; the lo tiles only where a product
+    # uses them: with wy_precision="bf16" the rounds read none, and T's lo part leaves through L
+    # hi's tile -- 20 KB less shared memory at C = 64)
+    lo_in, lo_any = hp_in, hp_in or hp_across
+    # T and L tiles with the blocked inverse in a 32-byte swizzle, so that a wgmma can contract over
+    # 16-row slices of them (K = 16)
+    sw = 32 if blocked else None
+    cc = lambda: _smem((C, C), BF16, sw)
+    if compact:  # q's tile takes v, Aqk's staging tile is L hi's
+        scratch = dict(q_s=_smem((C, K), in_dt), k_s=_smem((C, K), in_dt), l_hi=cc(), t_hi=cc())
+    else:
+        scratch = dict(q_s=_smem((C, K), in_dt), k_s=_smem((C, K), in_dt), v_s=_smem((C, V), in_dt),
+                       a_s=_smem((C, C), BF16), l_hi=cc(), t_hi=cc())
+    if lo_any:
+        scratch.update(t_lo=cc(), l_lo=cc())
+    scratch["g_s"] = plgpu.SMEM((4, C), F32)
+    if backward:
+        scratch["do_s"] = _smem((C, V), in_dt)
+    if blocked:  # the compressed rounds' T and L (hi, lo)
+        scratch.update(tc_hi=_smem((C, 16), BF16), lc_hi=_smem((C, 16), BF16))
+        if lo_in:
+            scratch.update(tc_lo=_smem((C, 16), BF16), lc_lo=_smem((C, 16), BF16))
+    scratch["bars"] = plgpu.Barrier(num_barriers=5 if backward else 4)
+    in_names = ["q_ref", "k_ref", "v_ref", "g_ref"] + (["do_ref"] if backward else [])
+    out_names = ["w_ref", "u_ref"] + (["dvl_ref", "thi_ref", "tlo_ref"] if backward else
+                                      ["a_ref"] + (["thi_ref", "tlo_ref"] if save_t else []))
+
     def body(*refs):
-        small = ()
-        if blocked:  # the [C, 16] tiles of the blocked rounds come last (before the barriers)
-            *refs, bars = refs
-            *refs, tc_hi, tc_lo, lc_hi, lc_lo = refs
-            refs = (*refs, bars)
-            small = (tc_hi, tc_lo, lc_hi, lc_lo)
-        if compact:  # (.., x_s, k_s, a_s, t_hi, t_lo, l_lo, g_s, bars): x_s is q's and v's, a_s is L hi's
-            *refs, x_s, k_s, a_s, t_hi, t_lo, l_lo, g_s, bars = refs
-            refs = (*refs, x_s, k_s, x_s, a_s, t_hi, t_lo, a_s, l_lo, g_s, bars)
-        if backward:
-            (q_ref, k_ref, v_ref, g_ref, do_ref, w_ref, u_ref, dvl_ref, thi_ref, tlo_ref,
-             q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars) = refs
-        elif save_t:
-            (q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, thi_ref, tlo_ref,
-             q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars) = refs
-        else:
-            q_ref, k_ref, v_ref, g_ref, w_ref, u_ref, a_ref, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, bars = refs
+        r = dict(zip(in_names + out_names + list(scratch), refs))
+        r.setdefault("v_s", r["q_s"])  # compact
+        r.setdefault("a_s", r["l_hi"])
+        q_ref, k_ref, v_ref, g_ref, do_ref = (r.get(x) for x in ("q_ref", "k_ref", "v_ref", "g_ref", "do_ref"))
+        w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref = (r.get(x) for x in (
+            "w_ref", "u_ref", "a_ref", "dvl_ref", "thi_ref", "tlo_ref"))
+        q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars = (r.get(x) for x in (
+            "q_s", "k_s", "v_s", "a_s", "t_hi", "t_lo", "l_hi", "l_lo", "g_s", "do_s", "bars"))
+        small = tuple(r.get(x) for x in ("tc_hi", "tc_lo", "lc_hi", "lc_lo"))
         bh, c = lax.axis_index("bh"), lax.axis_index("c")
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
@@ -623,38 +647,25 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         plgpu.commit_smem()
         th, tl = _split(T)
         if backward or save_t:  # T for the gradient kernel (and the backward's WY), as its (hi, lo) pair
-            t_hi[...], t_lo[...] = th, tl
+            tlo_s = l_hi if t_lo is None else t_lo  # the rounds' last wgmma reading L hi has completed
+            t_hi[...], tlo_s[...] = th, tl
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
-            plgpu.copy_smem_to_gmem(t_lo, tlo_ref.at[bh, c])
+            plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
         if compact:  # W leaves through K's tile, U through v's (q's), one after the other
             write_w_u((th, tl), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=True)
         else:
             write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
-    # T and L tiles (hi, lo): with the blocked inverse in a 32-byte swizzle, so that a wgmma can
-    # contract over 16-row slices of them (K = 16)
-    sw = 32 if blocked else None
-    if compact:  # q / v, k, Aqk / L hi, T hi, T lo, L lo, gates
-        scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt)] + [_smem((C, C), BF16, sw) for _ in range(4)] + [
-            plgpu.SMEM((4, C), F32)]
-    else:
-        scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, C), BF16),
-                   _smem((C, C), BF16, sw), _smem((C, C), BF16, sw), _smem((C, C), BF16, sw),
-                   _smem((C, C), BF16, sw), plgpu.SMEM((4, C), F32)]
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
-        scratch.append(_smem((C, V), in_dt))
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
-    if blocked:
-        scratch += [_smem((C, 16), BF16) for _ in range(4)]  # the compressed rounds' T and L (hi, lo)
-    scratch.append(plgpu.Barrier(num_barriers=5 if backward else 4))
     kw = dict(interpret=_interpret_params()) if interp else {}
-    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"),
-                      **kw)
+    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()), grid=(BH, n),
+                      grid_names=("bh", "c"), **kw)
     if backward:
         w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
         return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)
