@@ -8,7 +8,8 @@ on CPU (a smoke test of this script: its times mean nothing there).
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
-``wy_compact=True`` against the separate tiles (the default is compact), ``save_wy``'s kernels (the
+``wy_compact=True`` against the separate tiles (the default is compact), ``fwd_form="t"``'s WY kernel
+and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 (``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
@@ -59,6 +60,10 @@ def stage_bytes(shape, C=64):
         "fwd WY + T (save_wy)": 3 * Xk + 2 * Xv + 3 * CC,  # + t_hi, t_lo
         "fwd state pass": 3 * Xk + 2 * Xv + CC,  # q, k, w, u, aqk -> o
         "fwd state pass + h, Vn": 3 * Xk + 3 * Xv + CC + HS,  # + h, vn
+        "fwd WY T-form": 2 * Xk + 3 * CC,  # q, k -> aqk, t_hi, t_lo (KernelConfig.fwd_form="t")
+        "fwd WY T-form + W": 3 * Xk + 3 * CC,  # + w
+        "fwd state T-form": 2 * Xk + 2 * Xv + 3 * CC,  # q, k, v, t_hi, t_lo, aqk -> o
+        "fwd state T-form + h, Vn": 2 * Xk + 3 * Xv + 3 * CC + HS,  # + h, vn
         "bwd WY": 3 * Xk + 4 * Xv + 2 * CC,  # q, k, v, do -> w, u, dvl, t_hi, t_lo
         "bwd WY from saved": 2 * Xk + 4 * Xv + 3 * CC,  # k, v, do, aqk, t_hi, t_lo -> w, u, dvl
         "bwd reverse, own dVl": 3 * Xk + 2 * Xv + CC + 2 * HS,  # q, k, w, do, aqk, h -> dh, dvn
@@ -262,6 +267,23 @@ def main(argv=None):
                     line(f"fwd state pass bv{bv}", lambda A, c2=c2: state_pass(c2, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
+            # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
+            ct = dataclasses.replace(cf, fwd_form="t")
+            if wanted("T-form"):
+                Ft = dict(F, **{"t_" + key: val for key, val in jax.jit(
+                    lambda A: wy_fwd(ct, A, t_form=True))(F).items()})
+                for label, kw in (("fwd WY T-form", {}), ("fwd WY T-form + W", dict(with_w=True))):
+                    if wanted(label):
+                        line(label, lambda A, kw=kw: wy_fwd(ct, A, t_form=True, **kw), F)
+
+                def state_t(A, **kw):
+                    return HF.forward_states_and_output(ct, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                                                        A["q"], A["eg"], A["t_aqk"], v=A["v"],
+                                                        t=(A["t_t_hi"], A["t_t_lo"]), beta=A["beta"], **kw)
+
+                for label, kw in (("fwd state T-form", {}), ("fwd state T-form + h, Vn", dict(save_states=True))):
+                    if wanted(label):
+                        line(label, lambda A, kw=kw: state_t(A, **kw), Ft)
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
             if cb.mosaic_bwd:
@@ -308,7 +330,7 @@ def main(argv=None):
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
-                     ("grads bf16", KC(grad_precision="bf16")),
+                     ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

@@ -452,3 +452,45 @@ def test_gradient_kernel_lowers_for_cuda(wgs):
     cross-warpgroup barrier) through Mosaic GPU's CUDA lowering."""
     text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=wgs))
     assert text.count("mosaic_gpu") >= 5
+
+
+@pytest.mark.parametrize("save_states,group,packed", [(True, 1, False), (False, 2, True)])
+def test_fwd_form_t(save_states, group, packed):
+    """``KernelConfig(fwd_form="t")``: the WY kernel hands T (hi, lo) to the state pass, which forms
+    Vn = T (beta V - beta e^gamma (K S)) instead of U - W S. Strong gates with an initial state,
+    then grouped value heads with ``cu_seqlens`` (an empty and a length-1 sequence), with and
+    without ``save_states`` (where the forward also writes W for the backward). It takes effect
+    (o differs from "wu"'s), the change stays at the kernels' bf16 rounding (rel_rms <= 3e-3
+    against "wu"), and o, S and every gradient are within the suite's tolerances of float64."""
+    T, N = 150, (4 if packed else None)
+    cu = jnp.asarray([0, 40, 40, 41, T], jnp.int32) if packed else None
+    seed = seed_of("hopper-fwd-form-t", save_states, group)
+    x = make_inputs(seed, 1, T, 2, 128, 128, gates="strong", dtype=BF16, init=True, N=N)
+    if group > 1:  # grouped value heads: v, g, beta, S0, do, dS on 2 * group heads
+        y = make_inputs(seed + 1, 1, T, 2 * group, 128, 128, gates="strong", dtype=BF16, init=True, N=N)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    base = dataclasses.replace(MOSAIC, save_states=save_states)
+    cfg = dataclasses.replace(base, fwd_form="t")
+    assert _mosaic_taken(x, cfg, cu_seqlens=cu)
+    ref = _run(x, base, cu_seqlens=cu)
+    got = _run(x, cfg, cu_seqlens=cu)
+    rel = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                                     / np.mean(np.asarray(b, np.float64) ** 2)))
+    errs = [rel(got[0], ref[0]), rel(got[1], ref[1])] + [rel(got[2][n], ref[2][n]) for n in got[2]]
+    assert errs[0] > 0 and max(errs) <= 3e-3, errs
+    _check(x, got, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_fwd_form_t_lowers_for_cuda(grad):
+    """``fwd_form="t"`` through Mosaic GPU's CUDA lowering: value_and_grad (the forward WY kernel
+    with W for the backward, the state pass keeping h and Vn) and the forward alone (no W)."""
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form="t")
+    if grad:
+        assert cuda_lowering(cfg).count("mosaic_gpu") >= 4
+        return
+    sds = [jax.ShapeDtypeStruct((1, 256, 2, 128), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((1, 256, 2), F32), jax.ShapeDtypeStruct((1, 256, 2), BF16)]
+    fn = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 2

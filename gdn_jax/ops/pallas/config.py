@@ -46,7 +46,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
-            "grad_precision": ("bf16x3", "bf16")}
+            "grad_precision": ("bf16x3", "bf16"), "fwd_form": ("wu", "t")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -163,6 +163,14 @@ class KernelConfig:
         -> 0.252 ms (0.252 -> 0.248 in a second call), the outputs bit-equal to the separate
         layout's on the GPU too (results/hopper_h200/stages_d3e7322.txt); ptxas: 166-196
         registers, so still two CTAs per SM -- the gain is small.
+      fwd_form: how the Hopper forward hands the WY representation to its state pass: "wu" (the
+        WY kernel writes W = T (beta e^gamma K) and U = T (beta V), the state pass forms
+        Vn = U - W S) or "t" (the WY kernel writes T = (I + A)^-1 as its bf16 (hi, lo) pair and
+        reads no v; the state pass forms Vn = T (beta V - beta e^gamma (K S)): one more dependent
+        wgmma per chunk on the state chain, U's HBM write and read gone -- 134 MB at
+        4x4096x16x128 -- and, in a call that is not differentiated, W's too; W is still written
+        where the backward reuses it, ``save_states``). The product with T is bf16x2 (T hi + lo
+        against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". Default "wu".
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -238,6 +246,7 @@ class KernelConfig:
     wy_precision: str = "bf16"
     wy_compact: bool = True
     grad_precision: str = "bf16x3"
+    fwd_form: str = "wu"
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -324,6 +333,7 @@ class KernelCall:
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
     grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
+    fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -439,7 +449,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
-        wy_compact=config.wy_compact, grad_precision=config.grad_precision,
+        wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

@@ -221,7 +221,7 @@ def chunk_last_row(call: KernelCall, e_gam_last, flags):
 
 
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q=None, e_gam=None,
-                              aqk=None, save_states: bool = False):
+                              aqk=None, save_states: bool = False, v=None, t=None, beta=None):
     """The fused forward state pass on Hopper; arguments and result as
     :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`. With ``cu_seqlens``
     (``call.packed``) the per-chunk ``flags`` ride in the gates row of each chunk: at a sequence's
@@ -231,31 +231,58 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
     (bf16) leave by TMA instead of ``o`` and the final state. With ``q`` and ``save_states``
     (``KernelConfig.save_states``) they leave as well as ``o`` and the final state, the same
-    values the recompute writes (the result has all four)."""
+    values the recompute writes (the result has all four).
+
+    With ``t`` = (t_hi, t_lo) [BH, n, C, C] bf16 (``KernelConfig.fwd_form="t"``; ``w`` and ``u``
+    are None, ``v`` the values in the token layout, ``beta`` the beta column [BH, T, 1]) Vn is
+    formed from T instead of W, U: ``Vn = T (beta V - beta e^gamma (K S))`` (K S issued beside
+    Q S, the product with T as bf16x2)."""
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
     B = BH // H
     bv = call.bv_mosaic
     in_dt = jnp.dtype(call.in_dt)
-    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, and last_row
+    # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, last_row and, for
+    # fwd_form "t", beta and beta e^gamma
     last_row = chunk_last_row(call, e_gam_last, flags)
     rec = q is None
+    tf = t is not None
     keep = rec or save_states  # h and Vn leave by TMA
     e_o = jnp.zeros((BH, n, C), F32) if rec else e_gam.reshape(BH, n, C) * call.scale
-    gates = jnp.stack([e_o, e_gam_end.reshape(BH, n, C), last_row], axis=2).astype(F32)
+    rows_ = [e_o, e_gam_end.reshape(BH, n, C), last_row]
+    if tf:
+        rows_ += [beta.reshape(BH, n, C), (beta * e_gam).reshape(BH, n, C)]
+    gates = jnp.stack(rows_, axis=2).astype(F32)
+
+    sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
+    # per-chunk tiles (two TMA slots each), in fetch order
+    slots = {} if rec else dict(q_s=_smem((2, C, K), in_dt, sw))
+    slots["k_s"] = _smem((2, C, K), in_dt, sw)
+    if tf:
+        slots.update(th_s=_smem((2, C, C), BF16, sw), tl_s=_smem((2, C, C), BF16, sw),
+                     u_s=_smem((2, C, bv), in_dt, sw))  # v's value block
+    else:
+        slots.update(w_s=_smem((2, C, K), BF16, sw), u_s=_smem((2, C, bv), BF16, sw))
+    if not rec:
+        slots["a_s"] = _smem((2, C, C), BF16, sw)
+    slots["g_s"] = plgpu.SMEM((2, len(rows_), C), F32)
+    scratch = dict(slots, s_s=_smem((K, bv), BF16, sw), vn_s=_smem((C, bv), BF16, sw), vs_s=_smem((C, bv), BF16, sw))
+    if not rec:
+        scratch["o_s"] = _smem((C, bv), in_dt, sw)
+    scratch.update(f_s=_smem((K, bv), F32), bars=[plgpu.Barrier(num_barriers=2) for _ in slots],
+                   h0_bar=plgpu.Barrier(num_barriers=1))
+    in_names = ([] if rec else ["q_ref"]) + ["k_ref"] + (["th_ref", "tl_ref", "v_ref"] if tf else ["w_ref", "u_ref"])
+    in_names += ([] if rec else ["a_ref"]) + ["g_ref", "h0_ref"]
+    out_names = ["h_ref", "vno_ref"] if rec else ["o_ref", "fin_ref"] + (["h_ref", "vno_ref"] if save_states else [])
 
     def body(*refs):
-        if rec:
-            (k_ref, w_ref, u_ref, g_ref, h0_ref, h_ref, vno_ref, k_s, w_s, u_s, g_s, s_s, vn_s, vs_s, f_s, bars,
-             h0_bar) = refs
-            q_ref = a_ref = q_s = a_s = None
-        elif save_states:
-            (q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref, h_ref, vno_ref,
-             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
-        else:
-            (q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, h0_ref, o_ref, fin_ref,
-             q_s, k_s, w_s, u_s, a_s, g_s, s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar) = refs
+        r = dict(zip(in_names + out_names + list(scratch), refs))
+        q_s, k_s, w_s, u_s, a_s, g_s, th_s, tl_s = (r.get(x) for x in (
+            "q_s", "k_s", "w_s", "u_s", "a_s", "g_s", "th_s", "tl_s"))
+        s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar = (r.get(x) for x in (
+            "s_s", "vn_s", "vs_s", "o_s", "f_s", "bars", "h0_bar"))
+        h0_ref, h_ref, vno_ref, o_ref, fin_ref = (r.get(x) for x in ("h0_ref", "h_ref", "vno_ref", "o_ref", "fin_ref"))
         bh = lax.axis_index("bh")
         vsl = pl.ds(lax.axis_index("vb") * bv, bv)
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
@@ -263,13 +290,13 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
-            srcs = [k_ref.at[b, rows, hk], w_ref.at[bh, rows], u_ref.at[bh, rows, vsl], g_ref.at[bh, i]]
-            dsts = [k_s, w_s, u_s, g_s]
-            if not rec:
-                srcs += [q_ref.at[b, rows, hk], a_ref.at[bh, i]]
-                dsts += [q_s, a_s]
-            for src, dst, bar in zip(srcs, dsts, bars):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            src = dict(q_s=lambda: r["q_ref"].at[b, rows, hk], k_s=lambda: r["k_ref"].at[b, rows, hk],
+                       w_s=lambda: r["w_ref"].at[bh, rows], th_s=lambda: r["th_ref"].at[bh, i],
+                       tl_s=lambda: r["tl_ref"].at[bh, i],
+                       u_s=lambda: r["v_ref"].at[b, rows, h, vsl] if tf else r["u_ref"].at[bh, rows, vsl],
+                       a_s=lambda: r["a_ref"].at[bh, i], g_s=lambda: r["g_ref"].at[bh, i])
+            for name, bar in zip(slots, bars):
+                plgpu.copy_gmem_to_smem(src[name](), r[name].at[slot], bar.at[slot])
 
         def load_state(seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
@@ -289,6 +316,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                                                                            plgpu.Layout.WGMMA)
         else:
             S0 = load_state(0)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
         def step(i, S):
             slot = lax.rem(i, _i32(2))
@@ -307,22 +336,31 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             plgpu.commit_smem()
             if keep:
                 plgpu.copy_smem_to_gmem(s_s, h_ref.at[bh, i, :, vsl])
+            # W S (or K S for fwd_form "t") and Q S, issued together
+            x_s = k_s if tf else w_s
             if rec:
-                (ws,) = _mmas([((C, bv), w_s.at[slot], s_s)], interp)
+                (ws,) = _mmas([((C, bv), x_s.at[slot], s_s)], interp)
             else:
-                ws, qs = _mmas([((C, bv), w_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
-            vn = _load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32) - ws
-            row = plgpu.Layout.WGMMA.reduce(1)
+                ws, qs = _mmas([((C, bv), x_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
+            if tf:  # Vn = T (beta V - beta e^gamma (K S)); the scaled residual goes through vs_s
+                x = (_load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32)
+                     * bcast(_load(g_s.at[slot, 3], row, interp), (C, bv))
+                     - ws * bcast(_load(g_s.at[slot, 4], row, interp), (C, bv)))
+                vs_s[...] = x.astype(BF16)
+                plgpu.commit_smem()
+                (vn,) = _mmas([((C, bv), (th_s.at[slot], tl_s.at[slot]), (vs_s, vs_s))], interp)
+            else:
+                vn = _load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             e_end = _load(g_s.at[slot, 1], row, interp)
             vn_s[...] = vn.astype(BF16)
-            vs_s[...] = (vn * lax.broadcast_in_dim(e_end, vn.shape, [0])).astype(BF16)
+            vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)
             plgpu.commit_smem()
             if keep:
                 plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
             if rec:
                 (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
                 return S
-            o0 = qs * lax.broadcast_in_dim(_load(g_s.at[slot, 0], row, interp), qs.shape, [0])
+            o0 = qs * bcast(_load(g_s.at[slot, 0], row, interp), qs.shape)
             o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_s[...] = o.astype(o_s.dtype)
@@ -337,28 +375,20 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
     kw = dict(interpret=_interpret_params()) if interp else {}
-    state = [_smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw)]
-    tiles = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw), _smem((2, C, bv), BF16, sw),
-             plgpu.SMEM((2, 3, C), F32)]
+    states = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     if rec:
-        scratch = tiles + state + [_smem((K, bv), F32), [plgpu.Barrier(num_barriers=2) for _ in range(4)],
-                                   plgpu.Barrier(num_barriers=1)]
-        out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
-        fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv),
-                          grid_names=("bh", "vb"), **kw)
-        h, vn = fn(k, w.astype(BF16), u.astype(BF16), gates, h0)
-        return dict(h=h, vn=vn)
-    scratch = [_smem((2, C, K), in_dt, sw)] + tiles[:3] + [_smem((2, C, C), BF16, sw), tiles[3]] + state + [
-        _smem((C, bv), in_dt, sw), _smem((K, bv), F32), [plgpu.Barrier(num_barriers=2) for _ in range(6)],
-        plgpu.Barrier(num_barriers=1)]
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
-    if save_states:
-        out_type += (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, V // bv), grid_names=("bh", "vb"),
-                      **kw)
-    out = fn(q, k, w.astype(BF16), u.astype(BF16), aqk.astype(BF16), gates, h0)
+        out_type = states
+    else:
+        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
+        out_type += states if save_states else ()
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // bv),
+                      grid_names=("bh", "vb"), **kw)
+    args = ([] if rec else [q]) + [k] + ([t[0], t[1], v] if tf else [w.astype(BF16), u.astype(BF16)])
+    args += ([] if rec else [aqk.astype(BF16)]) + [gates, h0]
+    out = fn(*args)
+    if rec:
+        return dict(h=out[0], vn=out[1])
     if save_states:
         return dict(o=out[0], final=out[1], h=out[2], vn=out[3])
     return dict(o=out[0], final=out[1])
@@ -495,7 +525,7 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
     return T
 
 
-def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=False):
+def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=False, t_form=False, with_w=False):
     """The forward's WY representation on Hopper (the Mosaic GPU twin of
     :func:`gdn_jax.ops.pallas.wy.wy_repr` with ``q``): one CTA per (batch x value head, chunk).
 
@@ -515,6 +545,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     (the backward, :func:`gdn_jax.ops.pallas.hopper_bwd.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
     and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``;
     with ``save_t`` (the forward of ``KernelConfig.save_wy``) ``t_hi``, ``t_lo`` besides ``aqk``.
+    With ``t_form`` (``KernelConfig.fwd_form="t"``: the state pass forms Vn from T, v and the
+    state; ``v`` is not read and may be None) ``aqk``, ``t_hi``, ``t_lo`` and, with ``with_w``,
+    ``w`` (for the backward), no U.
     """
     plgpu = _plgpu()
     interp = call.platform == "interpret"
@@ -531,7 +564,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     blocked = call.wy_inverse == "blocked" and C % 16 == 0 and C >= 32
     # KernelConfig.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
     # staging tile is L's hi tile of the inverse's rounds once Aqk has left
-    compact = wy_compact(call) and not backward
+    compact = (wy_compact(call) or t_form) and not backward
+    has_v = not t_form  # fwd_form="t": no v (compact layout: q, k and the [C, C] tiles)
     # KernelConfig.wy_precision: bf16x3 products (else bf16) in the rounds inside the 16x16 diagonal
     # blocks (T_2 -> T_16) and in the rounds across them (T_16 -> T_64)
     hp_in, hp_across = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
@@ -559,9 +593,12 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         if lo_in:
             scratch.update(tc_lo=_smem((C, 16), BF16), lc_lo=_smem((C, 16), BF16))
     scratch["bars"] = plgpu.Barrier(num_barriers=5 if backward else 4)
-    in_names = ["q_ref", "k_ref", "v_ref", "g_ref"] + (["do_ref"] if backward else [])
-    out_names = ["w_ref", "u_ref"] + (["dvl_ref", "thi_ref", "tlo_ref"] if backward else
-                                      ["a_ref"] + (["thi_ref", "tlo_ref"] if save_t else []))
+    in_names = ["q_ref", "k_ref"] + (["v_ref"] if has_v else []) + ["g_ref"] + (["do_ref"] if backward else [])
+    if t_form:
+        out_names = ["a_ref", "thi_ref", "tlo_ref"] + (["w_ref"] if with_w else [])
+    else:
+        out_names = ["w_ref", "u_ref"] + (["dvl_ref", "thi_ref", "tlo_ref"] if backward else
+                                          ["a_ref"] + (["thi_ref", "tlo_ref"] if save_t else []))
 
     def body(*refs):
         r = dict(zip(in_names + out_names + list(scratch), refs))
@@ -577,7 +614,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
         rows = pl.ds(c * C, C)
-        srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h], g_ref.at[bh, c]]
+        srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h] if has_v else None,
+                g_ref.at[bh, c]]
         dsts = [q_s, k_s, v_s, g_s]
         if backward:
             srcs.append(do_ref.at[b, rows, h])
@@ -588,7 +626,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         for i in (0, 1, 3) if compact else range(4):
             plgpu.barrier_wait(bars.at[i])
         kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
-        if compact:  # the wgmmas reading q have completed: v lands in its tile during the inverse
+        if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse
             plgpu.copy_gmem_to_smem(srcs[2], v_s, bars.at[2])
         i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -637,6 +675,23 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                 ph, pl_ = _split(-P, hp)
                 (T,) = _mmas([(T, *_terms((ph, pl_), (t_hi, t_lo), hp))], interp)
             lg += 1
+        if t_form:  # T (hi, lo) for the state pass (and the backward); W only where the backward reuses it
+            th, tl = _split(T)
+            tlo_s = l_hi if t_lo is None else t_lo  # the rounds' last wgmma reading L hi has completed
+            t_hi[...], tlo_s[...] = th, tl
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
+            plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
+            if with_w:
+                k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
+                            * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
+                plgpu.commit_smem()
+                (Wm,) = _mmas([((C, K), (th, tl), (k_s, k_s))], interp)
+                k_s[...] = Wm.astype(k_s.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
+            plgpu.wait_smem_to_gmem(0)
+            return
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
         if compact:
             plgpu.barrier_wait(bars.at[2])
@@ -658,12 +713,18 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         else:
             write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
+    kw = dict(interpret=_interpret_params()) if interp else {}
+    if t_form:
+        out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
+        out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
+        fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()), grid=(BH, n),
+                          grid_names=("bh", "c"), **kw)
+        return dict(zip(("aqk", "t_hi", "t_lo", "w"), fn(q, k, gates)))
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
-    kw = dict(interpret=_interpret_params()) if interp else {}
     fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()), grid=(BH, n),
                       grid_names=("bh", "c"), **kw)
     if backward:

@@ -81,10 +81,16 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
     if (save_wy or save_states) and not call.mosaic_fwd:
         raise ValueError("forward(save_wy=True / save_states=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
     saved = {}
-    if call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
+    if call.mosaic_fwd and call.fwd_form == "t":  # Hopper, the state pass forms Vn from T and v
+        wy = hopper.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
+        out = hopper.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
+                                               wy["aqk"], save_states=save_states, v=v,
+                                               t=(wy["t_hi"], wy["t_lo"]), beta=beta)
+    elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
         out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                                wy["aqk"], save_states=save_states)
+    if call.mosaic_fwd:
         o, fin = out["o"], out["final"]
         if save_wy:
             saved.update(aqk=wy["aqk"], t_hi=wy["t_hi"], t_lo=wy["t_lo"])
