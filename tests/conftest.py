@@ -213,11 +213,12 @@ def check_close(pairs, *, scale=1.0):
     return errs
 
 
-def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True):
+def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True, triton=False):
     """The MLIR text of ``backend="pallas"`` lowered for CUDA with ``jax.export`` (nothing runs):
     ``jax.value_and_grad`` (``grad=True``) or ``jax.grad`` (``grad="grad"``) of sum(o) over q, k,
     v [B, T, H, D] bf16, g float32 and beta bf16 [B, T, H], chunk 64, ``kernel_config=config``.
-    Count the Mosaic GPU kernels with ``text.count("custom_call @mosaic_gpu")``."""
+    Count the Mosaic GPU kernels with ``text.count("custom_call @mosaic_gpu")``; ``triton``: Triton
+    kernels may be in it too (their custom call has no export compatibility guarantee)."""
     from gdn_jax.ops import gated_delta_rule
 
     sds = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3
@@ -228,4 +229,5 @@ def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True):
         return jnp.sum(o.astype(jnp.float32))
 
     fn = (jax.grad if grad == "grad" else jax.value_and_grad)(loss, argnums=(0, 1, 2, 3, 4))
-    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
+    dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if triton else []
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=dis)(*sds).mlir_module()

@@ -494,3 +494,33 @@ def test_fwd_form_t_lowers_for_cuda(grad):
     fn = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
     text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
     assert text.count("custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fwd_form_t_k256(packed):
+    """K = V = 256 on the Hopper forward (``fwd_form="t"`` only: its state pass keeps one q tile,
+    :func:`hopper.single_q`, and the default value block halves to fit shared memory): o and the
+    final state against float64, T not a multiple of the chunk, with an initial state, with and
+    without ``cu_seqlens``; the backward is the platform's (the Hopper backward takes K <= 128)."""
+    T, N = 150, (3 if packed else None)
+    cu = jnp.asarray([0, 1, 64, T], jnp.int32) if packed else None
+    x = make_inputs(seed_of("hopper-k256", packed), 1, T, 1, 256, 256, gates="strong", dtype=BF16, init=True, N=N)
+    cfg = dataclasses.replace(MOSAIC, fwd_form="t")
+    prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg, cu_seqlens=cu)
+    cf, cb = prep.calls
+    assert cf.mosaic_fwd and hopper.single_q(cf) and cf.bv_mosaic == 32 and not cb.mosaic_bwd
+    assert hopper.smem_bytes(cf, 32) <= hopper.SMEM_BYTES < hopper.smem_bytes(cf, 64)
+    assert not _mosaic_taken(x, MOSAIC, cu_seqlens=cu)  # "wu" does not take K = 256
+    o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
+                            output_final_state=True, backend="pallas", chunk_size=64, kernel_config=cfg,
+                            cu_seqlens=cu)
+    ro, rS = reference(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["S0"], cu_seqlens=cu)
+    check_close({"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)})
+
+
+def test_fwd_form_t_k256_lowers_for_cuda():
+    """value_and_grad at K = V = 256 with ``fwd_form="t"``: the Hopper forward (chunk 64, one q tile)
+    and the Triton backward lower for CUDA together."""
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form="t")
+    text = cuda_lowering(cfg, D=256, triton=True)
+    assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text

@@ -362,6 +362,11 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
     if (direction == "bwd" and platform == "gpu" and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 64 <= head_dim <= 128 and chunk_size >= 64):
         return 64  # the Hopper backward's chunk (wgmma tiles are 64 rows)
+    if (direction == "fwd" and platform == "gpu" and config.fwd_form == "t" and _mosaic_wanted(config, platform)
+            and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 128 < head_dim <= 256 and chunk_size >= 64
+            and config.fuse_output and config.mid_dtype in ("auto", "bf16")
+            and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)):
+        return 64  # the Hopper forward at K = 256 (fwd_form "t"; hopper.covers takes the call)
     if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
         direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
     for d, c in _MAX_CHUNK.get((platform, direction), ()):
@@ -482,4 +487,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     # forward to Triton, and hopper.covers' reason names that value and V
     bv = config.bv_state or hopper.default_block(call.BH, call.V, call.platform)
     call = dataclasses.replace(call, bv_mosaic=bv)
+    while config.bv_state is None and bv > 16 and hopper.smem_bytes(call, bv) > hopper.SMEM_BYTES:
+        bv //= 2  # K = 256: the default block halved until the state pass fits shared memory
+        call = dataclasses.replace(call, bv_mosaic=bv)
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

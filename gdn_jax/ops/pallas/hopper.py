@@ -174,23 +174,39 @@ def default_block(BH: int, V: int, platform: str = "gpu") -> int:
     return bv
 
 
+def single_q(call: KernelCall) -> bool:
+    """Whether the forward state pass keeps one q tile instead of two TMA slots (K > 128, where two
+    slots of q and k would not leave room for the rest: the next chunk's q is copied once Q S has
+    read this one, a whole chunk step ahead of its use)."""
+    return call.K > 128
+
+
 def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_and_output` (two TMA slots)."""
+    """Shared memory of :func:`forward_states_and_output` (two TMA slots; ``KernelConfig.fwd_form``
+    "t": T's (hi, lo) tiles and v's value block in place of W and U, one q tile where
+    :func:`single_q`)."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
+    if call.fwd_form == "t":
+        one_q = single_q(call)
+        per_slot = (1 + (not one_q)) * C * K * isz + 2 * C * C * 2 + C * bv * isz + C * C * 2 + 5 * C * 4
+        per_slot_q = C * K * isz if one_q else 0
+        return 2 * per_slot + per_slot_q + K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4
     per_slot = 2 * C * K * isz + C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
     return 2 * per_slot + K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4
 
 
 def covers(call: KernelCall) -> str | None:
     """None when the Hopper forward kernels take this call, else what they lack (the first that
-    fails of): K in (64, 128); the token layout; the fused output (``fuse_output``); bf16 inputs;
-    a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 128, where the
-    forward's chunk cap is 64); bf16 intermediates (the default for bf16); a value block
-    (``KernelConfig.bv_state``, default 64) of 16, 32 or 64 dividing V; shared memory.
+    fails of): K in (64, 128), or 256 with ``KernelConfig.fwd_form="t"``; the token layout; the
+    fused output (``fuse_output``); bf16 inputs; a forward kernel chunk of 64 (on GPU:
+    ``chunk_size >= 64`` with head dims <= 128, or <= 256 with ``fwd_form="t"``: the forward's
+    chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
+    value block (``KernelConfig.bv_state``, default :func:`default_block`) of 16, 32 or 64
+    dividing V; shared memory (:func:`smem_bytes`, :func:`wy_smem_bytes`).
     :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
-    if call.K not in (64, 128):
-        return f"K={call.K} (needs 64 or 128)"
+    if call.K not in (64, 128) and not (call.K == 256 and call.fwd_form == "t"):
+        return f"K={call.K} (needs 64 or 128; 256 with KernelConfig.fwd_form='t')"
     if call.layout != "bthd":
         return f"head-major layout of platform {call.platform!r} (Mosaic GPU runs on 'gpu' or 'interpret')"
     if not call.fuse_output:
@@ -257,7 +273,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
     # per-chunk tiles (two TMA slots each), in fetch order
-    slots = {} if rec else dict(q_s=_smem((2, C, K), in_dt, sw))
+    one_q = tf and not rec and single_q(call)  # one q tile, refilled once Q S has read it
+    slots = {} if (rec or one_q) else dict(q_s=_smem((2, C, K), in_dt, sw))
     slots["k_s"] = _smem((2, C, K), in_dt, sw)
     if tf:
         slots.update(th_s=_smem((2, C, C), BF16, sw), tl_s=_smem((2, C, C), BF16, sw),
@@ -272,6 +289,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         scratch["o_s"] = _smem((C, bv), in_dt, sw)
     scratch.update(f_s=_smem((K, bv), F32), bars=[plgpu.Barrier(num_barriers=2) for _ in slots],
                    h0_bar=plgpu.Barrier(num_barriers=1))
+    if one_q:
+        scratch.update(q_s=_smem((C, K), in_dt, sw), q_bar=plgpu.Barrier(num_barriers=1))
     in_names = ([] if rec else ["q_ref"]) + ["k_ref"] + (["th_ref", "tl_ref", "v_ref"] if tf else ["w_ref", "u_ref"])
     in_names += ([] if rec else ["a_ref"]) + ["g_ref", "h0_ref"]
     out_names = ["h_ref", "vno_ref"] if rec else ["o_ref", "fin_ref"] + (["h_ref", "vno_ref"] if save_states else [])
@@ -298,6 +317,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             for name, bar in zip(slots, bars):
                 plgpu.copy_gmem_to_smem(src[name](), r[name].at[slot], bar.at[slot])
 
+        def fetch_q(i):  # single_q: the one q tile
+            plgpu.copy_gmem_to_smem(r["q_ref"].at[b, pl.ds(i * C, C), hk], q_s, r["q_bar"])
+
         def load_state(seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
             plgpu.copy_gmem_to_smem(h0_ref.at[bh, seq, :, vsl], f_s, h0_bar)
@@ -311,6 +333,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
 
         fetch(0, 0)
+        if one_q:
+            fetch_q(0)
         if call.packed:  # every sequence starts at a chunk flagged "first": S0 is never read
             S0 = jnp.zeros((K, bv), F32) if interp else plgpu.layout_cast(jnp.zeros((K, bv), F32),
                                                                            plgpu.Layout.WGMMA)
@@ -327,6 +351,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 fetch(i + 1, 1 - slot)
 
             _wait_slot(bars, slot)
+            if one_q:
+                plgpu.barrier_wait(r["q_bar"])
             if call.packed:
                 seq, first, last = _slot_flags(g_s, slot)
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
@@ -341,7 +367,10 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             if rec:
                 (ws,) = _mmas([((C, bv), x_s.at[slot], s_s)], interp)
             else:
-                ws, qs = _mmas([((C, bv), x_s.at[slot], s_s), ((C, bv), q_s.at[slot], s_s)], interp)
+                ws, qs = _mmas([((C, bv), x_s.at[slot], s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],
+                               interp)
+                if one_q:  # Q S has completed: the next chunk's q lands during the rest of this step
+                    pl.when(i + 1 < n)(lambda: fetch_q(i + 1))
             if tf:  # Vn = T (beta V - beta e^gamma (K S)); the scaled residual goes through vs_s
                 x = (_load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32)
                      * bcast(_load(g_s.at[slot, 3], row, interp), (C, bv))

@@ -45,6 +45,8 @@ def covers(call: KernelCall) -> str | None:
     bf16 inputs and head dims 64 .. 128), and the gradient kernel's shared memory."""
     from .hopper import covers as fwd_covers
 
+    if call.K not in (64, 128):
+        return f"K={call.K} (the Hopper backward needs 64 or 128)"
     why = fwd_covers(dataclasses.replace(call, fuse_output=True))
     if why is not None:
         return why.replace("forward kernel chunk", "backward kernel chunk").replace("fwd_chunk", "bwd_chunk")
