@@ -46,7 +46,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
-            "grad_precision": ("bf16x3", "bf16"), "fwd_form": ("wu", "t")}
+            "grad_precision": ("bf16x3", "bf16"), "fwd_form": (None, "wu", "t")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -170,7 +170,16 @@ class KernelConfig:
         wgmma per chunk on the state chain, U's HBM write and read gone -- 134 MB at
         4x4096x16x128 -- and, in a call that is not differentiated, W's too; W is still written
         where the backward reuses it, ``save_states``). The product with T is bf16x2 (T hi + lo
-        against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". Default "wu".
+        against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". Only "t" takes
+        K = 256 on the Hopper forward (a [C, K] W tile per TMA slot would not fit beside q and k;
+        its state pass keeps one q tile there, :func:`gdn_jax.ops.pallas.hopper.single_q`). None
+        (default): "t" where K > 128, else "wu". Measured on one H200 (2026-12-03, dfae081 +
+        fwd_form, results/hopper_h200/stages_tform.txt, pipelined ms): 4x4096x16x128 WY 0.169 /
+        WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state pass 0.131 / + h, Vn 0.170 vs
+        0.160 / 0.180 (230 registers: one more dependent wgmma per chunk), whole op fwd 0.295 vs
+        0.293, fwd+bwd 1.106 vs 1.087; 2x8192x16x64 fwd 0.310 vs 0.342, fwd+bwd 0.924 vs 0.963;
+        2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370).
+        GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -246,7 +255,7 @@ class KernelConfig:
     wy_precision: str = "bf16"
     wy_compact: bool = True
     grad_precision: str = "bf16x3"
-    fwd_form: str = "wu"
+    fwd_form: Optional[str] = None
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -362,7 +371,7 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
     if (direction == "bwd" and platform == "gpu" and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 64 <= head_dim <= 128 and chunk_size >= 64):
         return 64  # the Hopper backward's chunk (wgmma tiles are 64 rows)
-    if (direction == "fwd" and platform == "gpu" and config.fwd_form == "t" and _mosaic_wanted(config, platform)
+    if (direction == "fwd" and platform == "gpu" and config.fwd_form in (None, "t") and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 128 < head_dim <= 256 and chunk_size >= 64
             and config.fuse_output and config.mid_dtype in ("auto", "bf16")
             and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)):
@@ -454,7 +463,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
-        wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form,
+        wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
