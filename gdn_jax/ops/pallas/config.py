@@ -173,9 +173,10 @@ class KernelConfig:
         against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". Only "t" takes
         K = 256 on the Hopper forward (a [C, K] W tile per TMA slot would not fit beside q and k;
         its state pass keeps one q tile there, :func:`gdn_jax.ops.pallas.hopper.single_q`). None
-        (default): "t" where K > 128, else "wu". Measured on one H200 (2026-12-03, dfae081 +
-        fwd_form, results/hopper_h200/stages_tform.txt, pipelined ms): 4x4096x16x128 WY 0.169 /
-        WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state pass 0.131 / + h, Vn 0.170 vs
+        (default): "t" where K > 128, else "wu". Measured on one H200 (2026-12-03, code 1d1c827,
+        results/hopper_h200/stages_1d1c827.txt, bench_d256_1d1c827.txt, pipelined ms):
+        4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
+        pass 0.131 / + h, Vn 0.170 vs
         0.160 / 0.180 (230 registers: one more dependent wgmma per chunk), whole op fwd 0.295 vs
         0.293, fwd+bwd 1.106 vs 1.087; 2x8192x16x64 fwd 0.310 vs 0.342, fwd+bwd 0.924 vs 0.963;
         2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370).
