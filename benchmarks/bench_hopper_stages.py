@@ -186,7 +186,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     only = [o.strip() for o in args.only.split(",") if o.strip()]
 
+    t_only = [False]  # a shape only fwd_form "t" takes (K = 256): its stages, the whole op, jla
+
     def wanted(name):
+        if t_only[0] and not ("T-form" in name or name in ("pallas", "fwd form t", "jla")):
+            return False
         return not only or any(o in name for o in only)
 
     import jax
@@ -235,7 +239,12 @@ def main(argv=None):
                 print("  not on the Hopper kernels:", HF.covers(cf) or "not an sm_90 GPU", flush=True)
                 continue
             wy_fwd = lambda c, A, **kw: HF.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
-            F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
+            wu = HF.covers(dataclasses.replace(cf, fwd_form="wu")) is None  # K = 256: the T-form lines alone
+            t_only[0] = not wu
+            if not wu:
+                print("  fwd_form 'wu' does not take this shape: the T-form stages and the whole op only", flush=True)
+            else:
+                F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
             if wanted("fwd WY"):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
@@ -284,6 +293,12 @@ def main(argv=None):
                 for label, kw in (("fwd state T-form", {}), ("fwd state T-form + h, Vn", dict(save_states=True))):
                     if wanted(label):
                         line(label, lambda A, kw=kw: state_t(A, **kw), Ft)
+                for bv in [int(b) for b in args.blocks.split(",") if b and int(b) != ct.bv_mosaic]:
+                    cbv = dataclasses.replace(ct, bv_mosaic=bv)
+                    if wanted(f"fwd state T-form bv{bv}") and HF.smem_bytes(cbv, bv) <= HF.SMEM_BYTES:
+                        line(f"fwd state T-form bv{bv}", lambda A, cbv=cbv: HF.forward_states_and_output(
+                            cbv, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"], A["q"], A["eg"], A["t_aqk"],
+                            v=A["v"], t=(A["t_t_hi"], A["t_t_lo"]), beta=A["beta"]), Ft)
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
             if cb.mosaic_bwd:
