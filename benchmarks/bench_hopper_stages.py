@@ -278,7 +278,9 @@ def main(argv=None):
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
             # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
             ct = dataclasses.replace(cf, fwd_form="t")
-            if wanted("T-form"):
+            extra_t = [f"fwd state T-form bv{b}" for b in args.blocks.split(",") if b]
+            if any(wanted(lb) for lb in ["fwd WY T-form", "fwd WY T-form + W", "fwd state T-form",
+                                         "fwd state T-form + h, Vn"] + extra_t):
                 Ft = dict(F, **{"t_" + key: val for key, val in jax.jit(
                     lambda A: wy_fwd(ct, A, t_form=True))(F).items()})
                 for label, kw in (("fwd WY T-form", {}), ("fwd WY T-form + W", dict(with_w=True))):
