@@ -8,7 +8,8 @@ on CPU (a smoke test of this script: its times mean nothing there).
 
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
-``wy_compact=True`` against the separate tiles (the default is compact), ``fwd_form="t"``'s WY kernel
+``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
+forward WY, the gradient kernel, the whole op: "approx" lines), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
@@ -72,6 +73,8 @@ def stage_bytes(shape, C=64):
         "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
         "bwd grads, 1 WG": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd grads, bf16 T phase": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
+        "bwd grads approx": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
+        "fwd WY approx": 3 * Xk + 2 * Xv + CC,
         "bwd grads m per CTA": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
     }
 
@@ -247,6 +250,8 @@ def main(argv=None):
                 F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
             if wanted("fwd WY"):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
+            if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
+                line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
@@ -324,7 +329,8 @@ def main(argv=None):
                 cgp = dataclasses.replace(cb, grad_precision="bf16")  # KernelConfig.grad_precision="bf16"
                 steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
-                         ("bwd grads, bf16 T phase", lambda A: grads(cgp, A))]
+                         ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
+                         ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A))]
                 for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
                     cm = dataclasses.replace(cb, grad_per_cta=m)
                     steps.append((f"bwd grads {m} per CTA", lambda A, cm=cm: grads(cm, A)))
@@ -348,6 +354,7 @@ def main(argv=None):
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")),
+                     ("approx math", KC(approx_math=True)),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

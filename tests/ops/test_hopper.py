@@ -525,3 +525,14 @@ def test_fwd_form_t_k256_lowers_for_cuda():
     cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic")  # fwd_form None: "t" at K = 256
     text = cuda_lowering(cfg, D=256, triton=True)
     assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
+
+
+def test_approx_math_lowers_for_cuda():
+    """``KernelConfig(approx_math=True)``: every Hopper kernel compiled with Mosaic GPU's
+    ``approx_math`` (exp as ``ex2.approx``) lowers for CUDA, and the option reaches the kernels (the
+    lowered module differs from the default's); interpret mode ignores it (same values)."""
+    on = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", approx_math=True))
+    off = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic"))
+    assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") >= 4 and on != off
+    with pytest.raises(TypeError, match="approx_math"):
+        KernelConfig(approx_math=1)

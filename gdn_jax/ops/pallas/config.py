@@ -181,6 +181,12 @@ class KernelConfig:
         0.293, fwd+bwd 1.106 vs 1.087; 2x8192x16x64 fwd 0.310 vs 0.342, fwd+bwd 0.924 vs 0.963;
         2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
+      approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
+        ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
+        below float32's normal range flush to 0) instead of libdevice's expf. The WY and gradient
+        kernels exponentiate C x C decay matrices per chunk and are bound by their instruction count
+        (Nsight Compute, results/hopper_h200/ncu_kernels_b284d0d.txt). Default False (not yet
+        measured on a GPU).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -257,6 +263,7 @@ class KernelConfig:
     wy_compact: bool = True
     grad_precision: str = "bf16x3"
     fwd_form: Optional[str] = None
+    approx_math: bool = False
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -270,10 +277,10 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {type(val).__name__} {val!r}")
             if val not in ok:
                 raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
-        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states", "wy_compact"):
+        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states", "wy_compact", "approx_math"):
             val = getattr(self, name)
-            if not (isinstance(val, bool) or (val is None and name not in ("fuse_output", "wy_compact"))):
-                want = "True or False" if name in ("fuse_output", "wy_compact") else "None, True or False"
+            if not (isinstance(val, bool) or (val is None and name not in ("fuse_output", "wy_compact", "approx_math"))):
+                want = "True or False" if name in ("fuse_output", "wy_compact", "approx_math") else "None, True or False"
                 raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
         for name in _OPTIONAL_INTS + _INTS:
             val = getattr(self, name)
@@ -344,6 +351,7 @@ class KernelCall:
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
     grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
+    approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -465,6 +473,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
+        approx_math=config.approx_math,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

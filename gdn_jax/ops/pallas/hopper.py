@@ -52,6 +52,15 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
+def _kernel_kw(call: KernelCall) -> dict:
+    """``plgpu.kernel``'s keyword arguments for ``call``: Mosaic GPU's interpreter (platform
+    "interpret") or, on a GPU with ``KernelConfig.approx_math``, compiler params that lower exp to
+    ``ex2.approx.ftz`` (a multiply and one instruction instead of libdevice's range reduction)."""
+    if call.platform == "interpret":
+        return dict(interpret=_interpret_params())
+    return dict(compiler_params=_plgpu().CompilerParams(approx_math=True)) if call.approx_math else {}
+
+
 def _transforms(dtype, cols, swizzle=None):
     """Tiling + swizzle of a [rows, cols] SMEM tile (wgmma operands and TMA destinations): the
     widest swizzle the row allows, or ``swizzle`` bytes (the two operands of a wgmma must agree)."""
@@ -404,7 +413,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     states = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     if rec:
         out_type = states
@@ -664,8 +673,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         dg = (bcast_r(gam_r) - lax.broadcast_in_dim(_load(g_s.at[3], col, interp), (C, C), [1]))
         lower, incl = i > j, i >= j
         beta_r = _load(g_s.at[0], row, interp)
-        A = jnp.where(lower, kk * bcast_r(beta_r) * jnp.exp(jnp.where(lower, dg, 0.0)), 0.0)
-        aqk = jnp.where(incl, qk * (scale * jnp.exp(jnp.where(incl, dg, 0.0))), 0.0)
+        e = jnp.exp(jnp.where(incl, dg, 0.0))  # one exp for both: the strict lower part is A's
+        A = jnp.where(lower, kk * bcast_r(beta_r) * e, 0.0)
+        aqk = jnp.where(incl, qk * (scale * e), 0.0)
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
         if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
@@ -742,7 +752,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         else:
             write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []

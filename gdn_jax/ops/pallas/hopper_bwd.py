@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
-from .hopper import (F32, BF16, _T, _i32, _interpret_params, _iota, _load, _mmas, _plgpu, _slot_flags, _smem,
-                     _split, _terms, _wait_slot, chunk_last_row, write_w_u)
+from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
+                     _wait_slot, chunk_last_row, write_w_u)
 
 SMEM_BYTES = 227 * 1024
 
@@ -263,7 +263,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
                plgpu.Barrier(num_barriers=11)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, 5, C), F32))
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
@@ -499,7 +499,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
@@ -560,7 +560,7 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
     out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
                 jax.ShapeDtypeStruct((BH, Tp, V), in_dt))
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     w, u, dvl = fn(k, v, do, gates, aqk.astype(BF16), t_hi, t_lo)
     return dict(w=w, u=u, dvl=dvl)
@@ -715,7 +715,7 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
                plgpu.Barrier(num_barriers=1)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
-    kw = dict(interpret=_interpret_params()) if interp else {}
+    kw = _kernel_kw(call)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
     dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), (aqk if own_dvl else dvl).astype(BF16), do, gates,
                           dfinal.astype(F32), h.astype(BF16))
