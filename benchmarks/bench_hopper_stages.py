@@ -9,7 +9,8 @@ on CPU (a smoke test of this script: its times mean nothing there).
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
-forward WY, the gradient kernel, the whole op: "approx" lines), ``fwd_form="t"``'s WY kernel
+forward WY, the gradient kernel, the whole op: "approx" lines), ``wy_chunks_per_cta=m`` (the forward
+WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
@@ -75,6 +76,8 @@ def stage_bytes(shape, C=64):
         "bwd grads, bf16 T phase": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd grads approx": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "fwd WY approx": 3 * Xk + 2 * Xv + CC,
+        **{f"fwd WY {m} per CTA": 3 * Xk + 2 * Xv + CC for m in (2, 4, 8)},
+        **{f"fwd WY T-form {m} per CTA": 2 * Xk + 3 * CC for m in (2, 4, 8)},
         "bwd grads m per CTA": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
     }
 
@@ -252,6 +255,13 @@ def main(argv=None):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
             if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
+            for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
+                cm = dataclasses.replace(cf, wy_per_cta=m)
+                if wanted(f"fwd WY {m} per CTA") and wu and HF.wy_compact(cm):
+                    line(f"fwd WY {m} per CTA", lambda A, cm=cm: wy_fwd(cm, A), F)
+                if wanted(f"fwd WY T-form {m} per CTA"):
+                    ctm = dataclasses.replace(cm, fwd_form="t")
+                    line(f"fwd WY T-form {m} per CTA", lambda A, ctm=ctm: wy_fwd(ctm, A, t_form=True), F)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
@@ -354,7 +364,7 @@ def main(argv=None):
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")),
-                     ("approx math", KC(approx_math=True)),
+                     ("approx math", KC(approx_math=True)), ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

@@ -536,3 +536,22 @@ def test_approx_math_lowers_for_cuda():
     assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") >= 4 and on != off
     with pytest.raises(TypeError, match="approx_math"):
         KernelConfig(approx_math=1)
+
+
+@pytest.mark.parametrize("form,m", [("wu", 2), ("t", 3)])
+def test_persistent_wy(form, m):
+    """``KernelConfig(wy_chunks_per_cta=m)``: the forward WY kernel looping over m chunks per CTA
+    with q, k and the gates in two TMA slots (a tail CTA where m does not divide the chunks: 150
+    tokens are 3 chunks) gives the one-chunk-per-CTA kernel's o, final state and gradients bit for
+    bit (same arithmetic per chunk), with ``cu_seqlens`` too; it lowers for CUDA."""
+    cu = jnp.asarray([0, 1, 100, 150], jnp.int32)
+    x = make_inputs(seed_of("hopper-wy-persistent", form, m), 1, 150, 2, 128, 128, dtype=BF16, init=True, N=3)
+    base = dataclasses.replace(MOSAIC, fwd_form=form)
+    ref = _run(x, base, cu_seqlens=cu)
+    got = _run(x, dataclasses.replace(base, wy_chunks_per_cta=m), cu_seqlens=cu)
+    pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
+    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, wy_chunks_per_cta=m))
+    assert text.count("custom_call @mosaic_gpu") >= 4
+    with pytest.raises(ValueError, match="wy_chunks_per_cta"):
+        KernelConfig(wy_chunks_per_cta=0)

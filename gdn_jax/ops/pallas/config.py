@@ -48,7 +48,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
             "grad_precision": ("bf16x3", "bf16"), "fwd_form": (None, "wu", "t")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
-                  "grad_chunks_per_cta")
+                  "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
 
 
@@ -187,6 +187,13 @@ class KernelConfig:
         kernels exponentiate C x C decay matrices per chunk and are bound by their instruction count
         (Nsight Compute, results/hopper_h200/ncu_kernels_b284d0d.txt). Default False (not yet
         measured on a GPU).
+      wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
+        layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
+        loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,
+        ceil(chunks / m)), each CTA looping over m consecutive chunks with q, k and the gates in two
+        TMA slots, the next chunk's arriving while this one computes (its stores waited only until
+        they have read their tiles). Same values (the arithmetic per chunk is unchanged). Built
+        2026-12-03, not yet run on a GPU.
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -264,6 +271,7 @@ class KernelConfig:
     grad_precision: str = "bf16x3"
     fwd_form: Optional[str] = None
     approx_math: bool = False
+    wy_chunks_per_cta: Optional[int] = None
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -352,6 +360,7 @@ class KernelCall:
     grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
+    wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -473,7 +482,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
-        approx_math=config.approx_math,
+        approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

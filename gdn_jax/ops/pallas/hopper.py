@@ -616,21 +616,25 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     # 16-row slices of them (K = 16)
     sw = 32 if blocked else None
     cc = lambda: _smem((C, C), BF16, sw)
+    # KernelConfig.wy_chunks_per_cta (the compact forward): m consecutive chunks per CTA, the next
+    # chunk's q, k and gates arriving by TMA in a second slot while this one computes
+    per = call.wy_per_cta if compact else 1
+    S = 2 if per > 1 else 1  # TMA slots of q, k (and v), gates
     if compact:  # q's tile takes v, Aqk's staging tile is L hi's
-        scratch = dict(q_s=_smem((C, K), in_dt), k_s=_smem((C, K), in_dt), l_hi=cc(), t_hi=cc())
+        scratch = dict(q_s=_smem((S, C, K), in_dt), k_s=_smem((S, C, K), in_dt), l_hi=cc(), t_hi=cc())
     else:
-        scratch = dict(q_s=_smem((C, K), in_dt), k_s=_smem((C, K), in_dt), v_s=_smem((C, V), in_dt),
+        scratch = dict(q_s=_smem((S, C, K), in_dt), k_s=_smem((S, C, K), in_dt), v_s=_smem((S, C, V), in_dt),
                        a_s=_smem((C, C), BF16), l_hi=cc(), t_hi=cc())
     if lo_any:
         scratch.update(t_lo=cc(), l_lo=cc())
-    scratch["g_s"] = plgpu.SMEM((4, C), F32)
+    scratch["g_s"] = plgpu.SMEM((S, 4, C), F32)
     if backward:
         scratch["do_s"] = _smem((C, V), in_dt)
     if blocked:  # the compressed rounds' T and L (hi, lo)
         scratch.update(tc_hi=_smem((C, 16), BF16), lc_hi=_smem((C, 16), BF16))
         if lo_in:
             scratch.update(tc_lo=_smem((C, 16), BF16), lc_lo=_smem((C, 16), BF16))
-    scratch["bars"] = plgpu.Barrier(num_barriers=5 if backward else 4)
+    scratch["bars"] = [plgpu.Barrier(num_barriers=S) for _ in range(5 if backward else 4)]  # one per source
     in_names = ["q_ref", "k_ref"] + (["v_ref"] if has_v else []) + ["g_ref"] + (["do_ref"] if backward else [])
     if t_form:
         out_names = ["a_ref", "thi_ref", "tlo_ref"] + (["w_ref"] if with_w else [])
@@ -648,24 +652,61 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars = (r.get(x) for x in (
             "q_s", "k_s", "v_s", "a_s", "t_hi", "t_lo", "l_hi", "l_lo", "g_s", "do_s", "bars"))
         small = tuple(r.get(x) for x in ("tc_hi", "tc_lo", "lc_hi", "lc_lo"))
-        bh, c = lax.axis_index("bh"), lax.axis_index("c")
+        bh = lax.axis_index("bh")
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
+        slot_refs = (q_s, k_s, v_s, g_s)
+
+        def sources(c):
+            rows = pl.ds(c * C, C)
+            srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h] if has_v else None,
+                    g_ref.at[bh, c]]
+            return srcs + ([do_ref.at[b, rows, h]] if backward else [])
+
+        def issue(c, slot):  # the chunk's first copies (compact: v after Q K^T, into q's tile)
+            srcs = sources(c)
+            dsts = [x.at[slot] for x in slot_refs] + ([do_s] if backward else [])
+            for i in (0, 1, 3) if compact else range(len(srcs)):
+                plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars[i].at[slot])
+
+        def chunk(c, slot, srcs):
+            chunk_body(bh, c, slot, srcs, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars, small,
+                       do_ref, w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref)
+
+        if per == 1:
+            c = lax.axis_index("c")
+            issue(c, 0)
+            chunk(c, 0, sources(c))
+            return
+        c0 = lax.axis_index("c") * _i32(per)
+        issue(c0, 0)
+
+        def step(t, carry):
+            c, slot = c0 + t, lax.rem(t, _i32(2))
+
+            @pl.when(c < n)
+            def _():
+                # the previous chunk's stores have read their tiles (its slot is the next one's)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                pl.when((t + 1 < per) & (c + 1 < n))(lambda: issue(c + 1, 1 - slot))
+                chunk(c, slot, sources(c))
+            return carry
+
+        lax.fori_loop(_i32(0), _i32(per), step, _i32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    def chunk_body(bh, c, slot, srcs, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars, small,
+                   do_ref, w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref):
+        """One chunk of the WY kernel, its q, k (v), gates tiles in ``slot``."""
         rows = pl.ds(c * C, C)
-        srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h] if has_v else None,
-                g_ref.at[bh, c]]
-        dsts = [q_s, k_s, v_s, g_s]
-        if backward:
-            srcs.append(do_ref.at[b, rows, h])
-            dsts.append(do_s)
-        first = (0, 1, 3) if compact else range(len(srcs))  # compact: v after Q K^T
-        for i in first:
-            plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars.at[i])
+        q_s, k_s, g_s = q_s.at[slot], k_s.at[slot], g_s.at[slot]
+        v_s = q_s if compact else v_s.at[slot]
+        bar = lambda i: bars[i].at[slot] if i < 4 else bars[i].at[0]
         for i in (0, 1, 3) if compact else range(4):
-            plgpu.barrier_wait(bars.at[i])
+            plgpu.barrier_wait(bar(i))
         kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse
-            plgpu.copy_gmem_to_smem(srcs[2], v_s, bars.at[2])
+            plgpu.copy_gmem_to_smem(srcs[2], v_s, bar(2))
         i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
         bcast_r = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
@@ -679,7 +720,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
         if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
-            plgpu.barrier_wait(bars.at[4])
+            plgpu.barrier_wait(bar(4))
             (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
             do_s[...] = dvl.astype(do_s.dtype)
             plgpu.commit_smem()
@@ -733,7 +774,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             return
         # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
         if compact:
-            plgpu.barrier_wait(bars.at[2])
+            plgpu.barrier_wait(bar(2))
         k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
                     * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
         v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
@@ -756,16 +797,16 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
-        fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()), grid=(BH, n),
-                          grid_names=("bh", "c"), **kw)
+        fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
+                          grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
         return dict(zip(("aqk", "t_hi", "t_lo", "w"), fn(q, k, gates)))
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
-    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()), grid=(BH, n),
-                      grid_names=("bh", "c"), **kw)
+    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
+                      grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
     if backward:
         w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
         return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)
