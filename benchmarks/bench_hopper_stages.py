@@ -257,11 +257,17 @@ def main(argv=None):
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
             for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
                 cm = dataclasses.replace(cf, wy_per_cta=m)
-                if wanted(f"fwd WY {m} per CTA") and wu and HF.wy_compact(cm):
-                    line(f"fwd WY {m} per CTA", lambda A, cm=cm: wy_fwd(cm, A), F)
-                if wanted(f"fwd WY T-form {m} per CTA"):
-                    ctm = dataclasses.replace(cm, fwd_form="t")
-                    line(f"fwd WY T-form {m} per CTA", lambda A, ctm=ctm: wy_fwd(ctm, A, t_form=True), F)
+                for label, c1, kw in ((f"fwd WY {m} per CTA", cm, {}),
+                                      (f"fwd WY T-form {m} per CTA", dataclasses.replace(cm, fwd_form="t"),
+                                       dict(t_form=True))):
+                    if not wanted(label) or (not kw and not (wu and HF.wy_compact(cm))):
+                        continue
+                    line(label, lambda A, c1=c1, kw=kw: wy_fwd(c1, A, **kw), F)
+                    # the same values as one chunk per CTA, bit for bit (every output array)
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F)
+                            for c in (c1, dataclasses.replace(c1, wy_per_cta=1)))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    {label}: outputs equal to one chunk per CTA: {same}", flush=True)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
