@@ -10,7 +10,8 @@ Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
 forward WY, the gradient kernel, the whole op: "approx" lines), ``wy_chunks_per_cta=m`` (the forward
-WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``fwd_form="t"``'s WY kernel
+WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``late_o_store=True`` ("late o" lines; whole op
+with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
@@ -62,6 +63,8 @@ def stage_bytes(shape, C=64):
         "fwd WY + T (save_wy)": 3 * Xk + 2 * Xv + 3 * CC,  # + t_hi, t_lo
         "fwd state pass": 3 * Xk + 2 * Xv + CC,  # q, k, w, u, aqk -> o
         "fwd state pass + h, Vn": 3 * Xk + 3 * Xv + CC + HS,  # + h, vn
+        "fwd state pass late o": 3 * Xk + 2 * Xv + CC,
+        "fwd state pass + h, Vn late o": 3 * Xk + 3 * Xv + CC + HS,
         "fwd WY T-form": 2 * Xk + 3 * CC,  # q, k -> aqk, t_hi, t_lo (KernelConfig.fwd_form="t")
         "fwd WY T-form + W": 3 * Xk + 3 * CC,  # + w
         "fwd state T-form": 2 * Xk + 2 * Xv + 3 * CC,  # q, k, v, t_hi, t_lo, aqk -> o
@@ -297,6 +300,10 @@ def main(argv=None):
                     line(f"fwd state pass bv{bv}", lambda A, c2=c2: state_pass(c2, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
+            cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
+            for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
+                if wanted(label) and wu:
+                    line(label, lambda A, kw=kw: state_pass(cl, A, **kw), F)
             # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
             ct = dataclasses.replace(cf, fwd_form="t")
             extra_t = [f"fwd state T-form bv{b}" for b in args.blocks.split(",") if b]
@@ -371,6 +378,8 @@ def main(argv=None):
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")),
                      ("approx math", KC(approx_math=True)), ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
+                     ("late o", KC(late_o_store=True)),
+                     ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),
                      ("no save_wy", KC(save_wy=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]

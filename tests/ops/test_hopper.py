@@ -555,3 +555,23 @@ def test_persistent_wy(form, m):
     assert text.count("custom_call @mosaic_gpu") >= 4
     with pytest.raises(ValueError, match="wy_chunks_per_cta"):
         KernelConfig(wy_chunks_per_cta=0)
+
+
+@pytest.mark.parametrize("form,packed", [("wu", False), ("t", True)])
+def test_late_o_store(form, packed):
+    """``KernelConfig(late_o_store=True)``: the forward state pass stores chunk i's output during
+    chunk i+1's first wgmmas; o, the final state and the gradients equal the default's bit for bit
+    (with ``cu_seqlens`` too, and with ``save_states`` off: no residual stores beside it); it lowers
+    for CUDA."""
+    cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
+    x = make_inputs(seed_of("hopper-late-o", form, packed), 1, 150, 2, 128, 128, dtype=BF16, init=True,
+                    N=3 if packed else None)
+    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=not packed)
+    ref = _run(x, base, cu_seqlens=cu)
+    got = _run(x, dataclasses.replace(base, late_o_store=True), cu_seqlens=cu)
+    pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
+    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, late_o_store=True))
+    assert text.count("custom_call @mosaic_gpu") >= 4
+    with pytest.raises(TypeError, match="late_o_store"):
+        KernelConfig(late_o_store=None)

@@ -50,6 +50,8 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
+_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store")
+_OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +196,11 @@ class KernelConfig:
         TMA slots, the next chunk's arriving while this one computes (its stores waited only until
         they have read their tiles). Same values (the arithmetic per chunk is unchanged). Built
         2026-12-03, not yet run on a GPU.
+      late_o_store: the Hopper forward state pass stores chunk i's output during chunk i+1's first
+        wgmmas (W S / K S and Q S) instead of before chunk i+1 starts: its conversion, shared-memory
+        store, fence and TMA issue leave the S -> S' chain (the output is carried in registers, in
+        the input dtype, for one step). Same values. Default False (built 2026-12-03, not yet run
+        on a GPU).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -272,6 +279,7 @@ class KernelConfig:
     fwd_form: Optional[str] = None
     approx_math: bool = False
     wy_chunks_per_cta: Optional[int] = None
+    late_o_store: bool = False
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -285,10 +293,10 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {type(val).__name__} {val!r}")
             if val not in ok:
                 raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
-        for name in ("fuse_output", "save_t", "merge_state", "save_wy", "save_states", "wy_compact", "approx_math"):
+        for name in _BOOLS + _OPTIONAL_BOOLS:
             val = getattr(self, name)
-            if not (isinstance(val, bool) or (val is None and name not in ("fuse_output", "wy_compact", "approx_math"))):
-                want = "True or False" if name in ("fuse_output", "wy_compact", "approx_math") else "None, True or False"
+            if not (isinstance(val, bool) or (val is None and name in _OPTIONAL_BOOLS)):
+                want = "True or False" if name in _BOOLS else "None, True or False"
                 raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
         for name in _OPTIONAL_INTS + _INTS:
             val = getattr(self, name)
@@ -361,6 +369,7 @@ class KernelCall:
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
+    late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -482,7 +491,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
-        approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1,
+        approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

@@ -90,14 +90,18 @@ def _operand(x):
     return _plgpu().transpose_ref(x.ref, (1, 0)) if isinstance(x, _T) else x
 
 
-def _mmas(specs, interp):
+def _mmas(specs, interp, between=None):
     """Issue the wgmmas ``acc_i (+)= a_i @ b_i`` together, wait, return the accumulators.
 
     ``specs``: (init, a, b) with ``init`` an (M, N) shape (zero accumulator) or a float32 array in
     the wgmma layout (accumulate onto it); ``a`` an SMEM ref, a 16-bit array in the wgmma layout
     (registers) or a tuple of such terms (summed into one accumulator); ``b`` an SMEM ref or
     ``_T(ref)`` (transposed; 16-bit only; float32 operands run as TF32 and need B transposed).
-    Interpret mode computes them with ``jnp``."""
+    ``between``: a function run after the wgmmas are issued and before they are waited for (work
+    that does not touch their operands or accumulators). Interpret mode computes them with
+    ``jnp`` (and runs ``between`` first)."""
+    if between is not None and interp:
+        between()
     norm = [(init, a if isinstance(a, (tuple, list)) else (a,), b if isinstance(b, (tuple, list)) else (b,))
             for init, a, b in specs]
     if interp:
@@ -115,6 +119,8 @@ def _mmas(specs, interp):
         for acc, (_, As, Bs) in zip(accs, norm):
             for a, b in zip(As, Bs):
                 plgpu.wgmma(acc, _operand(a), _operand(b))
+        if between is not None:
+            between()
 
     if all(isinstance(x, tuple) for x, *_ in specs):
         def scoped(*accs):
@@ -352,7 +358,16 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         row = plgpu.Layout.WGMMA.reduce(1)
         bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-        def step(i, S):
+        late = call.late_o and not rec  # KernelConfig.late_o_store: chunk i-1's o leaves during step i's wgmmas
+
+        def store_o(o, j):  # o of chunk j through o_s by TMA
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[...] = o.astype(o_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
+
+        def step(i, carry):
+            S, o_prev = carry if late else (carry, None)
             slot = lax.rem(i, _i32(2))
 
             @pl.when(i + 1 < n)
@@ -376,8 +391,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             if rec:
                 (ws,) = _mmas([((C, bv), x_s.at[slot], s_s)], interp)
             else:
+                prev = (lambda: pl.when(i > 0)(lambda: store_o(o_prev, i - 1))) if late else None
                 ws, qs = _mmas([((C, bv), x_s.at[slot], s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],
-                               interp)
+                               interp, between=prev)
                 if one_q:  # Q S has completed: the next chunk's q lands during the rest of this step
                     pl.when(i + 1 < n)(lambda: fetch_q(i + 1))
             if tf:  # Vn = T (beta V - beta e^gamma (K S)); the scaled residual goes through vs_s
@@ -400,15 +416,19 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 return S
             o0 = qs * bcast(_load(g_s.at[slot, 0], row, interp), qs.shape)
             o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_s[...] = o.astype(o_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(i * C, C), h, vsl])
+            if not late:
+                store_o(o, i)
             if call.packed:
                 pl.when(last)(lambda: store_state(S, seq))
-            return S
+            return (S, o.astype(in_dt)) if late else S
 
-        S = lax.fori_loop(_i32(0), _i32(n), step, S0)
+        if late:
+            o0 = jnp.zeros((C, bv), in_dt)
+            o0 = o0 if interp else plgpu.layout_cast(o0, plgpu.Layout.WGMMA)
+            S, o_last = lax.fori_loop(_i32(0), _i32(n), step, (S0, o0))
+            store_o(o_last, n - 1)
+        else:
+            S = lax.fori_loop(_i32(0), _i32(n), step, S0)
         if not call.packed and not rec:
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
