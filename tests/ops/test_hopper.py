@@ -575,3 +575,14 @@ def test_late_o_store(form, packed):
     assert text.count("custom_call @mosaic_gpu") >= 4
     with pytest.raises(TypeError, match="late_o_store"):
         KernelConfig(late_o_store=None)
+
+
+def test_k256_block_and_reason():
+    """At K = V = 256 the default value block halves until the state pass fits (``hopper.block_for``:
+    32), and an explicit ``bv_state=64`` falls back to Triton with a reason that names the shared
+    memory it needs and a block that fits."""
+    k256 = dict(K=256, V=256, K0=256, V0=256)
+    call = _call(**k256)
+    assert call.mosaic_fwd and call.bv_mosaic == hopper.block_for(call) == 32 and hopper.default_block(4, 256, "interpret") == 64
+    bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
+    assert not bad.mosaic_fwd and "bv_state=32 fits" in hopper.covers(bad)

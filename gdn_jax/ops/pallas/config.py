@@ -68,8 +68,9 @@ class KernelConfig:
     Chunking (tokens per kernel chunk; one of 16, 32, 64, 128; the forward and backward chunks
     must divide one another):
       fwd_chunk: chunk of the forward kernels; None: ``min(chunk_size, cap)`` with the
-        platform's forward cap (GPU: 64 up to head dim 128, 32 above; float32 inputs use the
-        backward's cap).
+        platform's forward cap (GPU: 64 up to head dim 128, 32 above -- 64 up to head dim 256
+        where the Hopper forward is wanted, ``fwd_form`` None or "t", for bf16 inputs with bf16
+        intermediates and the fused output; float32 inputs use the backward's cap).
       bwd_chunk: chunk of the backward kernels (which recompute what the forward did not keep:
         ``save_wy``, ``save_states``);
         None: ``min(chunk_size, cap)`` (GPU: 32; 64 where the Hopper backward is wanted:
@@ -80,10 +81,11 @@ class KernelConfig:
         the unfused output kernel and of the V loop of the gradient kernel; None: automatic
         (state passes: at least ~256 programs on GPU; TPU: V, or 128 when V is a multiple of 128).
         A value above the (padded) V is clipped to V. ``bv_state`` also sets the Hopper state
-        pass's block, as given (16, 32 or 64 dividing V; None: 64, halved on a GPU while
-        B*H*V/bv < 64: :func:`gdn_jax.ops.pallas.hopper.default_block`): another value, one
-        above V included, sends the forward to the Triton kernels (see
-        ``gdn_jax.ops.pallas.forward_kernels``, whose reason names the value and V).
+        pass's block, as given (16, 32 or 64 dividing V, and fitting shared memory; None:
+        :func:`gdn_jax.ops.pallas.hopper.block_for`: 64, halved on a GPU while B*H*V/bv < 64,
+        and halved until the state pass fits shared memory -- 32 at K = 256): another value,
+        one above V included, sends the forward to the Triton kernels (see
+        ``gdn_jax.ops.pallas.forward_kernels``, whose reason names the value).
       bk_grad: key-channel block of the gradient kernel; below K the kernel runs on the grid
         (B*H, chunks, K/bk_grad) (at D = 256 the whole-K kernel spills registers at C = 32);
         None: K up to 128, 128 above (TPU: K).
@@ -181,7 +183,8 @@ class KernelConfig:
         pass 0.131 / + h, Vn 0.170 vs
         0.160 / 0.180 (230 registers: one more dependent wgmma per chunk), whole op fwd 0.295 vs
         0.293, fwd+bwd 1.106 vs 1.087; 2x8192x16x64 fwd 0.310 vs 0.342, fwd+bwd 0.924 vs 0.963;
-        2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370).
+        2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370;
+        0.408 vs 0.367 in the next call, results/hopper_h200/stages_d256_d15482b.txt).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
       approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
         ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
@@ -194,8 +197,10 @@ class KernelConfig:
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,
         ceil(chunks / m)), each CTA looping over m consecutive chunks with q, k and the gates in two
         TMA slots, the next chunk's arriving while this one computes (its stores waited only until
-        they have read their tiles). Same values (the arithmetic per chunk is unchanged). Built
-        2026-12-03, not yet run on a GPU.
+        they have read their tiles). Same values (the arithmetic per chunk is unchanged). Applies
+        where the forward WY runs its compact layout (``wy_compact`` with K == V, or ``fwd_form``
+        "t"); elsewhere (and in the backward's WY) one chunk per CTA. Built 2026-12-03, not yet run
+        on a GPU.
       late_o_store: the Hopper forward state pass stores chunk i's output during chunk i+1's first
         wgmmas (W S / K S and Q S) instead of before chunk i+1 starts: its conversion, shared-memory
         store, fence and TMA issue leave the S -> S' chain (the output is carried in registers, in
@@ -522,9 +527,5 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
     # forward to Triton, and hopper.covers' reason names that value and V
-    bv = config.bv_state or hopper.default_block(call.BH, call.V, call.platform)
-    call = dataclasses.replace(call, bv_mosaic=bv)
-    while config.bv_state is None and bv > 16 and hopper.smem_bytes(call, bv) > hopper.SMEM_BYTES:
-        bv //= 2  # K = 256: the default block halved until the state pass fits shared memory
-        call = dataclasses.replace(call, bv_mosaic=bv)
+    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

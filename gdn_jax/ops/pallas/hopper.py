@@ -177,8 +177,8 @@ def _slot_flags(g_s, slot):
 
 
 def default_block(BH: int, V: int, platform: str = "gpu") -> int:
-    """Default value channels per CTA of the Hopper state passes (``KernelConfig.bv_state``
-    overrides it): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
+    """Value channels per CTA of the Hopper state passes before the shared-memory check of
+    :func:`block_for` (the default, which ``KernelConfig.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
     leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
     chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
     win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
@@ -194,6 +194,16 @@ def single_q(call: KernelCall) -> bool:
     slots of q and k would not leave room for the rest: the next chunk's q is copied once Q S has
     read this one, a whole chunk step ahead of its use)."""
     return call.K > 128
+
+
+def block_for(call: KernelCall) -> int:
+    """The Hopper state pass's default value block for ``call`` (``KernelConfig.bv_state`` None):
+    :func:`default_block`, then halved (down to 16) until :func:`smem_bytes` fits an SM's shared
+    memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32)."""
+    bv = default_block(call.BH, call.V, call.platform)
+    while bv > 16 and smem_bytes(call, bv) > SMEM_BYTES:
+        bv //= 2
+    return bv
 
 
 def smem_bytes(call: KernelCall, bv: int) -> int:
@@ -235,8 +245,13 @@ def covers(call: KernelCall) -> str | None:
             return f"{name} {getattr(call, name)} (needs bfloat16)"
     if call.bv_mosaic not in (16, 32, 64) or call.V % call.bv_mosaic:
         return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
-    if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES or wy_smem_bytes(call) > SMEM_BYTES:
-        return "shared memory"
+    if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
+        fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
+        return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
+                f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"
+                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else ""))
+    if wy_smem_bytes(call) > SMEM_BYTES:
+        return f"shared memory: the WY kernel needs {wy_smem_bytes(call) // 1024} KB of {SMEM_BYTES // 1024} KB"
     return None
 
 
