@@ -15,7 +15,8 @@
 #              BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min); LIMIT_BENCH
 #   breakdown  each kernel alone at the first shape (Triton era; replaced by stages on the H200)
 #   stages     benchmarks/bench_hopper_stages.py, each Hopper kernel alone with its HBM floor
-#              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla")
+#              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla";
+#              STAGES_ONLY adds --only with spaces kept, e.g. "fwd WY approx,late o,pallas")
 #   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
 #   ncu        Nsight Compute's speed-of-light, occupancy, warp-state, scheduler sections and the
 #              per-reason stall ratios for each Hopper kernel run once (NCU_ARGS: bench_hopper_stages
@@ -116,7 +117,7 @@ for s in $STEPS; do
     breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes 0 --reps 20 --no-fla --no-jla \
              --no-chunk 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
     stages) timeout "${LIMIT_STAGES:-240}" python benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0,3,2 --reps 20} \
-             2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
+             ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
     regs) # ptxas' register / spill / shared-memory report of every Hopper kernel (MOSAIC_GPU_DUMP_PTXAS
