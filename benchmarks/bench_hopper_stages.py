@@ -198,7 +198,7 @@ def main(argv=None):
     t_only = [False]  # a shape only fwd_form "t" takes (K = 256): its stages, the whole op, jla
 
     def wanted(name):
-        if t_only[0] and not ("T-form" in name or name in ("pallas", "fwd form t", "jla")):
+        if t_only[0] and not ("T-form" in name or name in ("pallas", "fwd form t", "fwd form wu", "jla")):
             return False
         return not only or any(o in name for o in only)
 
@@ -376,7 +376,7 @@ def main(argv=None):
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
-                     ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")),
+                     ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      ("approx math", KC(approx_math=True)), ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),

@@ -150,7 +150,6 @@ def _call(**kw):
     (dict(in_dt=F32), "bfloat16"),
     (dict(K=256, V=256, K0=256, V0=256, C=32), "chunk 32"),
     (dict(K=128, V=256, K0=128, V0=256, C=32), "chunk 32"),
-    (dict(K=256, V=256, K0=256, V0=256, config=dataclasses.replace(MOSAIC, fwd_form="wu")), "K=256"),
     (dict(K=512, V=512, K0=512, V0=512), "K=512"),
     (dict(K=32, V=32, K0=32, V0=32), "K=32"),
     (dict(config=dataclasses.replace(MOSAIC, mid_dtype="f32")), "mid_dt"),
@@ -497,21 +496,23 @@ def test_fwd_form_t_lowers_for_cuda(grad):
     assert text.count("custom_call @mosaic_gpu") == 2
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fwd_form_t_k256(packed):
-    """K = V = 256 on the Hopper forward (``fwd_form="t"``, the default there: its state pass keeps one q tile,
-    :func:`hopper.single_q`, and the default value block halves to fit shared memory): o and the
-    final state against float64, T not a multiple of the chunk, with an initial state, with and
-    without ``cu_seqlens``; the backward is the platform's (the Hopper backward takes K <= 128)."""
+@pytest.mark.parametrize("packed,form", [(False, None), (True, None), (True, "wu")])
+def test_fwd_form_t_k256(packed, form):
+    """K = V = 256 on the Hopper forward (``fwd_form="t"``, the default there, or "wu": the state
+    pass keeps one q tile -- and in "wu" one W tile --, :func:`hopper.single_q`, and the default
+    value block halves to fit shared memory): o and the final state against float64, T not a
+    multiple of the chunk, with an initial state, with and without ``cu_seqlens``; the backward is
+    the platform's (the Hopper backward takes K <= 128)."""
     T, N = 150, (3 if packed else None)
     cu = jnp.asarray([0, 1, 64, T], jnp.int32) if packed else None
-    x = make_inputs(seed_of("hopper-k256", packed), 1, T, 1, 256, 256, gates="strong", dtype=BF16, init=True, N=N)
-    cfg = MOSAIC  # fwd_form None: "t" where K > 128
+    x = make_inputs(seed_of("hopper-k256", packed, form), 1, T, 1, 256, 256, gates="strong", dtype=BF16, init=True,
+                    N=N)
+    cfg = dataclasses.replace(MOSAIC, fwd_form=form)  # None: "t" where K > 128
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg, cu_seqlens=cu)
     cf, cb = prep.calls
     assert cf.mosaic_fwd and hopper.single_q(cf) and cf.bv_mosaic == 32 and not cb.mosaic_bwd
     assert hopper.smem_bytes(cf, 32) <= hopper.SMEM_BYTES < hopper.smem_bytes(cf, 64)
-    assert cf.fwd_form == "t" and not _mosaic_taken(x, dataclasses.replace(MOSAIC, fwd_form="wu"), cu_seqlens=cu)
+    assert cf.fwd_form == (form or "t")
     o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
                             output_final_state=True, backend="pallas", chunk_size=64, kernel_config=cfg,
                             cu_seqlens=cu)
@@ -519,10 +520,11 @@ def test_fwd_form_t_k256(packed):
     check_close({"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)})
 
 
-def test_fwd_form_t_k256_lowers_for_cuda():
+@pytest.mark.parametrize("form", [None, "wu"])
+def test_fwd_form_t_k256_lowers_for_cuda(form):
     """value_and_grad at K = V = 256 (``fwd_form`` None takes "t"): the Hopper forward (chunk 64, one q tile)
     and the Triton backward lower for CUDA together."""
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic")  # fwd_form None: "t" at K = 256
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form)  # None: "t" at K = 256
     text = cuda_lowering(cfg, D=256, triton=True)
     assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
 

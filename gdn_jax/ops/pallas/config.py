@@ -69,8 +69,8 @@ class KernelConfig:
     must divide one another):
       fwd_chunk: chunk of the forward kernels; None: ``min(chunk_size, cap)`` with the
         platform's forward cap (GPU: 64 up to head dim 128, 32 above -- 64 up to head dim 256
-        where the Hopper forward is wanted, ``fwd_form`` None or "t", for bf16 inputs with bf16
-        intermediates and the fused output; float32 inputs use the backward's cap).
+        where the Hopper forward is wanted, for bf16 inputs with bf16 intermediates and the fused
+        output; float32 inputs use the backward's cap).
       bwd_chunk: chunk of the backward kernels (which recompute what the forward did not keep:
         ``save_wy``, ``save_states``);
         None: ``min(chunk_size, cap)`` (GPU: 32; 64 where the Hopper backward is wanted:
@@ -174,9 +174,10 @@ class KernelConfig:
         wgmma per chunk on the state chain, U's HBM write and read gone -- 134 MB at
         4x4096x16x128 -- and, in a call that is not differentiated, W's too; W is still written
         where the backward reuses it, ``save_states``). The product with T is bf16x2 (T hi + lo
-        against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". Only "t" takes
-        K = 256 on the Hopper forward (a [C, K] W tile per TMA slot would not fit beside q and k;
-        its state pass keeps one q tile there, :func:`gdn_jax.ops.pallas.hopper.single_q`). None
+        against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". At K = 256 the
+        state pass keeps one q tile ("t") or one q and one W tile ("wu", built 2026-12-03, not yet
+        run on a GPU: one dependent wgmma less per chunk than "t", for W and U's HBM traffic),
+        refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.single_q`). None
         (default): "t" where K > 128, else "wu". Measured on one H200 (2026-12-03, code 1d1c827,
         results/hopper_h200/stages_1d1c827.txt, bench_d256_1d1c827.txt, pipelined ms):
         4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
@@ -403,11 +404,11 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
     if (direction == "bwd" and platform == "gpu" and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 64 <= head_dim <= 128 and chunk_size >= 64):
         return 64  # the Hopper backward's chunk (wgmma tiles are 64 rows)
-    if (direction == "fwd" and platform == "gpu" and config.fwd_form in (None, "t") and _mosaic_wanted(config, platform)
+    if (direction == "fwd" and platform == "gpu" and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 128 < head_dim <= 256 and chunk_size >= 64
             and config.fuse_output and config.mid_dtype in ("auto", "bf16")
             and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)):
-        return 64  # the Hopper forward at K = 256 (fwd_form "t"; hopper.covers takes the call)
+        return 64  # the Hopper forward at K = 256 (hopper.covers takes the call)
     if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
         direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
     for d, c in _MAX_CHUNK.get((platform, direction), ()):

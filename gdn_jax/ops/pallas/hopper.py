@@ -190,9 +190,10 @@ def default_block(BH: int, V: int, platform: str = "gpu") -> int:
 
 
 def single_q(call: KernelCall) -> bool:
-    """Whether the forward state pass keeps one q tile instead of two TMA slots (K > 128, where two
-    slots of q and k would not leave room for the rest: the next chunk's q is copied once Q S has
-    read this one, a whole chunk step ahead of its use)."""
+    """Whether the forward state pass keeps one q tile (and, in the "wu" form, one W tile) instead
+    of two TMA slots (K > 128, where two slots of q and k would not leave room for the rest): the
+    next chunk's q (W) is copied once Q S (W S) has read this one, the rest of a chunk step ahead
+    of its use."""
     return call.K > 128
 
 
@@ -212,26 +213,26 @@ def smem_bytes(call: KernelCall, bv: int) -> int:
     :func:`single_q`)."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
+    one = single_q(call)
+    state = K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4  # S (bf16), Vn, e^.. Vn, o, h0 / final
     if call.fwd_form == "t":
-        one_q = single_q(call)
-        per_slot = (1 + (not one_q)) * C * K * isz + 2 * C * C * 2 + C * bv * isz + C * C * 2 + 5 * C * 4
-        per_slot_q = C * K * isz if one_q else 0
-        return 2 * per_slot + per_slot_q + K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4
-    per_slot = 2 * C * K * isz + C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
-    return 2 * per_slot + K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4
+        per_slot = (1 + (not one)) * C * K * isz + 2 * C * C * 2 + C * bv * isz + C * C * 2 + 5 * C * 4
+        return 2 * per_slot + (C * K * isz if one else 0) + state
+    # "wu": q, k, W, U, Aqk, gates per slot (q and W single where single_q)
+    per_slot = (1 + (not one)) * C * K * isz + (not one) * C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
+    return 2 * per_slot + (C * K * isz + C * K * 2 if one else 0) + state
 
 
 def covers(call: KernelCall) -> str | None:
     """None when the Hopper forward kernels take this call, else what they lack (the first that
-    fails of): K in (64, 128), or 256 with ``KernelConfig.fwd_form="t"``; the token layout; the
-    fused output (``fuse_output``); bf16 inputs; a forward kernel chunk of 64 (on GPU:
-    ``chunk_size >= 64`` with head dims <= 128, or <= 256 with ``fwd_form="t"``: the forward's
-    chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
+    fails of): K in (64, 128, 256); the token layout; the fused output (``fuse_output``); bf16
+    inputs; a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 256:
+    the forward's chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
     value block (``KernelConfig.bv_state``, default :func:`default_block`) of 16, 32 or 64
     dividing V; shared memory (:func:`smem_bytes`, :func:`wy_smem_bytes`).
     :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
-    if call.K not in (64, 128) and not (call.K == 256 and call.fwd_form == "t"):
-        return f"K={call.K} (needs 64 or 128; 256 with KernelConfig.fwd_form='t')"
+    if call.K not in (64, 128, 256):
+        return f"K={call.K} (needs 64, 128 or 256)"
     if call.layout != "bthd":
         return f"head-major layout of platform {call.platform!r} (Mosaic GPU runs on 'gpu' or 'interpret')"
     if not call.fuse_output:
@@ -303,14 +304,16 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
     # per-chunk tiles (two TMA slots each), in fetch order
-    one_q = tf and not rec and single_q(call)  # one q tile, refilled once Q S has read it
+    one_q = not rec and single_q(call)  # one q tile, refilled once Q S has read it
+    one_w = not tf and single_q(call)  # "wu": one W tile, refilled once W S has read it
     slots = {} if (rec or one_q) else dict(q_s=_smem((2, C, K), in_dt, sw))
     slots["k_s"] = _smem((2, C, K), in_dt, sw)
     if tf:
         slots.update(th_s=_smem((2, C, C), BF16, sw), tl_s=_smem((2, C, C), BF16, sw),
                      u_s=_smem((2, C, bv), in_dt, sw))  # v's value block
     else:
-        slots.update(w_s=_smem((2, C, K), BF16, sw), u_s=_smem((2, C, bv), BF16, sw))
+        slots.update({} if one_w else dict(w_s=_smem((2, C, K), BF16, sw)))
+        slots.update(u_s=_smem((2, C, bv), BF16, sw))
     if not rec:
         slots["a_s"] = _smem((2, C, C), BF16, sw)
     slots["g_s"] = plgpu.SMEM((2, len(rows_), C), F32)
@@ -321,6 +324,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                    h0_bar=plgpu.Barrier(num_barriers=1))
     if one_q:
         scratch.update(q_s=_smem((C, K), in_dt, sw), q_bar=plgpu.Barrier(num_barriers=1))
+    if one_w:
+        scratch.update(w_s=_smem((C, K), BF16, sw), w_bar=plgpu.Barrier(num_barriers=1))
     in_names = ([] if rec else ["q_ref"]) + ["k_ref"] + (["th_ref", "tl_ref", "v_ref"] if tf else ["w_ref", "u_ref"])
     in_names += ([] if rec else ["a_ref"]) + ["g_ref", "h0_ref"]
     out_names = ["h_ref", "vno_ref"] if rec else ["o_ref", "fin_ref"] + (["h_ref", "vno_ref"] if save_states else [])
@@ -350,6 +355,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         def fetch_q(i):  # single_q: the one q tile
             plgpu.copy_gmem_to_smem(r["q_ref"].at[b, pl.ds(i * C, C), hk], q_s, r["q_bar"])
 
+        def fetch_w(i):  # single_q, "wu": the one W tile
+            plgpu.copy_gmem_to_smem(r["w_ref"].at[bh, pl.ds(i * C, C)], w_s, r["w_bar"])
+
         def load_state(seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
             plgpu.copy_gmem_to_smem(h0_ref.at[bh, seq, :, vsl], f_s, h0_bar)
@@ -365,6 +373,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         fetch(0, 0)
         if one_q:
             fetch_q(0)
+        if one_w:
+            fetch_w(0)
         if call.packed:  # every sequence starts at a chunk flagged "first": S0 is never read
             S0 = jnp.zeros((K, bv), F32) if interp else plgpu.layout_cast(jnp.zeros((K, bv), F32),
                                                                            plgpu.Layout.WGMMA)
@@ -392,6 +402,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             _wait_slot(bars, slot)
             if one_q:
                 plgpu.barrier_wait(r["q_bar"])
+            if one_w:
+                plgpu.barrier_wait(r["w_bar"])
             if call.packed:
                 seq, first, last = _slot_flags(g_s, slot)
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
@@ -402,15 +414,17 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             if keep:
                 plgpu.copy_smem_to_gmem(s_s, h_ref.at[bh, i, :, vsl])
             # W S (or K S for fwd_form "t") and Q S, issued together
-            x_s = k_s if tf else w_s
+            x_s = k_s.at[slot] if tf else (w_s if one_w else w_s.at[slot])
             if rec:
-                (ws,) = _mmas([((C, bv), x_s.at[slot], s_s)], interp)
+                (ws,) = _mmas([((C, bv), x_s, s_s)], interp)
             else:
                 prev = (lambda: pl.when(i > 0)(lambda: store_o(o_prev, i - 1))) if late else None
-                ws, qs = _mmas([((C, bv), x_s.at[slot], s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],
+                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],
                                interp, between=prev)
                 if one_q:  # Q S has completed: the next chunk's q lands during the rest of this step
                     pl.when(i + 1 < n)(lambda: fetch_q(i + 1))
+            if one_w:  # W S has completed: likewise the next chunk's W
+                pl.when(i + 1 < n)(lambda: fetch_w(i + 1))
             if tf:  # Vn = T (beta V - beta e^gamma (K S)); the scaled residual goes through vs_s
                 x = (_load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32)
                      * bcast(_load(g_s.at[slot, 3], row, interp), (C, bv))
