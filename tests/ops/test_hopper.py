@@ -540,41 +540,30 @@ def test_approx_math_lowers_for_cuda():
         KernelConfig(approx_math=1)
 
 
-@pytest.mark.parametrize("form,m", [("wu", 2), ("t", 3)])
-def test_persistent_wy(form, m):
-    """``KernelConfig(wy_chunks_per_cta=m)``: the forward WY kernel looping over m chunks per CTA
-    with q, k and the gates in two TMA slots (a tail CTA where m does not divide the chunks: 150
-    tokens are 3 chunks) gives the one-chunk-per-CTA kernel's o, final state and gradients bit for
-    bit (same arithmetic per chunk), with ``cu_seqlens`` too; it lowers for CUDA."""
-    cu = jnp.asarray([0, 1, 100, 150], jnp.int32)
-    x = make_inputs(seed_of("hopper-wy-persistent", form, m), 1, 150, 2, 128, 128, dtype=BF16, init=True, N=3)
-    base = dataclasses.replace(MOSAIC, fwd_form=form)
+@pytest.mark.parametrize("opt,form,packed", [
+    (dict(wy_chunks_per_cta=2), "wu", True), (dict(wy_chunks_per_cta=3), "t", True),
+    (dict(late_o_store=True), "wu", False), (dict(late_o_store=True), "t", True)])
+def test_scheduling_options_bit_equal(opt, form, packed):
+    """Options that move work, not arithmetic: ``wy_chunks_per_cta=m`` (the forward WY kernel
+    looping over m chunks per CTA with q, k and the gates in two TMA slots; 150 tokens are 3 chunks,
+    so m = 2 leaves a tail CTA) and ``late_o_store`` (the state pass storing chunk i's output during
+    chunk i+1's first wgmmas). o, the final state and the gradients equal the defaults' bit for bit,
+    with ``cu_seqlens`` or with ``save_states`` off, in both forward forms; each lowers for CUDA."""
+    cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
+    x = make_inputs(seed_of("hopper-scheduling", sorted(opt.items()), form, packed), 1, 150, 2, 128, 128, dtype=BF16,
+                    init=True, N=3 if packed else None)
+    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=packed)
     ref = _run(x, base, cu_seqlens=cu)
-    got = _run(x, dataclasses.replace(base, wy_chunks_per_cta=m), cu_seqlens=cu)
+    got = _run(x, dataclasses.replace(base, **opt), cu_seqlens=cu)
     pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
     assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, wy_chunks_per_cta=m))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, **opt))
     assert text.count("custom_call @mosaic_gpu") >= 4
+
+
+def test_scheduling_options_checked():
     with pytest.raises(ValueError, match="wy_chunks_per_cta"):
         KernelConfig(wy_chunks_per_cta=0)
-
-
-@pytest.mark.parametrize("form,packed", [("wu", False), ("t", True)])
-def test_late_o_store(form, packed):
-    """``KernelConfig(late_o_store=True)``: the forward state pass stores chunk i's output during
-    chunk i+1's first wgmmas; o, the final state and the gradients equal the default's bit for bit
-    (with ``cu_seqlens`` too, and with ``save_states`` off: no residual stores beside it); it lowers
-    for CUDA."""
-    cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
-    x = make_inputs(seed_of("hopper-late-o", form, packed), 1, 150, 2, 128, 128, dtype=BF16, init=True,
-                    N=3 if packed else None)
-    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=not packed)
-    ref = _run(x, base, cu_seqlens=cu)
-    got = _run(x, dataclasses.replace(base, late_o_store=True), cu_seqlens=cu)
-    pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
-    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, late_o_store=True))
-    assert text.count("custom_call @mosaic_gpu") >= 4
     with pytest.raises(TypeError, match="late_o_store"):
         KernelConfig(late_o_store=None)
 
@@ -585,6 +574,7 @@ def test_k256_block_and_reason():
     memory it needs and a block that fits."""
     k256 = dict(K=256, V=256, K0=256, V0=256)
     call = _call(**k256)
-    assert call.mosaic_fwd and call.bv_mosaic == hopper.block_for(call) == 32 and hopper.default_block(4, 256, "interpret") == 64
+    assert call.mosaic_fwd and call.bv_mosaic == hopper.block_for(call) == 32
+    assert hopper.default_block(4, 256, "interpret") == 64
     bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
     assert not bad.mosaic_fwd and "bv_state=32 fits" in hopper.covers(bad)
