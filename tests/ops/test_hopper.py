@@ -578,3 +578,16 @@ def test_k256_block_and_reason():
     assert hopper.default_block(4, 256, "interpret") == 64
     bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
     assert not bad.mosaic_fwd and "bv_state=32 fits" in hopper.covers(bad)
+
+
+@pytest.mark.parametrize("K,V,form", [(256, 128, "wu"), (128, 256, "t")])
+def test_k256_mixed_head_dims(K, V, form):
+    """K != V with one of them 256 on the Hopper forward (the WY kernel's separate tiles, W and U
+    formed in column blocks of 128): o and the final state against float64."""
+    x = make_inputs(seed_of("hopper-k256-mixed", K, V, form), 1, 150, 1, K, V, gates="strong", dtype=BF16, init=True)
+    cfg = dataclasses.replace(MOSAIC, fwd_form=form)
+    assert _mosaic_taken(x, cfg)
+    o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
+                            output_final_state=True, backend="pallas", chunk_size=64, kernel_config=cfg)
+    ro, rS = reference(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["S0"])
+    check_close({"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)})

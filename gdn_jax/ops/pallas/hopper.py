@@ -505,17 +505,20 @@ def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp, sequential
     """W = T (beta e^gamma K) and U = T (beta V) as bf16x2 products (``t_pair`` = T's (hi, lo):
     registers or SMEM; ``kb_s``, ``vb_s`` the scaled K and V tiles), written to ``w_dst`` /
     ``u_dst`` by TMA through ``w_s`` and ``vb_s``; waits for every copy of the CTA to land.
-    ``sequential``: W first, then U (one accumulator live at a time; ``w_s`` may be ``kb_s``)."""
+    ``sequential``: W first, then U, each in column blocks of at most 128 (one [C, <= 128]
+    accumulator live at a time; ``w_s`` may be ``kb_s``)."""
     plgpu = _plgpu()
     if sequential:
-        (Wm,) = _mmas([((C, K), t_pair, (kb_s, kb_s))], interp)
-        w_s[...] = Wm.astype(w_s.dtype)  # the W wgmma has completed: kb_s is free
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_s, w_dst)
-        (Um,) = _mmas([((C, V), t_pair, (vb_s, vb_s))], interp)
-        vb_s[...] = Um.astype(vb_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(vb_s, u_dst)
+        for x_s, dst_s, N, dst in ((kb_s, w_s, K, w_dst), (vb_s, vb_s, V, u_dst)):
+            # in column blocks of at most 128 (a [C, 128] float32 accumulator: 64 registers)
+            for c0 in range(0, N, 128):
+                cols = pl.ds(c0, min(128, N))
+                xc = x_s if N <= 128 else x_s.at[:, cols]
+                (Xm,) = _mmas([((C, min(128, N)), t_pair, (xc, xc))], interp)
+                # the wgmma has completed: these columns of x_s are free (W leaves through K's tile)
+                (dst_s if N <= 128 else dst_s.at[:, cols])[...] = Xm.astype(dst_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dst_s, dst)
         plgpu.wait_smem_to_gmem(0)
         return
     Wm, Um = _mmas([((C, K), t_pair, (kb_s, kb_s)), ((C, V), t_pair, (vb_s, vb_s))], interp)
@@ -840,7 +843,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             write_w_u((th, tl), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=True)
         else:
-            write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
+            write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+                      sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
     kw = _kernel_kw(call)
     if t_form:
