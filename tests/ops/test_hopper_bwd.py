@@ -112,10 +112,11 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, BF16) == 64
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, jnp.float16) == 32
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 256, BF16) == 32
-    # the Hopper forward takes K = 256 with fwd_form "t" (the default there) at chunk 64
+    # the Hopper forward takes K = 256 (either form) at chunk 64; Triton's forward cap stays 32
     assert kernel_chunk(cfg, "gpu", "fwd", 64, 256, BF16) == 64
-    assert kernel_chunk(KernelConfig(fwd_form="wu"), "gpu", "fwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(fwd_form="wu"), "gpu", "fwd", 64, 256, BF16) == 64
     assert kernel_chunk(KernelConfig(mid_dtype="f32"), "gpu", "fwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(gpu_kernels="triton"), "gpu", "fwd", 64, 256, BF16) == 32
     assert kernel_chunk(KernelConfig(gpu_kernels="triton"), "gpu", "bwd", 64, 128, BF16) == 32
     monkeypatch.setattr(plat, "is_hopper", lambda: False)
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, BF16) == 32
