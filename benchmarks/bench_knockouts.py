@@ -30,8 +30,8 @@ WY_EDITS = {
                           ("        while (1 << lg) < C:", "        while False:")],
     "no W / U": [("        if compact:  # W leaves through", "        if True:\n            pass\n        elif compact:  # W leaves through"),
                  ("        else:\n            write_w_u((th, tl), k_s, v_s, q_s,", "        elif False:\n            write_w_u((th, tl), k_s, v_s, q_s,")],
-    "W / U with T hi only": [("    (Wm,) = _mmas([((C, K), t_pair, (kb_s, kb_s))], interp)", "    (Wm,) = _mmas([((C, K), t_pair[0], kb_s)], interp)"),
-                             ("    (Um,) = _mmas([((C, V), t_pair, (vb_s, vb_s))], interp)", "    (Um,) = _mmas([((C, V), t_pair[0], vb_s)], interp)")],
+    "W / U with T hi only": [("                (Xm,) = _mmas([((C, min(128, N)), t_pair, (xc, xc))], interp)",
+                              "                (Xm,) = _mmas([((C, min(128, N)), t_pair[0], xc)], interp)")],
 }
 WY_EDITS["no rounds, no W / U"] = WY_EDITS["no inverse rounds"] + WY_EDITS["no W / U"]
 
