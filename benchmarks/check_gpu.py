@@ -9,7 +9,8 @@ Run it whenever the kernels change and commit its output (``results/<name>/check
 Cases (``tests/conftest.make_inputs``; compared with ``tests/reference.py`` in float64 on the same
 rounded inputs): strong and weak gates, FLA's strong-gate grid row (gates -16 .. -35 per token), T not
 a multiple of the chunk, ``cu_seqlens`` with an empty and a length-1 sequence, the initial-state
-gradient, beta in (0, 2) without decay, grouped value heads; bf16 and float32 inputs. For each: rel.
+gradient, beta in (0, 2) without decay, grouped value heads, head dim 256 (with and without
+``cu_seqlens``); bf16 and float32 inputs. For each: rel.
 rms of o, the final state and every gradient, against the suite's tolerances (o, S 5e-3; dq, dk, dv,
 dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16, as the suite), and
 which forward kernels ran (``gdn_jax.ops.pallas.forward_kernels``: hopper / triton / interpret). Exit status 1 if any case fails.
@@ -49,6 +50,9 @@ CASES = [
     ("init-grad", 1, 128, 2, 1, 128, 64, "weak", True, None, False),
     ("beta-near-2", 1, 192, 2, 1, 128, 128, "zero", False, None, True),
     ("gva", 1, 160, 2, 2, 128, 128, "strong", True, None, False),
+    # D 256: the Hopper forward (fwd_form "t" by default there) with the Triton backward
+    ("d256", 1, 200, 2, 1, 256, 256, "strong", True, None, False),
+    ("d256-packed", 1, 230, 1, 1, 256, 256, "weak", True, (0, 100, 100, 101, 230), False),
 ]
 
 
