@@ -699,11 +699,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         r.setdefault("v_s", r["q_s"])  # compact
         r.setdefault("a_s", r["l_hi"])
         q_ref, k_ref, v_ref, g_ref, do_ref = (r.get(x) for x in ("q_ref", "k_ref", "v_ref", "g_ref", "do_ref"))
-        w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref = (r.get(x) for x in (
-            "w_ref", "u_ref", "a_ref", "dvl_ref", "thi_ref", "tlo_ref"))
-        q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars = (r.get(x) for x in (
-            "q_s", "k_s", "v_s", "a_s", "t_hi", "t_lo", "l_hi", "l_lo", "g_s", "do_s", "bars"))
-        small = tuple(r.get(x) for x in ("tc_hi", "tc_lo", "lc_hi", "lc_lo"))
+        q_s, k_s, v_s, g_s, do_s, bars = (r.get(x) for x in ("q_s", "k_s", "v_s", "g_s", "do_s", "bars"))
         bh = lax.axis_index("bh")
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
@@ -721,14 +717,10 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             for i in (0, 1, 3) if compact else range(len(srcs)):
                 plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars[i].at[slot])
 
-        def chunk(c, slot, srcs):
-            chunk_body(bh, c, slot, srcs, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars, small,
-                       do_ref, w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref)
-
         if per == 1:
             c = lax.axis_index("c")
             issue(c, 0)
-            chunk(c, 0, sources(c))
+            chunk_body(r, bh, c, 0, sources(c))
             return
         c0 = lax.axis_index("c") * _i32(per)
         issue(c0, 0)
@@ -741,18 +733,22 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                 # the previous chunk's stores have read their tiles (its slot is the next one's)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 pl.when((t + 1 < per) & (c + 1 < n))(lambda: issue(c + 1, 1 - slot))
-                chunk(c, slot, sources(c))
+                chunk_body(r, bh, c, slot, sources(c))
             return carry
 
         lax.fori_loop(_i32(0), _i32(per), step, _i32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    def chunk_body(bh, c, slot, srcs, q_s, k_s, v_s, a_s, t_hi, t_lo, l_hi, l_lo, g_s, do_s, bars, small,
-                   do_ref, w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref):
-        """One chunk of the WY kernel, its q, k (v), gates tiles in ``slot``."""
+    def chunk_body(r, bh, c, slot, srcs):
+        """One chunk of the WY kernel (``r``: the kernel's refs by name), its q, k (v) and gates
+        tiles in ``slot``, ``srcs`` its GMEM sources."""
+        w_ref, u_ref, a_ref, dvl_ref, thi_ref, tlo_ref, do_s, bars = (r.get(x) for x in (
+            "w_ref", "u_ref", "a_ref", "dvl_ref", "thi_ref", "tlo_ref", "do_s", "bars"))
+        a_s, t_hi, t_lo, l_hi, l_lo = (r.get(x) for x in ("a_s", "t_hi", "t_lo", "l_hi", "l_lo"))
+        small = tuple(r.get(x) for x in ("tc_hi", "tc_lo", "lc_hi", "lc_lo"))
         rows = pl.ds(c * C, C)
-        q_s, k_s, g_s = q_s.at[slot], k_s.at[slot], g_s.at[slot]
-        v_s = q_s if compact else v_s.at[slot]
+        q_s, k_s, g_s = r["q_s"].at[slot], r["k_s"].at[slot], r["g_s"].at[slot]
+        v_s = q_s if compact else r["v_s"].at[slot]
         bar = lambda i: bars[i].at[slot] if i < 4 else bars[i].at[0]
         for i in (0, 1, 3) if compact else range(4):
             plgpu.barrier_wait(bar(i))
