@@ -12,7 +12,8 @@ from ._common import (GateForms, acc_dtype, check_inputs, clamp_log_decay, finis
                       repeat_key_heads, value_group)
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
-AUTO_F32_MIN_DIM = 64  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured)
+AUTO_F32_MIN_DIM = 64  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured) ...
+AUTO_F32_MAX_DIM = 128  # ... up to this one (head dim 256: chunk, measured 2.7x faster)
 
 
 def _pallas_module():
@@ -37,15 +38,18 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
 
     ``"auto"``: ``"pallas"`` on GPU/TPU for 16-bit (bfloat16/float16) inputs its kernels cover,
-    and on GPU for float32 inputs with max(K, V) >= :data:`AUTO_F32_MIN_DIM` (64); else
+    and on GPU for float32 inputs with :data:`AUTO_F32_MIN_DIM` (64) <= max(K, V) <=
+    :data:`AUTO_F32_MAX_DIM` (128); else
     ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
     float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
     XLA's default for float32 matmuls, which the chunk form runs with). Measured on an H200 (JAX
     0.11.2, 2026-12-01, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
     float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass
     TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms (2026-11-30) at d 256
-    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. Smaller float32 heads stay on chunk
-    (not measured).
+    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
+    ``results/hopper_h200/train_*_0ac7196.txt``) pallas, whose float32 path there is the Triton
+    kernels, took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 / 33.6), so float32 heads wider
+    than 128 stay on chunk; smaller float32 heads too (not measured).
 
     Raises:
       ValueError: unknown backend name.
@@ -56,7 +60,7 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     if backend == "auto":
         platform = platform or jax.default_backend()
         gpu = platform in ("gpu", "cuda", "rocm")
-        f32_ok = gpu and jnp.dtype(dtype) == jnp.float32 and max(K, V) >= AUTO_F32_MIN_DIM
+        f32_ok = gpu and jnp.dtype(dtype) == jnp.float32 and AUTO_F32_MIN_DIM <= max(K, V) <= AUTO_F32_MAX_DIM
         if (gpu or platform == "tpu") and (jnp.dtype(dtype).itemsize == 2 or f32_ok):
             try:
                 pl = _pallas_module()

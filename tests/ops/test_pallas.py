@@ -491,11 +491,11 @@ def test_merge_state_policy():
 
 
 def test_auto_backend_policy():
-    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 on GPU from head dim 64
-    (1-pass TF32 kernels, measured faster than chunk in an H200 training step), chunk for smaller
-    float32 heads and for float32 on TPU."""
+    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 on GPU at head dims 64 to
+    128 (1-pass TF32 kernels, measured faster than chunk in an H200 training step), chunk for smaller
+    and wider (256: measured slower) float32 heads and for float32 on TPU."""
     from gdn_jax.ops import resolve_backend
-    from gdn_jax.ops.gated_delta_rule import AUTO_F32_MIN_DIM
+    from gdn_jax.ops.gated_delta_rule import AUTO_F32_MAX_DIM, AUTO_F32_MIN_DIM
 
     ok = GateForms(False, False)
     kw = dict(chunk_size=64, K=64, V=64)
@@ -508,6 +508,9 @@ def test_auto_backend_policy():
     small = dict(chunk_size=64, K=AUTO_F32_MIN_DIM // 2, V=AUTO_F32_MIN_DIM // 2)
     assert resolve_backend("auto", ok, dtype=F32, platform="gpu", **small) == "chunk"
     assert resolve_backend("auto", ok, dtype=F32, platform="gpu", chunk_size=64, K=32, V=128) == "pallas"
+    wide = dict(chunk_size=64, K=2 * AUTO_F32_MAX_DIM, V=2 * AUTO_F32_MAX_DIM)
+    assert resolve_backend("auto", ok, dtype=F32, platform="gpu", **wide) == "chunk"
+    assert resolve_backend("auto", ok, dtype=BF16, platform="gpu", **wide) == "pallas"  # 16-bit: still pallas
     assert resolve_backend("auto", ok, dtype=F32, platform="cpu", **kw) == "chunk"
     assert resolve_backend("auto", ok, dtype=BF16, platform="cpu", **kw) == "chunk"
     assert resolve_backend("pallas", ok, dtype=F32, platform="gpu", **kw) == "pallas"  # explicit: still runs
