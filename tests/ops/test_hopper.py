@@ -530,11 +530,12 @@ def test_fwd_form_t_k256_lowers_for_cuda(form):
 
 
 def test_approx_math_lowers_for_cuda():
-    """``KernelConfig(approx_math=True)``: every Hopper kernel compiled with Mosaic GPU's
+    """``KernelConfig(approx_math=True)`` (the default): every Hopper kernel compiled with Mosaic GPU's
     ``approx_math`` (exp as ``ex2.approx``) lowers for CUDA, and the option reaches the kernels (the
-    lowered module differs from the default's); interpret mode ignores it (same values)."""
-    on = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", approx_math=True))
-    off = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic"))
+    lowered module differs from ``approx_math=False``'s); interpret mode ignores it (same values)."""
+    assert KernelConfig().approx_math and KernelConfig().late_o_store  # the defaults since 2026-12-03
+    on = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic"))
+    off = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", approx_math=False))
     assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") >= 4 and on != off
     with pytest.raises(TypeError, match="approx_math"):
         KernelConfig(approx_math=1)
@@ -547,12 +548,13 @@ def test_scheduling_options_bit_equal(opt, form, packed):
     """Options that move work, not arithmetic: ``wy_chunks_per_cta=m`` (the forward WY kernel
     looping over m chunks per CTA with q, k and the gates in two TMA slots; 150 tokens are 3 chunks,
     so m = 2 leaves a tail CTA) and ``late_o_store`` (the state pass storing chunk i's output during
-    chunk i+1's first wgmmas). o, the final state and the gradients equal the defaults' bit for bit,
-    with ``cu_seqlens`` or with ``save_states`` off, in both forward forms; each lowers for CUDA."""
+    chunk i+1's first wgmmas; the default, compared here with it off). o, the final state and the
+    gradients equal bit for bit with the option on and off, with ``cu_seqlens`` or with
+    ``save_states`` off, in both forward forms; each lowers for CUDA."""
     cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
     x = make_inputs(seed_of("hopper-scheduling", sorted(opt.items()), form, packed), 1, 150, 2, 128, 128, dtype=BF16,
                     init=True, N=3 if packed else None)
-    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=packed)
+    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=packed, wy_chunks_per_cta=None, late_o_store=False)
     ref = _run(x, base, cu_seqlens=cu)
     got = _run(x, dataclasses.replace(base, **opt), cu_seqlens=cu)
     pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
