@@ -12,7 +12,7 @@ from ._common import (GateForms, acc_dtype, check_inputs, clamp_log_decay, finis
                       repeat_key_heads, value_group)
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
-AUTO_F32_MIN_DIM = 64  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured) ...
+AUTO_F32_MIN_DIM = 32  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured) ...
 AUTO_F32_MAX_DIM = 128  # ... up to this one (head dim 256: chunk, measured 2.7x faster)
 
 
@@ -38,7 +38,7 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
 
     ``"auto"``: ``"pallas"`` on GPU/TPU for 16-bit (bfloat16/float16) inputs its kernels cover,
-    and on GPU for float32 inputs with :data:`AUTO_F32_MIN_DIM` (64) <= max(K, V) <=
+    and on GPU for float32 inputs with :data:`AUTO_F32_MIN_DIM` (32) <= max(K, V) <=
     :data:`AUTO_F32_MAX_DIM` (128); else
     ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
     float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
@@ -49,7 +49,9 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
     ``results/hopper_h200/train_*_0ac7196.txt``) pallas, whose float32 path there is the Triton
     kernels, took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 / 33.6), so float32 heads wider
-    than 128 stay on chunk; smaller float32 heads too (not measured).
+    than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03, ``train_d64_*_4061e56.txt``) pallas
+    took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56). Float32 heads below 32 stay on chunk
+    (not measured).
 
     Raises:
       ValueError: unknown backend name.

@@ -491,7 +491,7 @@ def test_merge_state_policy():
 
 
 def test_auto_backend_policy():
-    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 on GPU at head dims 64 to
+    """``auto``: pallas on GPU/TPU for the 16-bit calls it covers; float32 on GPU at head dims 32 to
     128 (1-pass TF32 kernels, measured faster than chunk in an H200 training step), chunk for smaller
     and wider (256: measured slower) float32 heads and for float32 on TPU."""
     from gdn_jax.ops import resolve_backend
