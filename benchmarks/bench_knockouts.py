@@ -9,6 +9,7 @@ interpret mode on CPU (a smoke test: the edits still apply to today's kernel sou
 
     python benchmarks/bench_knockouts.py --kernel wy      # forward WY + T, 4x4096x16x128
     python benchmarks/bench_knockouts.py --kernel grads   # the two-warpgroup gradient kernel
+    python benchmarks/bench_knockouts.py --kernel state --shape 1x16384x16x128   # forward state pass
     python benchmarks/bench_knockouts.py --kernel wy --interpret
 
 Used for results/hopper_h200/wy_knockouts_74f1d5d.txt (session 20).
@@ -47,6 +48,34 @@ GRAD_EDITS = {
          "    (dx,) = _mmas([((C, K), (_T(th_s),), (dw_s,))], interp)")],
 }
 
+# the forward state pass ("wu" form, K <= 128), one chunk step = S -> s_s -> W S, Q S -> Vn -> vn_s,
+# vs_s -> Aqk Vn, K^T vs -> S': which part of the ~2 us per step is the chain, which the rest
+_NO_OUT = [("                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],\n"
+            "                               interp, between=prev)",
+            "                (ws,) = _mmas([((C, bv), x_s, s_s)], interp, between=prev)\n                qs = ws"),
+           ("            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)",
+            "            (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
+_NO_O_STORE = [("            o_s[...] = o.astype(o_s.dtype)\n            plgpu.commit_smem()\n"
+                "            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
+                "            pass")]
+_NO_WAIT = [("            _wait_slot(bars, slot)\n            if one_q:", "            if one_q:")]
+_NO_FETCH = [("            @pl.when(i + 1 < n)\n            def _():\n                fetch(i + 1, 1 - slot)\n",
+              "")] + _NO_WAIT
+STATE_EDITS = {
+    "base": [],
+    "no o store": _NO_O_STORE,
+    "no Q S, Aqk Vn (chain + store)": _NO_OUT,
+    "S chain only (no Q S, Aqk Vn, o)": _NO_OUT + _NO_O_STORE,
+    "no slot waits": _NO_WAIT,
+    "no loads after the first": _NO_FETCH,
+    "S chain only, no loads": _NO_OUT + _NO_O_STORE + _NO_FETCH,
+    "no S store (W S reads stale)": [("            s_s[...] = S.astype(BF16)\n            plgpu.commit_smem()\n"
+                                      "            if keep:\n                plgpu.copy_smem_to_gmem(s_s, h_ref",
+                                      "            if keep:\n                plgpu.copy_smem_to_gmem(s_s, h_ref")],
+    "no Vn stores (stale vn_s, vs_s)": [("            vn_s[...] = vn.astype(BF16)\n            vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)\n"
+                                         "            plgpu.commit_smem()\n", "")],
+}
+
 
 def edited_module(module, edits, name):
     """``module``'s source with ``edits`` applied, exec'd as a module of the same package; raises
@@ -66,7 +95,7 @@ def edited_module(module, edits, name):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=("wy", "grads"), default="wy")
+    ap.add_argument("--kernel", choices=("wy", "grads", "state"), default="wy")
     ap.add_argument("--shape", default="4x4096x16x128", help="BxTxHxD (K = V = D)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test at 1x128x1x64 (times meaningless)")
@@ -91,6 +120,15 @@ def main(argv=None):
 
         def run(M):
             return M.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], save_t=True)
+    elif args.kernel == "state":  # the forward state pass, from the forward WY's W, U, Aqk
+        call, kargs = prep.kernel_args("fwd")
+        A = dict(zip(names, kargs))
+        A.update(jax.jit(lambda A: HF.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"]))(A))
+        module, edits, keys = HF, STATE_EDITS, ("o", "final")
+
+        def run(M):
+            return M.forward_states_and_output(call, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                                               A["q"], A["eg"], A["aqk"])
     else:
         call, kargs = prep.kernel_args("bwd")
         A = dict(zip(names, kargs))
@@ -106,7 +144,7 @@ def main(argv=None):
         def run(M):
             return M.chunk_grads(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
                                  A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
-    on = call.mosaic_fwd if args.kernel == "wy" else call.mosaic_bwd
+    on = call.mosaic_fwd if args.kernel in ("wy", "state") else call.mosaic_bwd
     print(jax.__version__, jax.devices()[0].device_kind, shape, args.kernel, "on the Hopper kernels:", on, flush=True)
     if not on:
         return 1
