@@ -47,9 +47,9 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass
     TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms (2026-11-30) at d 256
     (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
-    ``results/hopper_h200/train_*_0ac7196.txt``) pallas, whose float32 path there is the Triton
-    kernels, took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 / 33.6), so float32 heads wider
-    than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03, ``train_d64_*_4061e56.txt``) pallas
+    ``results/hopper_h200/train_*_0ac7196.txt``) pallas (float32 runs the Triton kernels at every
+    head dim; the Hopper kernels take bf16) took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 /
+    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03, ``train_d64_*_4061e56.txt``) pallas
     took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56). Float32 heads below 32 stay on chunk
     (not measured).
 
@@ -150,8 +150,9 @@ def gated_delta_rule(
       backend: ``"scan"`` (token-by-token ``lax.scan``: the oracle, every gate form),
         ``"chunk"`` (WY/UT chunked matmuls; per-head or per-key-channel g, per-head beta),
         ``"pallas"`` (Pallas kernels of the chunked form; see its module for coverage) or
-        ``"auto"`` (pallas on GPU/TPU for bfloat16/float16 inputs it covers, scan for
-        per-value-channel beta, chunk otherwise -- float32 included: see :func:`resolve_backend`).
+        ``"auto"`` (pallas on GPU/TPU for the bfloat16/float16 inputs it covers and on GPU for
+        float32 inputs with 32 <= max(K, V) <= 128, scan for per-value-channel beta, chunk
+        otherwise: see :func:`resolve_backend`).
       mask_nonfinite: make a NaN / inf input unable to reach back in time (default off).
         Off, non-finite inputs are not masked: a NaN or +inf in k, v, g or beta at token t makes
         the final state NaN and, through the chunk's matmuls (a zero weight times NaN is NaN), every
