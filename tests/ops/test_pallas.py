@@ -262,6 +262,22 @@ def test_bf16_near_beta_two_without_decay(mid):
         assert max(errs["o"], errs["S"]) <= 1e-2 and max(errs[k] for k in ("dq", "dk", "dv")) <= 1.2e-2, errs
 
 
+def test_bf16_d256_strong_gates_small_dg():
+    """K = V = 256, bf16, strong gates, an initial state, T 200 at chunk 64 (benchmarks/check_gpu.py's
+    "d256" case). On a typical draw every output and gradient meets the suite's bf16 tolerances. The
+    check's own draw is the one where dg itself is smallest (RMS 1.2e-2 against 0.03-0.25 on ten
+    others): its relative dg error is 2.4e-2 in interpret mode (README, Precision), an absolute RMS
+    error of ~3e-4; held here to 3e-2 relative and 5e-4 absolute, the other gradients to the suite's."""
+    x = make(_seed("d256-edge", 4), 1, 200, 2, 256, 256, gates="strong", dtype=BF16, init=True)
+    check(run(x, chunk_size=64), ref(x))
+    x = make_inputs(seed_of("check_gpu", "d256"), 1, 200, 2, 256, 256, gates="strong", dtype=BF16, init=True)
+    o, S, gr = run(x, chunk_size=64)
+    ro, rS, rg = ref(x)
+    dg, rdg = np.asarray(gr["g"], np.float64), rg["g"]
+    assert rel_rms(dg, rdg) <= 3e-2 and np.sqrt(np.mean((dg - rdg) ** 2)) <= 5e-4, rel_rms(dg, rdg)
+    check((o, S, {n: v for n, v in gr.items() if n != "g"}), (ro, rS, rg))
+
+
 def test_initial_state_gradient():
     """d initial_state exists, is not detached, and matches the reference
     and a central finite difference along a random direction."""
