@@ -47,6 +47,18 @@ GRAD_EDITS = {
         ("    (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)",
          "    (dx,) = _mmas([((C, K), (_T(th_s),), (dw_s,))], interp)")],
 }
+# the two-warpgroup kernel's HBM traffic: its tile loads (and their waits) or its result stores
+# removed -- one chunk per CTA, one CTA per SM, so a chunk's loads do not overlap its compute
+_G_NO_LOADS = [("            for i in which:\n                plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars.at[i])",
+                "            for i in ():\n                plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars.at[i])"),
+               ("                    plgpu.barrier_wait(bars.at[i])\n                    waited.add(i)",
+                "                    waited.add(i)")]
+_G_NO_STORES = [("            plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])", "            pass"),
+                ("            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])\n"
+                 "            plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])", "            pass"),
+                ("            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])", "            pass")]
+GRAD_EDITS.update({"no tile loads (garbage in)": _G_NO_LOADS, "no result stores": _G_NO_STORES,
+                   "no loads, no stores (compute only)": _G_NO_LOADS + _G_NO_STORES})
 
 # the forward state pass ("wu" form, K <= 128), one chunk step = S -> s_s -> W S, Q S -> Vn -> vn_s,
 # vs_s -> Aqk Vn, K^T vs -> S': which part of the ~2 us per step is the chain, which the rest
