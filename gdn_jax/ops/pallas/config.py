@@ -194,8 +194,8 @@ class KernelConfig:
         (Nsight Compute, results/hopper_h200/ncu_kernels_b284d0d.txt). Default True (from
         2026-12-03): H200, 4x4096x16x128, pipelined (results/hopper_h200/stages_s02_options_0ac7196.txt)
         forward WY 0.160 -> 0.157 ms, whole op fwd 0.293 -> 0.282, fwd+bwd 1.099 -> 1.081;
-        check_gpu bf16 (check_gpu_0ac7196.txt, with late_o_store and wy_chunks_per_cta=4) the same
-        errors as without it to the printed digits in every case it reached (7 of 10).
+        check_gpu bf16 of the new defaults 10 of 10 (check_gpu_4061e56.txt), the same errors as
+        without it to the printed digits.
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,
