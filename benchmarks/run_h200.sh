@@ -29,7 +29,7 @@
 #   profile    the MQAR training step's top device kernels (bench_train_step.py --profile;
 #              PROFILE_ARGS replaces its mixers / widths, e.g. "--mixers gla mamba2 --d_models 128")
 #   knock      benchmarks/bench_knockouts.py (KNOCK_ARGS, default "--kernel state": the forward state
-#              pass with parts of its chunk step removed, each timed)
+#              pass with parts of its chunk step removed, each timed; several runs separated by ';')
 #   gla        benchmarks/bench_gla_gram.py, the GLA chunk form's decay Gram: library vs fused variant
 #   fillers    experiments/attention_fillers.py (FILLERS_ARGS adds its flags); json + png come back
 #   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto
@@ -147,9 +147,11 @@ for s in $STEPS; do
          timeout "${LIMIT_FILLERS:-400}" python experiments/attention_fillers.py --out "$OUT/attention_fillers" \
              ${FILLERS_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/attention_fillers.txt" | tail -5 ;;
     knock) # benchmarks/bench_knockouts.py: a Hopper kernel with parts removed, each variant timed
-          # (KNOCK_ARGS, e.g. "--kernel state --shape 1x16384x16x128"; kernels wy, grads, state)
-          timeout "${LIMIT_KNOCK:-200}" python benchmarks/bench_knockouts.py ${KNOCK_ARGS:---kernel state} \
-             2>&1 | grep -v -i warning | tee "$OUT/knockouts.txt" | tail -3 ;;
+          # (KNOCK_ARGS: one run's flags, or several runs' separated by ';', e.g. "--kernel state
+          # --shape 1x16384x16x128; --kernel grads"; kernels wy, grads, state); LIMIT_KNOCK bounds all
+          IFS=';' read -ra knock_runs <<< "${KNOCK_ARGS:---kernel state}"
+          timeout "${LIMIT_KNOCK:-200}" bash -c 'for a in "$@"; do python benchmarks/bench_knockouts.py $a; done' _ \
+             "${knock_runs[@]}" 2>&1 | grep -v -i warning | tee "$OUT/knockouts.txt" | tail -3 ;;
     gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -3 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py --mixers gdn deltanet --d_models 128 256 \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
@@ -158,7 +160,7 @@ done
 [ -n "$bg" ] && wait $bg
 echo "=== tables"
 for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages knockouts train_auto bench_loop regs profile_step; do
-  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ] || [ $f = knockouts ]; then tail -40 "$OUT/$f.txt"; else
+  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ] || [ $f = knockouts ]; then tail -60 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
 true  # the script's status is not its last table's test
