@@ -582,12 +582,23 @@ def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags
     return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
 
 
+def reverse_single_tiles(call: KernelCall) -> bool:
+    """Whether :func:`reverse_states` keeps q, k and W in one tile each instead of two TMA slots
+    (K > 128, where two slots of the three [C, K] tiles alone would take 192 KB): k is refilled as
+    soon as K dS has read it, q and W once the chunk's last wgmma has, so the next chunk's copies
+    land during the rest of this step (k) or during the whole next step until its last wgmma (q, W)."""
+    return call.K > 128
+
+
 def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
     """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
-    with the Aqk tile that forms dVl in the kernel instead of a dVl tile)."""
+    with the Aqk tile that forms dVl in the kernel instead of a dVl tile; q, k, W single where
+    :func:`reverse_single_tiles`)."""
     C, K = call.C, call.K
-    per_slot = 3 * C * K * 2 + (C * C if own_dvl else C * bv) * 2 + C * bv * 2 + 3 * C * 4
-    return 2 * per_slot + 2 * K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
+    kw_tiles = 3 * C * K * 2
+    one = reverse_single_tiles(call)
+    per_slot = (0 if one else kw_tiles) + (C * C if own_dvl else C * bv) * 2 + C * bv * 2 + 3 * C * 4
+    return 2 * per_slot + (kw_tiles if one else 0) + 2 * K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
 
 
 def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
@@ -603,7 +614,9 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
     plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
     last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
-which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
+    which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step). At K > 128
+    (:func:`reverse_single_tiles`) q, k and W have one tile each, refilled as soon as this chunk's
+    wgmmas have read them.
     With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
     ``dh0[seq]`` is written after its first.
 
@@ -617,6 +630,7 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     if (aqk is None) == (dvl is None):
         raise ValueError("reverse_states: pass exactly one of dvl and aqk")
     own_dvl = aqk is not None
+    one = reverse_single_tiles(call)
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -629,20 +643,33 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
     WG = plgpu.Layout.WGMMA
 
     def body(q_ref, k_ref, w_ref, dvl_ref, do_ref, g_ref, df_ref, h_ref, dh_ref, dvn_ref, dh0_ref, dd_ref,
-             q_s, k_s, w_s, dvl_s, do_s, g_s, hs_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar, h_bar):
+             q_s, k_s, w_s, dvl_s, do_s, g_s, hs_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar, h_bar,
+             *single_bars):
         bh = lax.axis_index("bh")
         vb = lax.axis_index("vb")
         vsl = pl.ds(vb * bv, bv)
         b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(hh, _i32(G)) if G > 1 else hh
+        # the K-wide tiles: one per TMA slot, or (single tiles) one each with a barrier of its own
+        tile = (lambda ref, slot: ref) if one else (lambda ref, slot: ref.at[slot])
+
+        def kw_sources(i):
+            rows = pl.ds(i * C, C)
+            return q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows]
 
         def fetch(i, slot):
             rows = pl.ds(i * C, C)
-            srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows],
-                    dvl_ref.at[bh, i] if own_dvl else dvl_ref.at[bh, rows, vsl],  # Aqk or dVl
+            srcs = (dvl_ref.at[bh, i] if own_dvl else dvl_ref.at[bh, rows, vsl],  # Aqk or dVl
                     do_ref.at[b, rows, hh, vsl], g_ref.at[bh, i])
-            for src, dst, bar in zip(srcs, (q_s, k_s, w_s, dvl_s, do_s, g_s), bars):
+            dsts = (dvl_s, do_s, g_s)
+            if not one:
+                srcs, dsts = kw_sources(i) + srcs, (q_s, k_s, w_s) + dsts
+            for src, dst, bar in zip(srcs, dsts, bars):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+        def fetch_single(i, which):  # single tiles: 0 = q, 1 = k, 2 = W
+            for x in which:
+                plgpu.copy_gmem_to_smem(kw_sources(i)[x], (q_s, k_s, w_s)[x], single_bars[x])
 
         def load_state(seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -657,6 +684,8 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
             plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
 
         fetch(n - 1, 0)
+        if one:
+            fetch_single(n - 1, (0, 1, 2))
         dS0 = _zeros((K, bv), interp) if call.packed else load_state(0)
 
         def step(jj, dS):
@@ -670,6 +699,8 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
                 fetch(i - 1, 1 - slot)
 
             _wait_slot(bars, slot)
+            if one:
+                plgpu.barrier_wait(single_bars[1])  # k (q and W are waited for before the last wgmma)
             if call.packed:
                 seq, first, last = _slot_flags(g_s, slot)
                 dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
@@ -678,10 +709,13 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
             if own_dvl:  # dVl = Aqk^T dO with K dS (dvl_s holds this chunk's Aqk)
-                kd, dvl = _mmas([((C, bv), k_s.at[slot], ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])], interp)
+                kd, dvl = _mmas([((C, bv), tile(k_s, slot), ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])],
+                                interp)
             else:
-                (kd,) = _mmas([((C, bv), k_s.at[slot], ds_s)], interp)
+                (kd,) = _mmas([((C, bv), tile(k_s, slot), ds_s)], interp)
                 dvl = _load(dvl_s.at[slot], WG, interp).astype(F32)
+            if one:  # K dS has read k: the previous chunk's lands during the rest of this step
+                pl.when(i > 0)(lambda: fetch_single(i - 1, (1,)))
             row = WG.reduce(1)
             e_end = _load(g_s.at[slot, 1], row, interp)
             e_o = _load(g_s.at[slot, 0], row, interp)
@@ -695,7 +729,13 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
             plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
-            (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(q_s.at[slot]), _T(w_s.at[slot])), (dos_s, ndvn_s))], interp)
+            if one:
+                plgpu.barrier_wait(single_bars[0])
+                plgpu.barrier_wait(single_bars[2])
+            (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
+                          interp)
+            if one:  # the last wgmma has read q and W: the previous chunk's land during its next step
+                pl.when(i > 0)(lambda: fetch_single(i - 1, (0, 2)))
             if call.packed:
                 pl.when(first)(lambda: store_state(dS, seq))
             return dS
@@ -706,13 +746,16 @@ which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step).
         plgpu.wait_smem_to_gmem(0)
 
     sw = min(128, 2 * bv)
-    scratch = [_smem((2, C, K), in_dt, sw), _smem((2, C, K), in_dt, sw), _smem((2, C, K), BF16, sw),
+    lead = () if one else (2,)  # the K-wide tiles' leading slot axis (none: single tiles)
+    scratch = [_smem(lead + (C, K), in_dt, sw), _smem(lead + (C, K), in_dt, sw), _smem(lead + (C, K), BF16, sw),
                _smem((2, C, C if own_dvl else bv), BF16, sw), _smem((2, C, bv), in_dt, sw),
                plgpu.SMEM((2, 3, C), F32),
                _smem((K, bv), BF16, sw), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
                _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((K, bv), F32), plgpu.SMEM((K,), F32),
-               [plgpu.Barrier(num_barriers=2) for _ in range(6)], plgpu.Barrier(num_barriers=1),
+               [plgpu.Barrier(num_barriers=2) for _ in range(3 if one else 6)], plgpu.Barrier(num_barriers=1),
                plgpu.Barrier(num_barriers=1)]
+    if one:
+        scratch += [plgpu.Barrier(num_barriers=1) for _ in range(3)]  # q, k, W
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
     kw = _kernel_kw(call)
