@@ -198,7 +198,8 @@ def main(argv=None):
     t_only = [False]  # a shape only fwd_form "t" takes (K = 256): its stages, the whole op, jla
 
     def wanted(name):
-        if t_only[0] and not ("T-form" in name or name in ("pallas", "fwd form t", "fwd form wu", "jla")):
+        if t_only[0] and not ("T-form" in name or "K256" in name or "[triton]" in name
+                              or name in ("pallas", "fwd form t", "fwd form wu", "jla")):
             return False
         return not only or any(o in name for o in only)
 
@@ -372,6 +373,28 @@ def main(argv=None):
                     line(name, fn, Bk)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
+                if cf.mosaic_fwd and cf.K > 128:
+                    # K = 256: the Triton backward's stages at its own chunk, and the Hopper reverse
+                    # pass at K = 256 (single q, k, W tiles; built, not wired) on the Hopper forward's
+                    # residuals at chunk 64 -- what a D = 256 Hopper backward would replace
+                    pad_b = cb.Tp - x["do"].shape[1]
+                    do_b = jnp.pad(x["do"], ((0, 0), (0, pad_b), (0, 0), (0, 0)))
+                    if cb.layout != "bthd":
+                        do_b = jnp.moveaxis(do_b, 2, 1).reshape(cb.BH, -1, cb.V)
+                    if any(wanted(f"{nm} [triton]") for nm in ("bwd WY (+dVl)", "bwd local grads")):
+                        for nm, ms, mb, gbs in bp._bwd_steps(prep, do_b, args.reps):
+                            if wanted(f"{nm} [triton]"):
+                                print(f"  {nm + ' [triton]':<22} {ms:.3f} ms  [{mb:.0f} MB, {gbs:.0f} GB/s]", flush=True)
+                    if wanted("bwd reverse K256 [hopper, unwired]"):
+                        fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
+                              F["h0"], F["fl"])
+                        _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True))(*fa)
+                        pad_f = cf.Tp - x["do"].shape[1]
+                        R = dict(F, **sv, do=jnp.pad(x["do"], ((0, 0), (0, pad_f), (0, 0), (0, 0))),
+                                 dfin=jnp.zeros(F["h0"].shape, jnp.float32))
+                        line("bwd reverse K256 [hopper, unwired]", lambda A: HB.reverse_states(
+                            cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
+                            A["fl"], aqk=A["aqk"]), R)
             whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)), ("wy separate", KC(wy_compact=False)),
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),

@@ -327,7 +327,8 @@ def _in_bytes(name, cfg):
     hb = BH * n * K * V * m
     o = jnp.dtype(cfg.out_dt).itemsize
     aq = BH * n * cfg.C * cfg.C * o
-    name = name.replace(" [hopper]", "").replace("(+dVl, T)", "(+dVl)").replace("recompute h", "state pass (recompute h)")
+    name = name.replace(" [hopper]", "").replace("(+dVl, T)", "(+dVl)").replace("bwd recompute h",
+                                                                                 "bwd state pass (recompute h)")
     return {
         "fwd WY (W, U, Aqk)": 2 * tok(K, i) + tok(V, i) + 4 * sc,
         "fwd state pass + output": tok(K, m) + tok(V, u) + 2 * tok(K, i) + 3 * sc + aq,

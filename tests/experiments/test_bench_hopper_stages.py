@@ -31,6 +31,21 @@ def test_bench_hopper_stages_interpret():
     assert not re.search(r"fwd WY +[0-9]", text) and "pallas" not in text  # --only filters the rest
 
 
+def test_bench_hopper_stages_k256_backward_lines():
+    """At K = 256 (the backward not on the Hopper kernels) the script prints the Triton backward's
+    stages and the unwired Hopper reverse pass on the Hopper forward's residuals."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
+                          "--shapes", "1x70x1x256", "--reps", "1", "--only", "K256,[triton]"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    text = res.stdout
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    for name in ("bwd WY (+dVl) [triton]", "bwd reverse state pass [triton]", "bwd local grads [triton]"):
+        assert re.search(re.escape(name) + r" +[0-9.]+ ms", text), (name, text)
+    assert re.search(r"bwd reverse K256 \[hopper, unwired\] +[0-9.]+ \(per call", text), text
+
+
 def test_summarize_timeline():
     """bench_hopper_stages --timeline's arithmetic on synthetic kernel events: two calls 5 ms apart,
     each two kernels (10 us and 20 us) with a 5 us gap; host wall 0.1 ms per call."""
