@@ -10,19 +10,25 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _stages(shape, only):
+    """stdout of ``bench_hopper_stages.py --interpret --shapes shape --reps 1 --only only`` (asserts a
+    clean exit)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
+                          "--shapes", shape, "--reps", "1", "--only", only],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    return res.stdout
+
+
 def test_bench_hopper_stages_interpret():
     # the stages of KernelConfig.save_states, the default gradient kernel, the persistent one and
     # the compact forward WY (KernelConfig.wy_compact)
     # (KernelConfig.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
     # intermediate runs too: forward WY, backward WY, recompute, reverse pass); T = 70 is not a
     # multiple of the chunk (dO is padded to the kernels' time axis)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
-                          "--shapes", "1x70x1x64", "--reps", "1", "--only", "+ h,own dVl,gradient kernel,bwd grads 2 per,fwd WY compact"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    text = res.stdout
-    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    text = _stages("1x70x1x64", "+ h,own dVl,gradient kernel,bwd grads 2 per,fwd WY compact")
     for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA",
                  "fwd WY compact"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
@@ -34,13 +40,7 @@ def test_bench_hopper_stages_interpret():
 def test_bench_hopper_stages_k256_backward_lines():
     """At K = 256 (the backward not on the Hopper kernels) the script prints the Triton backward's
     stages and the unwired Hopper reverse pass on the Hopper forward's residuals."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_hopper_stages.py"), "--interpret",
-                          "--shapes", "1x70x1x256", "--reps", "1", "--only", "K256,[triton]"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    text = res.stdout
-    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    text = _stages("1x70x1x256", "K256,[triton]")
     for name in ("bwd WY (+dVl) [triton]", "bwd reverse state pass [triton]", "bwd local grads [triton]"):
         assert re.search(re.escape(name) + r" +[0-9.]+ ms", text), (name, text)
     assert re.search(r"bwd reverse K256 \[hopper, unwired\] +[0-9.]+ \(per call", text), text
