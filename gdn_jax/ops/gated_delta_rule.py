@@ -49,9 +49,9 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
     ``results/hopper_h200/train_*_0ac7196.txt``) pallas (float32 runs the Triton kernels at every
     head dim; the Hopper kernels take bf16) took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 /
-    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03, ``train_d64_*_4061e56.txt``) pallas
-    took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56). Float32 heads below 32 stay on chunk
-    (not measured).
+    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03,
+    ``train_d64_*_4061e56.txt``) pallas took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56).
+    Float32 heads below 32 stay on chunk (not measured).
 
     Raises:
       ValueError: unknown backend name.

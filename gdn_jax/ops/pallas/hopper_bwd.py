@@ -668,8 +668,9 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
         def fetch_single(i, which):  # single tiles: 0 = q, 1 = k, 2 = W
+            srcs = kw_sources(i)
             for x in which:
-                plgpu.copy_gmem_to_smem(kw_sources(i)[x], (q_s, k_s, w_s)[x], single_bars[x])
+                plgpu.copy_gmem_to_smem(srcs[x], (q_s, k_s, w_s)[x], single_bars[x])
 
         def load_state(seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
