@@ -20,7 +20,9 @@ dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
 state pass also writes h_n and Vn, timed alone as "fwd state pass + h, Vn", and its reverse pass
 forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradient kernel
 (``KernelConfig(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
-the m of :func:`grad_chunks_per_cta`). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
+the m of :func:`grad_chunks_per_cta`), and the warp-specialised state passes
+(``KernelConfig(state_producer=True, state_warpgroups=N, state_slots=D)``: "ws NxD" lines, the
+forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
 (each selected whole-op line, and jla) and prints where a call's time goes: kernels, the idle gaps
 between them, and the host's time outside them (per call we pay ~0.41 ms above the pipelined time at
 4x4096x16x128, jla ~0.27).
@@ -305,6 +307,18 @@ def main(argv=None):
             for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
                 if wanted(label) and wu:
                     line(label, lambda A, kw=kw: state_pass(cl, A, **kw), F)
+            # KernelConfig.state_producer / state_warpgroups / state_slots: the warp-specialised state
+            # pass ("ws NxD": N compute warpgroups, D TMA slots), against the one-warpgroup pass's values
+            for nc, D in ((1, 2), (1, 3), (2, 2)):
+                for label, kw in ((f"fwd state pass ws {nc}x{D}", {}),
+                                  (f"fwd state pass + h, Vn ws {nc}x{D}", dict(save_states=True))):
+                    cw = dataclasses.replace(cf, state_prod=True, state_wgs=nc, state_slots=D)
+                    if not wanted(label) or not wu or HF.covers(cw) is not None:
+                        continue
+                    line(label, lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw), F)
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cw, cf))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    {label}: outputs equal to the one-warpgroup pass: {same}", flush=True)
             # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
             ct = dataclasses.replace(cf, fwd_form="t")
             extra_t = [f"fwd state T-form bv{b}" for b in args.blocks.split(",") if b]
@@ -337,8 +351,9 @@ def main(argv=None):
                 Bk.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))),
                           dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
                 wy_bwd = lambda A: HB.wy_backward(cb, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"])
-                recompute = lambda A: HB.recompute_states(cb, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
-                                                          A["fl"])
+                recompute_c = lambda c, A: HB.recompute_states(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+                                                               A["fl"])
+                recompute = lambda A: recompute_c(cb, A)
                 reverse = lambda A: HB.reverse_states(cb, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"],
                                                       A["ekd"], A["dec"], A["dfin"], A["h"], A["fl"])
 
@@ -355,6 +370,10 @@ def main(argv=None):
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
                          ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A))]
+                for nc, D in ((1, 2), (1, 3), (2, 2)):  # KernelConfig.state_producer: the recompute warp-specialised
+                    cw = dataclasses.replace(cb, state_prod=True, state_wgs=nc, state_slots=D)
+                    if HF.covers(cw) is None:
+                        steps.append((f"bwd recompute ws {nc}x{D}", lambda A, cw=cw: recompute_c(cw, A)))
                 for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
                     cm = dataclasses.replace(cb, grad_per_cta=m)
                     steps.append((f"bwd grads {m} per CTA", lambda A, cm=cm: grads(cm, A)))
@@ -404,6 +423,8 @@ def main(argv=None):
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),
                      ("no save_wy", KC(save_wy=False)),
+                     ("producer 1x2", KC(state_producer=True)), ("producer 1x3", KC(state_producer=True, state_slots=3)),
+                     ("producer 2x2", KC(state_producer=True, state_warpgroups=2)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
             for label, kc in whole:

@@ -70,8 +70,8 @@ _NO_OUT = [("                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s 
 _NO_O_STORE = [("            o_s[...] = o.astype(o_s.dtype)\n            plgpu.commit_smem()\n"
                 "            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
                 "            pass")]
-_NO_WAIT = [("            _wait_slot(bars, slot)\n            if one_q:", "            if one_q:")]
-_NO_FETCH = [("            @pl.when(i + 1 < n)\n            def _():\n                fetch(i + 1, 1 - slot)\n",
+_NO_WAIT = [("            wait_slot(slot)\n            if one_q:", "            if one_q:")]
+_NO_FETCH = [("            if fetch is not None:\n                pl.when(i + 1 < n)(lambda: fetch(i + 1, 1 - slot))\n",
               "")] + _NO_WAIT
 STATE_EDITS = {
     "base": [],

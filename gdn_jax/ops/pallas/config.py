@@ -50,7 +50,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
-_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store")
+_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer")
 _OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states")
 
 
@@ -213,6 +213,20 @@ class KernelConfig:
         the input dtype, for one step). Same values. Default True (from 2026-12-03): H200 pipelined
         state pass 0.132 -> 0.127 ms at 4x4096x16x128, whole op fwd 0.293 -> 0.280; 2x8192x8x256
         fwd 0.403 -> 0.399 (stages_*_options_0ac7196.txt).
+      state_producer: the Hopper state passes (the forward's and the backward's recompute, K <= 128)
+        warp-specialised: a producer warpgroup issues every chunk's TMA copies ``state_slots``
+        chunks ahead and waits for the compute warpgroups to release a slot, so the copies' issue
+        and their waits leave the S -> S' chain. Without it (default False, until measured on the
+        GPU) the one warpgroup issues chunk i+1's copies at the start of chunk i. Same values.
+        Motive (H200, 1x16384x16x128, results/hopper_h200/knockouts_state_3b46fa8.txt, pipelined):
+        the state pass takes 0.430 ms; with no loads after the first it takes 0.219, with the loads
+        issued but never waited for 0.369.
+      state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1 or 2; 2 needs
+        ``state_producer``): each takes its own block of ``bv_state`` value channels, and they share
+        the chunk's q, k, W (T), Aqk tiles, so those are read from L2 once per two value blocks.
+      state_slots: TMA slots (chunks in flight) of a warp-specialised state pass: 2 (default), 3
+        or 4 (needs ``state_producer``; :func:`gdn_jax.ops.pallas.hopper.covers` says when they do
+        not fit shared memory).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -292,6 +306,9 @@ class KernelConfig:
     approx_math: bool = True
     wy_chunks_per_cta: Optional[int] = None
     late_o_store: bool = True
+    state_producer: bool = False
+    state_warpgroups: int = 1
+    state_slots: int = 2
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -325,6 +342,15 @@ class KernelConfig:
             raise TypeError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
         if self.grad_warpgroups not in (1, 2):
             raise ValueError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
+        for name, ok in (("state_warpgroups", (1, 2)), ("state_slots", (2, 3, 4))):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise TypeError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
+            if val not in ok:
+                raise ValueError(f"KernelConfig.{name} must be one of {ok}, got {val!r}")
+            if val != ok[0] and not self.state_producer:
+                raise ValueError(f"KernelConfig.{name}={val} needs the state pass's producer warpgroup "
+                                 f"(state_producer=True)")
         if (self.grad_chunks_per_cta or 1) > 1 and self.grad_warpgroups != 2:
             raise ValueError(f"KernelConfig.grad_chunks_per_cta={self.grad_chunks_per_cta} needs the two-warpgroup "
                              f"gradient kernel (grad_warpgroups=2), got grad_warpgroups={self.grad_warpgroups}")
@@ -382,6 +408,9 @@ class KernelCall:
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
     late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
+    state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
+    state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
+    state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -504,6 +533,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
         approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
+        state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
         grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,

@@ -207,20 +207,28 @@ def block_for(call: KernelCall) -> int:
     return bv
 
 
+def producer(call: KernelCall) -> bool:
+    """Whether the state passes of ``call`` run warp-specialised (``KernelConfig.state_producer``,
+    applied where K <= 128: at K = 256 the single q / W tiles of :func:`single_q` stay)."""
+    return call.state_prod and not single_q(call)
+
+
 def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_and_output` (two TMA slots; ``KernelConfig.fwd_form``
-    "t": T's (hi, lo) tiles and v's value block in place of W and U, one q tile where
-    :func:`single_q`)."""
+    """Shared memory of :func:`forward_states_and_output` (two TMA slots, or ``state_slots`` with
+    :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
+    of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
+    block in place of W and U, one q tile where :func:`single_q`)."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
     one = single_q(call)
+    D, nc = (call.state_slots, call.state_wgs) if producer(call) else (2, 1)
     state = K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4  # S (bf16), Vn, e^.. Vn, o, h0 / final
     if call.fwd_form == "t":
-        per_slot = (1 + (not one)) * C * K * isz + 2 * C * C * 2 + C * bv * isz + C * C * 2 + 5 * C * 4
-        return 2 * per_slot + (C * K * isz if one else 0) + state
+        shared = (1 + (not one)) * C * K * isz + 2 * C * C * 2 + C * C * 2 + 5 * C * 4
+        return D * (shared + nc * C * bv * isz) + (C * K * isz if one else 0) + nc * state
     # "wu": q, k, W, U, Aqk, gates per slot (q and W single where single_q)
-    per_slot = (1 + (not one)) * C * K * isz + (not one) * C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
-    return 2 * per_slot + (C * K * isz + C * K * 2 if one else 0) + state
+    shared = (1 + (not one)) * C * K * isz + (not one) * C * K * 2 + C * C * 2 + 3 * C * 4
+    return D * (shared + nc * C * bv * 2) + (C * K * isz + C * K * 2 if one else 0) + nc * state
 
 
 def covers(call: KernelCall) -> str | None:
@@ -246,6 +254,9 @@ def covers(call: KernelCall) -> str | None:
             return f"{name} {getattr(call, name)} (needs bfloat16)"
     if call.bv_mosaic not in (16, 32, 64) or call.V % call.bv_mosaic:
         return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
+    if producer(call) and call.V % (call.bv_mosaic * call.state_wgs):
+        return (f"state_warpgroups={call.state_wgs} x value block {call.bv_mosaic} does not divide V={call.V} "
+                f"(KernelConfig.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
     if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
         fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
         return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
@@ -303,25 +314,34 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     gates = jnp.stack(rows_, axis=2).astype(F32)
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
-    # per-chunk tiles (two TMA slots each), in fetch order
+    # KernelConfig.state_producer: a producer warpgroup fills D slots; nc compute warpgroups (value
+    # blocks) share each chunk's tiles but U's, and have their own state tiles
+    wspec = producer(call)
+    D, nc = (call.state_slots, call.state_wgs) if wspec else (2, 1)
+    per_wg = lambda shape: (nc,) + tuple(shape) if wspec else tuple(shape)
+    # per-chunk tiles (D TMA slots each; U's D * nc), in fetch order
     one_q = not rec and single_q(call)  # one q tile, refilled once Q S has read it
     one_w = not tf and single_q(call)  # "wu": one W tile, refilled once W S has read it
-    slots = {} if (rec or one_q) else dict(q_s=_smem((2, C, K), in_dt, sw))
-    slots["k_s"] = _smem((2, C, K), in_dt, sw)
+    slots = {} if (rec or one_q) else dict(q_s=_smem((D, C, K), in_dt, sw))
+    slots["k_s"] = _smem((D, C, K), in_dt, sw)
     if tf:
-        slots.update(th_s=_smem((2, C, C), BF16, sw), tl_s=_smem((2, C, C), BF16, sw),
-                     u_s=_smem((2, C, bv), in_dt, sw))  # v's value block
+        slots.update(th_s=_smem((D, C, C), BF16, sw), tl_s=_smem((D, C, C), BF16, sw),
+                     u_s=_smem((D * nc, C, bv), in_dt, sw))  # v's value block
     else:
-        slots.update({} if one_w else dict(w_s=_smem((2, C, K), BF16, sw)))
-        slots.update(u_s=_smem((2, C, bv), BF16, sw))
+        slots.update({} if one_w else dict(w_s=_smem((D, C, K), BF16, sw)))
+        slots.update(u_s=_smem((D * nc, C, bv), BF16, sw))
     if not rec:
-        slots["a_s"] = _smem((2, C, C), BF16, sw)
-    slots["g_s"] = plgpu.SMEM((2, len(rows_), C), F32)
-    scratch = dict(slots, s_s=_smem((K, bv), BF16, sw), vn_s=_smem((C, bv), BF16, sw), vs_s=_smem((C, bv), BF16, sw))
+        slots["a_s"] = _smem((D, C, C), BF16, sw)
+    slots["g_s"] = plgpu.SMEM((D, len(rows_), C), F32)
+    scratch = dict(slots, s_s=_smem(per_wg((K, bv)), BF16, sw), vn_s=_smem(per_wg((C, bv)), BF16, sw),
+                   vs_s=_smem(per_wg((C, bv)), BF16, sw))
     if not rec:
-        scratch["o_s"] = _smem((C, bv), in_dt, sw)
-    scratch.update(f_s=_smem((K, bv), F32), bars=[plgpu.Barrier(num_barriers=2) for _ in slots],
-                   h0_bar=plgpu.Barrier(num_barriers=1))
+        scratch["o_s"] = _smem(per_wg((C, bv)), in_dt, sw)
+    scratch.update(f_s=_smem(per_wg((K, bv)), F32),
+                   bars=[plgpu.Barrier(num_barriers=D * (nc if name == "u_s" else 1)) for name in slots],
+                   h0_bar=plgpu.Barrier(num_barriers=nc))
+    if wspec:  # a slot is free again once every compute warpgroup has arrived
+        scratch["free"] = plgpu.Barrier(num_arrivals=nc, num_barriers=D)
     if one_q:
         scratch.update(q_s=_smem((C, K), in_dt, sw), q_bar=plgpu.Barrier(num_barriers=1))
     if one_w:
@@ -332,25 +352,72 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     def body(*refs):
         r = dict(zip(in_names + out_names + list(scratch), refs))
-        q_s, k_s, w_s, u_s, a_s, g_s, th_s, tl_s = (r.get(x) for x in (
-            "q_s", "k_s", "w_s", "u_s", "a_s", "g_s", "th_s", "tl_s"))
-        s_s, vn_s, vs_s, o_s, f_s, bars, h0_bar = (r.get(x) for x in (
-            "s_s", "vn_s", "vs_s", "o_s", "f_s", "bars", "h0_bar"))
-        h0_ref, h_ref, vno_ref, o_ref, fin_ref = (r.get(x) for x in ("h0_ref", "h_ref", "vno_ref", "o_ref", "fin_ref"))
         bh = lax.axis_index("bh")
-        vsl = pl.ds(lax.axis_index("vb") * bv, bv)
         b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
         hk = lax.div(h, _i32(G)) if G > 1 else h
+        vsl_of = lambda w: pl.ds((lax.axis_index("vb") * nc + w) * bv, bv)
 
-        def fetch(i, slot):
+        def fetch(i, slot, wgs=(0,)):
+            """Chunk i's tiles into ``slot`` (U's value block of each compute warpgroup in ``wgs``)."""
             rows = pl.ds(i * C, C)
             src = dict(q_s=lambda: r["q_ref"].at[b, rows, hk], k_s=lambda: r["k_ref"].at[b, rows, hk],
                        w_s=lambda: r["w_ref"].at[bh, rows], th_s=lambda: r["th_ref"].at[bh, i],
                        tl_s=lambda: r["tl_ref"].at[bh, i],
-                       u_s=lambda: r["v_ref"].at[b, rows, h, vsl] if tf else r["u_ref"].at[bh, rows, vsl],
                        a_s=lambda: r["a_ref"].at[bh, i], g_s=lambda: r["g_ref"].at[bh, i])
+            for name, bar in zip(slots, r["bars"]):
+                if name != "u_s":
+                    plgpu.copy_gmem_to_smem(src[name](), r[name].at[slot], bar.at[slot])
+                    continue
+                for w in wgs:
+                    vsl = vsl_of(w)
+                    u_src = r["v_ref"].at[b, rows, h, vsl] if tf else r["u_ref"].at[bh, rows, vsl]
+                    plgpu.copy_gmem_to_smem(u_src, r["u_s"].at[slot * nc + w], bar.at[slot * nc + w])
+
+        if not wspec:
+            compute(r, fetch, 0)
+            return
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == nc)
+        def _producer():
+            if not interp and nc > 1:  # three warpgroups: the consumers need ~200 registers each
+                plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, _):
+                slot = lax.rem(i, _i32(D))
+                pl.when(i >= D)(lambda: plgpu.barrier_wait(r["free"].at[slot]))
+                fetch(i, slot, range(nc))
+                return _
+
+            lax.fori_loop(_i32(0), _i32(n), issue, None)
+            # every release of every slot observed (Mosaic GPU's interpreter checks it)
+            lax.fori_loop(_i32(max(n - D, 0)), _i32(n),
+                          lambda i, _: (plgpu.barrier_wait(r["free"].at[lax.rem(i, _i32(D))]), _)[1], None)
+
+        @pl.when(wg < nc)
+        def _consumers():
+            if not interp and nc > 1:
+                plgpu.set_max_registers(232, action="increase")
+            compute(r, None, wg)
+
+    def compute(r, fetch, w):
+        """One compute warpgroup's walk over the chunks (``fetch``: this warpgroup issues the next
+        chunk's copies itself; None: the producer warpgroup does, ``w`` names this warpgroup)."""
+        pick = (lambda x: x.at[w]) if wspec else (lambda x: x)
+        q_s, k_s, w_s, a_s, g_s, th_s, tl_s = (r.get(x) for x in ("q_s", "k_s", "w_s", "a_s", "g_s", "th_s", "tl_s"))
+        u_s = r["u_s"]
+        s_s, vn_s, vs_s, f_s = (pick(r[x]) for x in ("s_s", "vn_s", "vs_s", "f_s"))
+        o_s = None if rec else pick(r["o_s"])
+        bars, h0_bar = r["bars"], r["h0_bar"].at[w]
+        h0_ref, h_ref, vno_ref, o_ref, fin_ref = (r.get(x) for x in ("h0_ref", "h_ref", "vno_ref", "o_ref", "fin_ref"))
+        bh = lax.axis_index("bh")
+        vsl = pl.ds((lax.axis_index("vb") * nc + w) * bv, bv)
+        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+        hk = lax.div(h, _i32(G)) if G > 1 else h
+
+        def wait_slot(slot):  # every copy into ``slot`` (U's: this warpgroup's value block)
             for name, bar in zip(slots, bars):
-                plgpu.copy_gmem_to_smem(src[name](), r[name].at[slot], bar.at[slot])
+                plgpu.barrier_wait(bar.at[slot * nc + w if name == "u_s" else slot])
 
         def fetch_q(i):  # single_q: the one q tile
             plgpu.copy_gmem_to_smem(r["q_ref"].at[b, pl.ds(i * C, C), hk], q_s, r["q_bar"])
@@ -370,7 +437,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
 
-        fetch(0, 0)
+        if fetch is not None:
+            fetch(0, 0)
         if one_q:
             fetch_q(0)
         if one_w:
@@ -393,13 +461,10 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def step(i, carry):
             S, o_prev = carry if late else (carry, None)
-            slot = lax.rem(i, _i32(2))
-
-            @pl.when(i + 1 < n)
-            def _():
-                fetch(i + 1, 1 - slot)
-
-            _wait_slot(bars, slot)
+            slot = lax.rem(i, _i32(D))
+            if fetch is not None:
+                pl.when(i + 1 < n)(lambda: fetch(i + 1, 1 - slot))
+            wait_slot(slot)
             if one_q:
                 plgpu.barrier_wait(r["q_bar"])
             if one_w:
@@ -426,25 +491,28 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             if one_w:  # W S has completed: likewise the next chunk's W
                 pl.when(i + 1 < n)(lambda: fetch_w(i + 1))
             if tf:  # Vn = T (beta V - beta e^gamma (K S)); the scaled residual goes through vs_s
-                x = (_load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32)
+                x = (_load(u_s.at[slot * nc + w], plgpu.Layout.WGMMA, interp).astype(F32)
                      * bcast(_load(g_s.at[slot, 3], row, interp), (C, bv))
                      - ws * bcast(_load(g_s.at[slot, 4], row, interp), (C, bv)))
                 vs_s[...] = x.astype(BF16)
                 plgpu.commit_smem()
                 (vn,) = _mmas([((C, bv), (th_s.at[slot], tl_s.at[slot]), (vs_s, vs_s))], interp)
             else:
-                vn = _load(u_s.at[slot], plgpu.Layout.WGMMA, interp).astype(F32) - ws
+                vn = _load(u_s.at[slot * nc + w], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             e_end = _load(g_s.at[slot, 1], row, interp)
             vn_s[...] = vn.astype(BF16)
             vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)
             plgpu.commit_smem()
             if keep:
                 plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
+            release = (lambda: plgpu.barrier_arrive(r["free"].at[slot])) if wspec else (lambda: None)
             if rec:
                 (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+                release()  # the slot's last read
                 return S
             o0 = qs * bcast(_load(g_s.at[slot, 0], row, interp), qs.shape)
             o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+            release()
             if not late:
                 store_o(o, i)
             if call.packed:
@@ -469,7 +537,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     else:
         out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
         out_type += states if save_states else ()
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // bv),
+    if wspec:
+        kw.update(num_threads=nc + 1, thread_name="wg")
+    fn = plgpu.kernel(body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // (bv * nc)),
                       grid_names=("bh", "vb"), **kw)
     args = ([] if rec else [q]) + [k] + ([t[0], t[1], v] if tf else [w.astype(BF16), u.astype(BF16)])
     args += ([] if rec else [aqk.astype(BF16)]) + [gates, h0]
