@@ -595,49 +595,68 @@ def test_k256_mixed_head_dims(K, V, form):
     check_close({"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)})
 
 
-@pytest.mark.parametrize("opt,form,packed", [
-    (dict(state_producer=True), "wu", False),
-    (dict(state_producer=True, state_warpgroups=2, state_slots=3), "wu", True),
-    (dict(state_producer=True, state_warpgroups=2), "t", True)])
-def test_state_producer_bit_equal(opt, form, packed):
-    """``KernelConfig.state_producer`` (a producer warpgroup issues the state passes' TMA copies
-    ``state_slots`` chunks ahead; ``state_warpgroups`` compute warpgroups share each chunk's tiles):
-    the forward's o and final state and every gradient (the backward's recompute runs it too where
-    ``save_states`` is off) equal the one-warpgroup kernel's bit for bit, with and without
-    ``cu_seqlens``, in both forward forms; each lowers for CUDA."""
+@pytest.mark.parametrize("nc,D,form,packed", [(1, 2, "wu", False), (1, 3, "wu", True), (2, 2, "t", True)])
+def test_state_producer_kernel(nc, D, form, packed):
+    """The warp-specialised state pass (``KernelConfig.state_producer``: a producer warpgroup issues
+    each chunk's TMA copies into ``state_slots`` = D slots; ``state_warpgroups`` = nc compute
+    warpgroups share a chunk's tiles) equals the one-warpgroup pass bit for bit: the forward (o,
+    final state, and h, Vn with ``save_states``) and the backward's recompute (h, Vn), with and
+    without ``cu_seqlens``, in both forward forms. Called kernel by kernel, un-jitted (see
+    ``KernelConfig.state_producer`` on interpret mode); it lowers for CUDA inside the op."""
+    from gdn_jax.ops.pallas import vjp as V
+
     cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
-    x = make_inputs(seed_of("hopper-producer", sorted(opt.items()), form, packed), 1, 150, 2, 128, 128, dtype=BF16,
-                    init=True, N=3 if packed else None)
-    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=packed)
-    cfg = dataclasses.replace(base, **opt)
-    call = resolve(cfg, platform="interpret", C=64, n=3, BH=2, H=2, K=128, V=128, K0=128, V0=128, scale=0.1,
-                   in_dt=BF16, packed=packed, nseq=3 if packed else 1, group=1)
-    assert call.mosaic_fwd and hopper.producer(call)
-    ref = _run(x, base, cu_seqlens=cu)
-    got = _run(x, cfg, cu_seqlens=cu)
-    pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
-    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, **opt))
+    x = make_inputs(seed_of("hopper-producer", nc, D, form, packed), 1, 150, 2, 128, 128, dtype=BF16,
+                    init=not packed, N=3 if packed else None)
+    prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, cu_seqlens=cu,
+                            config=dataclasses.replace(MOSAIC, fwd_form=form))
+    cf, fargs = prep.kernel_args("fwd")
+    A = dict(zip(("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl"), fargs))
+    assert cf.mosaic_fwd and not hopper.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
+    cw = dataclasses.replace(cf, state_prod=True, state_wgs=nc, state_slots=D, bv_mosaic=64 if (nc, D) == (1, 2) else 32)
+    assert hopper.producer(cw) and hopper.covers(cw) is None
+    base = dataclasses.replace(cw, state_prod=False)
+    tf = form == "t"
+    wy = hopper.wy_forward(cf, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], t_form=tf, with_w=tf)
+
+    def run(c, rec=False):
+        q_args = () if rec else (A["q"], A["eg"], wy["aqk"])
+        kw = {} if rec else dict(save_states=True)
+        if tf and not rec:
+            kw.update(v=A["v"], t=(wy["t_hi"], wy["t_lo"]), beta=A["beta"])
+            return hopper.forward_states_and_output(c, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                                                    *q_args, **kw)
+        return hopper.forward_states_and_output(c, wy["w"], wy["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                                                *q_args, **kw)
+
+    for rec in (False, True):
+        got, ref = run(cw, rec), run(base, rec)
+        assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n], np.float32),
+                                                           np.asarray(ref[n], np.float32)) for n in ref), (rec, got.keys())
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, state_producer=True,
+                                      state_warpgroups=nc, state_slots=D, save_states=packed))
     assert text.count("custom_call @mosaic_gpu") >= 4
 
 
 def test_state_producer_checked():
     """Bad values name the option; slots / warpgroups without the producer are refused; two
     warpgroups whose value blocks do not tile V send the call to Triton with a reason; at K = 256
-    (single q / W tiles) the producer does not apply and the one-warpgroup pass runs."""
+    (single q / W tiles) the producer does not apply; three slots of two warpgroups fit only at
+    value block 16, which the default block finds."""
     with pytest.raises(ValueError, match="state_slots"):
         KernelConfig(state_producer=True, state_slots=5)
     with pytest.raises(TypeError, match="state_warpgroups"):
         KernelConfig(state_producer=True, state_warpgroups=2.0)
     with pytest.raises(ValueError, match="needs the state pass's producer"):
-        KernelConfig(state_warpgroups=2)
+        KernelConfig(state_producer=False, state_warpgroups=2)
     with pytest.raises(TypeError, match="state_producer"):
         KernelConfig(state_producer=1)
-    bad = _call(V=64, V0=64, config=KernelConfig(platform="interpret", gpu_kernels="mosaic", state_producer=True,
-                                                 state_warpgroups=2, bv_state=64))
+    gpu = KernelConfig(platform="gpu", gpu_kernels="mosaic", state_producer=True)
+    call = _call(platform="gpu", config=gpu)
+    assert call.mosaic_fwd and hopper.producer(call)
+    bad = _call(platform="gpu", V=64, V0=64, config=dataclasses.replace(gpu, state_warpgroups=2, bv_state=64))
     assert not bad.mosaic_fwd and "state_warpgroups=2" in hopper.covers(bad)
-    k256 = _call(K=256, V=256, K0=256, V0=256, config=dataclasses.replace(MOSAIC, state_producer=True))
-    assert k256.mosaic_fwd and not hopper.producer(k256)
-    # three slots of two value blocks of 64 do not fit: the default block halves until they do
-    c = _call(config=dataclasses.replace(MOSAIC, state_producer=True, state_warpgroups=2, state_slots=3))
-    assert hopper.smem_bytes(c, c.bv_mosaic) <= hopper.SMEM_BYTES < hopper.smem_bytes(c, 64)
+    assert not hopper.producer(_call(platform="gpu", K=256, V=256, K0=256, V0=256, config=gpu))
+    assert not hopper.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
+    c = dataclasses.replace(call, state_wgs=2, state_slots=3, bv_mosaic=64)
+    assert hopper.block_for(c) == 16 and hopper.smem_bytes(c, 32) > hopper.SMEM_BYTES

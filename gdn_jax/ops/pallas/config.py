@@ -216,11 +216,21 @@ class KernelConfig:
       state_producer: the Hopper state passes (the forward's and the backward's recompute, K <= 128)
         warp-specialised: a producer warpgroup issues every chunk's TMA copies ``state_slots``
         chunks ahead and waits for the compute warpgroups to release a slot, so the copies' issue
-        and their waits leave the S -> S' chain. Without it (default False, until measured on the
-        GPU) the one warpgroup issues chunk i+1's copies at the start of chunk i. Same values.
-        Motive (H200, 1x16384x16x128, results/hopper_h200/knockouts_state_3b46fa8.txt, pipelined):
-        the state pass takes 0.430 ms; with no loads after the first it takes 0.219, with the loads
-        issued but never waited for 0.369.
+        and their waits leave the S -> S' chain; without it the one warpgroup issues chunk i+1's
+        copies at the start of chunk i. Same values (bit for bit on the H200 too). Motive (H200,
+        1x16384x16x128, results/hopper_h200/knockouts_state_3b46fa8.txt, pipelined): the state pass
+        takes 0.430 ms; with no loads after the first 0.219, with the loads issued but never waited
+        for 0.369. Default True (from 2026-12-03; results/hopper_h200/stages_producer_89efcf0.txt,
+        pipelined ms): 1x16384x16x128 state pass 0.430 -> 0.320 (3 slots 0.322, 2 warpgroups
+        0.401), with h, Vn 0.489 -> 0.456, the backward's recompute 0.296 -> 0.280 (3 slots 0.264),
+        whole op fwd 0.567 -> 0.466, fwd+bwd 1.704 -> 1.669; 4x4096x16x128 state pass 0.120 ->
+        0.121, whole op fwd 0.277 -> 0.266, fwd+bwd 1.079 -> 1.081. check_gpu bf16 with two
+        warpgroups 10 of 10, with 3 slots and the recompute 6 of 6 run, the same errors as the
+        one-warpgroup pass (check_gpu_producer_89efcf0.txt). On the GPU only: in interpret mode the op runs the
+        one-warpgroup pass, because Mosaic GPU's interpreter, inside a larger jitted program on
+        XLA:CPU, can starve XLA's thread pool while one warpgroup blocks on another's barrier (a
+        hang, seen on 2 cores); the warp-specialised kernel itself is checked in interpret mode
+        call by call (tests/ops/test_hopper.py::test_state_producer_kernel).
       state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1 or 2; 2 needs
         ``state_producer``): each takes its own block of ``bv_state`` value channels, and they share
         the chunk's q, k, W (T), Aqk tiles, so those are read from L2 once per two value blocks.
@@ -306,7 +316,7 @@ class KernelConfig:
     approx_math: bool = True
     wy_chunks_per_cta: Optional[int] = None
     late_o_store: bool = True
-    state_producer: bool = False
+    state_producer: bool = True
     state_warpgroups: int = 1
     state_slots: int = 2
     grad_warpgroups: int = 2
@@ -564,5 +574,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
     # forward to Triton, and hopper.covers' reason names that value and V
+    if call.platform == "interpret":  # KernelConfig.state_producer: GPU only (see there)
+        call = dataclasses.replace(call, state_prod=False)
     call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

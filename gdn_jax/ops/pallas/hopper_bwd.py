@@ -576,17 +576,9 @@ def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
 
 def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
     """The backward's forward recompute on Hopper: ``h`` [BH, n, K, V] (the state entering each
-    chunk) and ``vn`` [BH, T, V], bf16 (:func:`.hopper.forward_states_and_output` without q).
-
-    In Mosaic GPU's interpret mode it runs the one-warpgroup pass even with
-    ``KernelConfig.state_producer``: XLA:CPU may run it beside the forward's state pass, and two
-    interpreted warp-specialised kernels whose warpgroups block on each other's barriers at once can
-    exhaust its thread pool (a hang, seen on 2 cores). The warp-specialised recompute is checked
-    alone (tests/ops/test_hopper.py::test_state_producer_kernels)."""
+    chunk) and ``vn`` [BH, T, V], bf16 (:func:`.hopper.forward_states_and_output` without q)."""
     from .hopper import forward_states_and_output
 
-    if call.platform == "interpret":
-        call = dataclasses.replace(call, state_prod=False)
     return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
 
 
