@@ -230,7 +230,8 @@ class KernelConfig:
         one-warpgroup pass, because Mosaic GPU's interpreter, inside a larger jitted program on
         XLA:CPU, can starve XLA's thread pool while one warpgroup blocks on another's barrier (a
         hang, seen on 2 cores); the warp-specialised kernel itself is checked in interpret mode
-        call by call (tests/ops/test_hopper.py::test_state_producer_kernel).
+        call by call with one compute warpgroup (tests/ops/test_hopper.py::test_state_producer_kernel;
+        two compute warpgroups hang the interpreter even so: lowering only, and on the H200).
       state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1 or 2; 2 needs
         ``state_producer``): each takes its own block of ``bv_state`` value channels, and they share
         the chunk's q, k, W (T), Aqk tiles, so those are read from L2 once per two value blocks.
