@@ -22,7 +22,9 @@ forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradie
 (``KernelConfig(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
 the m of :func:`grad_chunks_per_cta`), and the warp-specialised state passes
 (``KernelConfig(state_producer=True, state_warpgroups=N, state_slots=D)``: "ws NxD" lines, the
-forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
+forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"), and the
+warp-specialised reverse pass (``KernelConfig(reverse_producer=True)``: "bwd reverse pass ws" alone,
+"reverse producer" whole). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
 (each selected whole-op line, and jla) and prints where a call's time goes: kernels, the idle gaps
 between them, and the host's time outside them (per call we pay ~0.41 ms above the pipelined time at
 4x4096x16x128, jla ~0.27).
@@ -370,6 +372,10 @@ def main(argv=None):
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
                          ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A))]
+                crp = dataclasses.replace(cb, rev_prod=True)  # KernelConfig.reverse_producer
+                steps.append(("bwd reverse pass ws", lambda A: HB.reverse_states(
+                    crp, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
+                    A["fl"])))
                 for nc, D in ((1, 2), (1, 3), (2, 2)):  # KernelConfig.state_producer: the recompute warp-specialised
                     cw = dataclasses.replace(cb, state_prod=True, state_wgs=nc, state_slots=D)
                     if HF.covers(cw) is None:
@@ -425,6 +431,7 @@ def main(argv=None):
                      ("no save_wy", KC(save_wy=False)),
                      ("producer 1x2", KC(state_producer=True)), ("producer 1x3", KC(state_producer=True, state_slots=3)),
                      ("producer 2x2", KC(state_producer=True, state_warpgroups=2)),
+                     ("reverse producer", KC(reverse_producer=True)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
             for label, kc in whole:

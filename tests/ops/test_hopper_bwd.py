@@ -133,6 +133,29 @@ def test_reverse_pass_k256_lowers_for_cuda():
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("K,V,cu,own", [(128, 128, None, False), (64, 128, (0, 70, 71, 200), True)])
+def test_reverse_producer_bit_equal(K, V, cu, own):
+    """``KernelConfig.reverse_producer`` (a producer warpgroup issues the reverse pass's copies into
+    two slots; the consumer releases a slot after its last wgmma) gives the one-warpgroup pass's dh,
+    dVn, dh0 and d e^{gamma_C} bit for bit, with dVl given or formed from Aqk, with ``cu_seqlens``.
+    Called kernel by kernel (interpret mode runs the one-warpgroup pass inside the op:
+    ``KernelConfig.state_producer``); it lowers for CUDA inside value_and_grad."""
+    call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(K, V, cu)
+    assert not call.rev_prod  # interpret mode: off inside the op
+    wy = HB.wy_backward(call, q, k, v, do, beta, gc, eg)
+    h = HB.recompute_states(call, wy["w"], wy["u"], k, ekd, dec, h0, flags)["h"]
+    aqk = jnp.asarray(np.random.default_rng(2).standard_normal((call.BH, call.n, call.C, call.C)) * 0.1, BF16)
+    dvl, a = (None, aqk) if own else (wy["dvl"], None)
+    got, ref = (HB.reverse_states(c, q, k, wy["w"], dvl, do, eg, ekd, dec, dfin, h, flags, aqk=a)
+                for c in (dataclasses.replace(call, rev_prod=True), call))
+    assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n]), np.asarray(ref[n])) for n in ref)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", reverse_producer=True,
+                                      save_states=own), D=K)
+    assert text.count("custom_call @mosaic_gpu") >= 4
+    with pytest.raises(TypeError, match="reverse_producer"):
+        KernelConfig(reverse_producer="yes")
+
+
 def test_backward_coverage():
     """Which backward calls the Hopper kernels take, and why not."""
     x = make_inputs(seed_of("hopper-bwd-cov"), 1, 70, 2, 128, 128, dtype=BF16)

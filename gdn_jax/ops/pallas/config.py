@@ -50,7 +50,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
-_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer")
+_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer", "reverse_producer")
 _OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states")
 
 
@@ -238,6 +238,14 @@ class KernelConfig:
       state_slots: TMA slots (chunks in flight) of a warp-specialised state pass: 2 (default), 3
         or 4 (needs ``state_producer``; :func:`gdn_jax.ops.pallas.hopper.covers` says when they do
         not fit shared memory).
+      reverse_producer: the Hopper backward's reverse state pass (K <= 128) warp-specialised like
+        ``state_producer``: a producer warpgroup issues each chunk's q, k, W, dVl (or Aqk), dO and
+        gates copies into two slots, the consumer releases a slot after its step's last wgmma (h_n,
+        read off the dS chain, is still copied by the consumer). Same values. Opt-in (built
+        2026-12-03, not yet run on a GPU: the session's device time was spent); the reverse pass
+        is 0.537 ms of 1.669 at 1x16384x16x128 (results/hopper_h200/stages_producer_89efcf0.txt).
+        GPU only, like ``state_producer`` (interpret mode runs the one-warpgroup pass inside the
+        op; tests/ops/test_hopper_bwd.py checks the kernel call by call).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -320,6 +328,7 @@ class KernelConfig:
     state_producer: bool = True
     state_warpgroups: int = 1
     state_slots: int = 2
+    reverse_producer: bool = False
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
@@ -422,6 +431,7 @@ class KernelCall:
     state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
     state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
     state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
+    rev_prod: bool = False  # KernelConfig.reverse_producer (the Hopper reverse pass)
     wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
@@ -545,7 +555,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
         approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
-        grad_wgs=config.grad_warpgroups,
+        rev_prod=config.reverse_producer, grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
     )
@@ -575,7 +585,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
     # forward to Triton, and hopper.covers' reason names that value and V
-    if call.platform == "interpret":  # KernelConfig.state_producer: GPU only (see there)
-        call = dataclasses.replace(call, state_prod=False)
+    if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
+        call = dataclasses.replace(call, state_prod=False, rev_prod=False)
     call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
     return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)

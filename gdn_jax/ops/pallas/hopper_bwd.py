@@ -631,6 +631,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         raise ValueError("reverse_states: pass exactly one of dvl and aqk")
     own_dvl = aqk is not None
     one = reverse_single_tiles(call)
+    prod = call.rev_prod and not one  # KernelConfig.reverse_producer (K <= 128)
     plgpu = _plgpu()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -644,7 +645,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
 
     def body(q_ref, k_ref, w_ref, dvl_ref, do_ref, g_ref, df_ref, h_ref, dh_ref, dvn_ref, dh0_ref, dd_ref,
              q_s, k_s, w_s, dvl_s, do_s, g_s, hs_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar, h_bar,
-             *single_bars):
+             *extra):
+        single_bars, free = (extra, None) if not prod else ((), extra[0])
         bh = lax.axis_index("bh")
         vb = lax.axis_index("vb")
         vsl = pl.ds(vb * bv, bv)
@@ -684,67 +686,89 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
 
-        fetch(n - 1, 0)
-        if one:
-            fetch_single(n - 1, (0, 1, 2))
-        dS0 = _zeros((K, bv), interp) if call.packed else load_state(0)
-
-        def step(jj, dS):
-            i = n - 1 - jj
-            slot = lax.rem(jj, _i32(2))
-            # h_n only feeds d e^{gamma_C} (off the dS chain): one buffer, waited for when needed
-            plgpu.copy_gmem_to_smem(h_ref.at[bh, i, :, vsl], hs_s, h_bar)
-
-            @pl.when(i > 0)
-            def _():
-                fetch(i - 1, 1 - slot)
-
-            _wait_slot(bars, slot)
+        def consume():
+            if not prod:  # (with the producer warpgroup, it fetches every chunk)
+                fetch(n - 1, 0)
             if one:
-                plgpu.barrier_wait(single_bars[1])  # k (q and W are waited for before the last wgmma)
-            if call.packed:
-                seq, first, last = _slot_flags(g_s, slot)
-                dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
-            ds_s[...] = dS.astype(BF16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
-            if own_dvl:  # dVl = Aqk^T dO with K dS (dvl_s holds this chunk's Aqk)
-                kd, dvl = _mmas([((C, bv), tile(k_s, slot), ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])],
-                                interp)
-            else:
-                (kd,) = _mmas([((C, bv), tile(k_s, slot), ds_s)], interp)
-                dvl = _load(dvl_s.at[slot], WG, interp).astype(F32)
-            if one:  # K dS has read k: the previous chunk's lands during the rest of this step
-                pl.when(i > 0)(lambda: fetch_single(i - 1, (1,)))
-            row = WG.reduce(1)
-            e_end = _load(g_s.at[slot, 1], row, interp)
-            e_o = _load(g_s.at[slot, 0], row, interp)
-            dvn = dvl + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
-            dvn_s[...] = dvn.astype(BF16)
-            ndvn_s[...] = (-dvn).astype(BF16)
-            dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
-                          * lax.broadcast_in_dim(e_o, kd.shape, [0])).astype(BF16)
-            plgpu.barrier_wait(h_bar)
-            dd_s[...] = jnp.sum(_load(hs_s, WG, interp).astype(F32) * dS, axis=1)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
-            plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
-            if one:
-                plgpu.barrier_wait(single_bars[0])
-                plgpu.barrier_wait(single_bars[2])
-            (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
-                          interp)
-            if one:  # the last wgmma has read q and W: the previous chunk's land during its next step
-                pl.when(i > 0)(lambda: fetch_single(i - 1, (0, 2)))
-            if call.packed:
-                pl.when(first)(lambda: store_state(dS, seq))
-            return dS
+                fetch_single(n - 1, (0, 1, 2))
+            dS0 = _zeros((K, bv), interp) if call.packed else load_state(0)
 
-        dS = lax.fori_loop(_i32(0), _i32(n), step, dS0)
-        if not call.packed:
-            store_state(dS, 0)
-        plgpu.wait_smem_to_gmem(0)
+            def step(jj, dS):
+                i = n - 1 - jj
+                slot = lax.rem(jj, _i32(2))
+                # h_n only feeds d e^{gamma_C} (off the dS chain): one buffer, waited for when needed
+                plgpu.copy_gmem_to_smem(h_ref.at[bh, i, :, vsl], hs_s, h_bar)
+
+                if not prod:
+                    pl.when(i > 0)(lambda: fetch(i - 1, 1 - slot))
+
+                _wait_slot(bars, slot)
+                if one:
+                    plgpu.barrier_wait(single_bars[1])  # k (q and W are waited for before the last wgmma)
+                if call.packed:
+                    seq, first, last = _slot_flags(g_s, slot)
+                    dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
+                ds_s[...] = dS.astype(BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
+                if own_dvl:  # dVl = Aqk^T dO with K dS (dvl_s holds this chunk's Aqk)
+                    kd, dvl = _mmas([((C, bv), tile(k_s, slot), ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])],
+                                    interp)
+                else:
+                    (kd,) = _mmas([((C, bv), tile(k_s, slot), ds_s)], interp)
+                    dvl = _load(dvl_s.at[slot], WG, interp).astype(F32)
+                if one:  # K dS has read k: the previous chunk's lands during the rest of this step
+                    pl.when(i > 0)(lambda: fetch_single(i - 1, (1,)))
+                row = WG.reduce(1)
+                e_end = _load(g_s.at[slot, 1], row, interp)
+                e_o = _load(g_s.at[slot, 0], row, interp)
+                dvn = dvl + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
+                dvn_s[...] = dvn.astype(BF16)
+                ndvn_s[...] = (-dvn).astype(BF16)
+                dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
+                              * lax.broadcast_in_dim(e_o, kd.shape, [0])).astype(BF16)
+                plgpu.barrier_wait(h_bar)
+                dd_s[...] = jnp.sum(_load(hs_s, WG, interp).astype(F32) * dS, axis=1)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
+                plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
+                if one:
+                    plgpu.barrier_wait(single_bars[0])
+                    plgpu.barrier_wait(single_bars[2])
+                (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
+                              interp)
+                if prod:  # the slot's last read: the producer may refill it
+                    plgpu.barrier_arrive(free.at[slot])
+                if one:  # the last wgmma has read q and W: the previous chunk's land during its next step
+                    pl.when(i > 0)(lambda: fetch_single(i - 1, (0, 2)))
+                if call.packed:
+                    pl.when(first)(lambda: store_state(dS, seq))
+                return dS
+
+            dS = lax.fori_loop(_i32(0), _i32(n), step, dS0)
+            if not call.packed:
+                store_state(dS, 0)
+            plgpu.wait_smem_to_gmem(0)
+
+        if not prod:
+            consume()
+            return
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _producer():  # the chunks from the last, chunk n-1-jj into slot jj mod 2 once released
+            def issue(jj, carry):
+                pl.when(jj >= 2)(lambda: plgpu.barrier_wait(free.at[lax.rem(jj, _i32(2))]))
+                fetch(n - 1 - jj, lax.rem(jj, _i32(2)))
+                return carry
+
+            lax.fori_loop(_i32(0), _i32(n), issue, None)
+            # every release of every slot observed (Mosaic GPU's interpreter checks it)
+            lax.fori_loop(_i32(max(n - 2, 0)), _i32(n),
+                          lambda jj, c: (plgpu.barrier_wait(free.at[lax.rem(jj, _i32(2))]), c)[1], None)
+
+        pl.when(wg == 0)(consume)
 
     sw = min(128, 2 * bv)
     lead = () if one else (2,)  # the K-wide tiles' leading slot axis (none: single tiles)
@@ -757,9 +781,13 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                plgpu.Barrier(num_barriers=1)]
     if one:
         scratch += [plgpu.Barrier(num_barriers=1) for _ in range(3)]  # q, k, W
+    if prod:  # a slot is free again once the consumer has read it
+        scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
     kw = _kernel_kw(call)
+    if prod:
+        kw.update(num_threads=2, thread_name="wg")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
     dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), (aqk if own_dvl else dvl).astype(BF16), do, gates,
                           dfinal.astype(F32), h.astype(BF16))
