@@ -396,6 +396,10 @@ def main(argv=None):
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
+                if wanted("bwd reverse pass ws"):  # the same values as the one-warpgroup pass, bit for bit
+                    a, b = (jax.jit(f)(Bk) for f in (dict(steps)["bwd reverse pass ws"], reverse))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    bwd reverse pass ws: outputs equal to the one-warpgroup pass: {same}", flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
                 if cf.mosaic_fwd and cf.K > 128:
