@@ -7,7 +7,7 @@ kernels, which reuse both in their backward modes, are in :mod:`.hopper_bwd`).
 :func:`gdn_jax.ops.pallas.wy.wy_repr`), one CTA per chunk, the triangular inverse as bf16x3 wgmmas.
 
 :func:`forward_states_and_output`: the forward state pass fused with the output (the twin of
-:func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`). One CTA (one warpgroup) per
+:func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`). One CTA (one compute warpgroup) per
 (batch x value head, block of ``bv`` value channels) walks the chunks with the state
 S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, with S entering it::
 
@@ -17,7 +17,10 @@ S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, wit
 
 The next chunk's q, k, W, U, Aqk and gates are copied by TMA into the other of two SMEM slots
 while this one computes; o leaves through SMEM by TMA. Only ``U - W S`` and the K^T update sit
-on the S -> S' chain; Q S is issued beside W S.
+on the S -> S' chain; Q S is issued beside W S. With ``KernelConfig.state_producer`` (the default
+on a GPU, K <= 128: :func:`producer`) a second, producer warpgroup issues those copies into
+``state_slots`` slots and the compute warpgroup(s) release each slot after their step's last
+wgmma, so the copies' issue and waits leave the chain.
 
 On CPU the same kernel runs in Mosaic GPU's interpret mode (``platform="interpret"``): its data
 movement (TMA slots, barriers, indexing) is interpreted and its matmuls computed with ``jnp``
