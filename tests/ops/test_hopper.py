@@ -665,6 +665,12 @@ def test_state_producer_checked():
     assert not hopper.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
     c = dataclasses.replace(call, state_wgs=2, state_slots=3, bv_mosaic=64)
     assert hopper.block_for(c) == 16 and hopper.smem_bytes(c, 32) > hopper.SMEM_BYTES
+    # two warpgroups at V = 64: the default block halves until two blocks tile V (gpu: 64 -> 32)
+    two = _call(platform="gpu", BH=64, H=16, K=64, V=64, K0=64, V0=64,
+                config=dataclasses.replace(gpu, state_warpgroups=2))
+    assert two.mosaic_fwd and two.bv_mosaic == 32, (two.bv_mosaic, hopper.covers(two))
+    four = _call(platform="gpu", config=dataclasses.replace(gpu, state_slots=4))
+    assert not four.mosaic_fwd and "fewer fit" in hopper.covers(four)
 
 
 @pytest.mark.parametrize("form", ["wu", "t"])

@@ -232,12 +232,16 @@ class KernelConfig:
         hang, seen on 2 cores); the warp-specialised kernel itself is checked in interpret mode
         call by call with one compute warpgroup (tests/ops/test_hopper.py::test_state_producer_kernel;
         two compute warpgroups hang the interpreter even so: lowering only, and on the H200).
-      state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1 or 2; 2 needs
-        ``state_producer``): each takes its own block of ``bv_state`` value channels, and they share
-        the chunk's q, k, W (T), Aqk tiles, so those are read from L2 once per two value blocks.
+      state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1, the default,
+        or 2; 2 needs ``state_producer``; GPU only, K <= 128, like it): each takes its own block of
+        ``bv_state`` value channels, and they share the chunk's q, k, W (T), Aqk tiles, so those are
+        read from L2 once per two value blocks. The default value block halves until two blocks tile
+        V. H200 1x16384x16x128: slower (state pass 0.401 vs 0.320 ms).
       state_slots: TMA slots (chunks in flight) of a warp-specialised state pass: 2 (default), 3
-        or 4 (needs ``state_producer``; :func:`gdn_jax.ops.pallas.hopper.covers` says when they do
-        not fit shared memory).
+        or 4 (needs ``state_producer``; GPU only, K <= 128). The default value block halves until
+        the slots fit shared memory (K = 128: 3 slots -> 32, 4 slots fit nowhere at K = 128 -- the
+        call then runs Triton and :func:`gdn_jax.ops.pallas.forward_kernels` says why). H200
+        1x16384x16x128: 3 slots 0.322 vs 0.320 ms.
       reverse_producer: the Hopper backward's reverse state pass (K <= 128) warp-specialised like
         ``state_producer``: a producer warpgroup issues each chunk's q, k, W, dVl (or Aqk), dO and
         gates copies into two slots, the consumer releases a slot after its step's last wgmma (h_n,

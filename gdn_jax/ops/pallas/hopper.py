@@ -8,15 +8,15 @@ kernels, which reuse both in their backward modes, are in :mod:`.hopper_bwd`).
 
 :func:`forward_states_and_output`: the forward state pass fused with the output (the twin of
 :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`). One CTA (one compute warpgroup) per
-(batch x value head, block of ``bv`` value channels) walks the chunks with the state
-S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, with S entering it::
+(batch x value head, block of ``bv`` value channels; ``state_warpgroups`` blocks with the producer)
+walks the chunks with the state S [K, bv] in registers (float32, the wgmma accumulator layout); per chunk n, with S entering it::
 
     Vn  = U - W S                              wgmma (W: SMEM, S: bf16 copy in SMEM)
     O   = e^gamma * scale * (Q S) + Aqk Vn     wgmma x 2, the row scaling on the accumulator
     S  <- e^{gamma_C} S + K^T (e^{gamma_C - gamma} * Vn)     wgmma with K transposed in SMEM
 
 The next chunk's q, k, W, U, Aqk and gates are copied by TMA into the other of two SMEM slots
-while this one computes; o leaves through SMEM by TMA. Only ``U - W S`` and the K^T update sit
+(``state_slots`` with the producer below) while this one computes; o leaves through SMEM by TMA. Only ``U - W S`` and the K^T update sit
 on the S -> S' chain; Q S is issued beside W S. With ``KernelConfig.state_producer`` (the default
 on a GPU, K <= 128: :func:`producer`) a second, producer warpgroup issues those copies into
 ``state_slots`` slots and the compute warpgroup(s) release each slot after their step's last
@@ -203,9 +203,11 @@ def single_q(call: KernelCall) -> bool:
 def block_for(call: KernelCall) -> int:
     """The Hopper state pass's default value block for ``call`` (``KernelConfig.bv_state`` None):
     :func:`default_block`, then halved (down to 16) until :func:`smem_bytes` fits an SM's shared
-    memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32)."""
+    memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32; K = 128 with ``state_slots`` 3: 32) and,
+    with :func:`producer`, until ``state_warpgroups`` value blocks tile V."""
     bv = default_block(call.BH, call.V, call.platform)
-    while bv > 16 and smem_bytes(call, bv) > SMEM_BYTES:
+    nc = call.state_wgs if producer(call) else 1
+    while bv > 16 and (smem_bytes(call, bv) > SMEM_BYTES or call.V % (bv * nc)):
         bv //= 2
     return bv
 
@@ -220,7 +222,8 @@ def smem_bytes(call: KernelCall, bv: int) -> int:
     """Shared memory of :func:`forward_states_and_output` (two TMA slots, or ``state_slots`` with
     :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
     of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
-    block in place of W and U, one q tile where :func:`single_q`)."""
+    block in place of W and U; where :func:`single_q`, one q tile and, in "wu", one W tile). Counts
+    the forward's tiles: the backward's recompute (no q, Aqk, o) needs less."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
     one = single_q(call)
@@ -264,7 +267,9 @@ def covers(call: KernelCall) -> str | None:
         fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
         return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
                 f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"
-                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else ""))
+                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else "")
+                + (f"; with state_slots={call.state_slots}, state_warpgroups={call.state_wgs} (fewer fit)"
+                   if producer(call) and (call.state_slots, call.state_wgs) != (2, 1) and not fit else ""))
     if wy_smem_bytes(call) > SMEM_BYTES:
         return f"shared memory: the WY kernel needs {wy_smem_bytes(call) // 1024} KB of {SMEM_BYTES // 1024} KB"
     return None
@@ -293,6 +298,11 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     (bf16) leave by TMA instead of ``o`` and the final state. With ``q`` and ``save_states``
     (``KernelConfig.save_states``) they leave as well as ``o`` and the final state, the same
     values the recompute writes (the result has all four).
+
+    With :func:`producer` (``KernelConfig.state_producer``) the CTA has ``state_warpgroups`` compute
+    warpgroups (each its own value block: grid (B*H, V / (bv * state_warpgroups))) and a producer
+    warpgroup that copies every chunk's tiles into ``state_slots`` slots, refilling a slot once each
+    compute warpgroup has arrived on its "free" barrier after the step's last wgmma.
 
     With ``t`` = (t_hi, t_lo) [BH, n, C, C] bf16 (``KernelConfig.fwd_form="t"``; ``w`` and ``u``
     are None, ``v`` the values in the token layout, ``beta`` the beta column [BH, T, 1]) Vn is

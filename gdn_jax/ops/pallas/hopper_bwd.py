@@ -614,9 +614,10 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
     plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
     last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
-    which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step; with
-    ``KernelConfig.reverse_producer`` at K <= 128 a second, producer warpgroup issues those copies
-    and the consumer releases each slot after its step's last wgmma). At K > 128
+    which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step). With
+    ``KernelConfig.reverse_producer`` at K <= 128 a second, producer warpgroup issues the slots'
+    copies and the consumer releases each slot after its step's last wgmma (h_n is still copied by
+    the consumer). At K > 128
     (:func:`reverse_single_tiles`) q, k and W have one tile each, refilled as soon as this chunk's
     wgmmas have read them.
     With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
