@@ -23,8 +23,9 @@ forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradie
 the m of :func:`grad_chunks_per_cta`), and the warp-specialised state passes
 (``KernelConfig(state_producer=True, state_warpgroups=N, state_slots=D)``: "ws NxD" lines, the
 forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"), and the
-warp-specialised reverse pass (``KernelConfig(reverse_producer=True)``: "bwd reverse pass ws" alone,
-"reverse producer" whole). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
+warp-specialised reverse pass (``KernelConfig.reverse_producer``, the default: "bwd reverse pass";
+the one-warpgroup pass "bwd reverse pass 1 WG" alone, checked bit for bit against it, "reverse 1 WG"
+whole; "fwd state pass 1 WG" and "no producers" likewise for the forward's state pass). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
 (each selected whole-op line, and jla) and prints where a call's time goes: kernels, the idle gaps
 between them, and the host's time outside them (per call we pay ~0.41 ms above the pipelined time at
 4x4096x16x128, jla ~0.27).
@@ -303,6 +304,9 @@ def main(argv=None):
                 c2 = dataclasses.replace(cf, bv_mosaic=bv)
                 if wanted(f"fwd state pass bv{bv}"):
                     line(f"fwd state pass bv{bv}", lambda A, c2=c2: state_pass(c2, A), F)
+            cf1 = dataclasses.replace(cf, state_prod=False)  # the one-warpgroup pass (state_producer=False)
+            if wanted("fwd state pass 1 WG") and cf.state_prod and HF.covers(cf1) is None:
+                line("fwd state pass 1 WG", lambda A: state_pass(cf1, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
             cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
@@ -318,7 +322,7 @@ def main(argv=None):
                     if not wanted(label) or not wu or HF.covers(cw) is not None:
                         continue
                     line(label, lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw), F)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cw, cf))
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cw, cf1))
                     same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
                     print(f"    {label}: outputs equal to the one-warpgroup pass: {same}", flush=True)
             # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
@@ -372,9 +376,9 @@ def main(argv=None):
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
                          ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A))]
-                crp = dataclasses.replace(cb, rev_prod=True)  # KernelConfig.reverse_producer
-                steps.append(("bwd reverse pass ws", lambda A: HB.reverse_states(
-                    crp, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
+                cr1 = dataclasses.replace(cb, rev_prod=False)  # KernelConfig.reverse_producer=False (default True)
+                steps.append(("bwd reverse pass 1 WG", lambda A: HB.reverse_states(
+                    cr1, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                     A["fl"])))
                 for nc, D in ((1, 2), (1, 3), (2, 2)):  # KernelConfig.state_producer: the recompute warp-specialised
                     cw = dataclasses.replace(cb, state_prod=True, state_wgs=nc, state_slots=D)
@@ -396,10 +400,11 @@ def main(argv=None):
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
-                if wanted("bwd reverse pass ws"):  # the same values as the one-warpgroup pass, bit for bit
-                    a, b = (jax.jit(f)(Bk) for f in (dict(steps)["bwd reverse pass ws"], reverse))
+                if wanted("bwd reverse pass 1 WG") and cb.rev_prod:  # the same values, bit for bit
+                    a, b = (jax.jit(f)(Bk) for f in (reverse, dict(steps)["bwd reverse pass 1 WG"]))
                     same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
-                    print(f"    bwd reverse pass ws: outputs equal to the one-warpgroup pass: {same}", flush=True)
+                    print(f"    bwd reverse pass (warp-specialised): outputs equal to the one-warpgroup pass: {same}",
+                          flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
                 if cf.mosaic_fwd and cf.K > 128:
@@ -435,7 +440,8 @@ def main(argv=None):
                      ("no save_wy", KC(save_wy=False)),
                      ("producer 1x2", KC(state_producer=True)), ("producer 1x3", KC(state_producer=True, state_slots=3)),
                      ("producer 2x2", KC(state_producer=True, state_warpgroups=2)),
-                     ("reverse producer", KC(reverse_producer=True)),
+                     ("reverse 1 WG", KC(reverse_producer=False)),
+                     ("no producers", KC(state_producer=False, reverse_producer=False)),
                      ("grads 1 WG", KC(grad_warpgroups=1)), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
             for label, kc in whole:

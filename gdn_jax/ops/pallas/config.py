@@ -245,11 +245,13 @@ class KernelConfig:
       reverse_producer: the Hopper backward's reverse state pass (K <= 128) warp-specialised like
         ``state_producer``: a producer warpgroup issues each chunk's q, k, W, dVl (or Aqk), dO and
         gates copies into two slots, the consumer releases a slot after its step's last wgmma (h_n,
-        read off the dS chain, is still copied by the consumer). Same values. Opt-in (built
-        2026-12-03, not yet run on a GPU: the session's device time was spent); the reverse pass
-        is 0.537 ms of 1.669 at 1x16384x16x128 (results/hopper_h200/stages_producer_89efcf0.txt).
-        GPU only, like ``state_producer`` (interpret mode runs the one-warpgroup pass inside the
-        op; tests/ops/test_hopper_bwd.py checks the kernel call by call).
+        read off the dS chain, is still copied by the consumer). Same values (bit-equal on the
+        H200). Default True since 2026-12-03: H200 1x16384x16x128 reverse pass 0.529 -> 0.488 ms,
+        whole op fwd+bwd 1.658 -> 1.642; 4x4096x16x128 0.206 -> 0.207, 1.084 -> 1.089 (noise);
+        check_gpu bf16 10 of 10 (results/hopper_h200/stages_reverse_producer_956f7c8.txt,
+        check_gpu_reverse_producer_956f7c8.txt). GPU only, like ``state_producer`` (interpret mode
+        runs the one-warpgroup pass inside the op; tests/ops/test_hopper_bwd.py checks the kernel
+        call by call).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -332,7 +334,7 @@ class KernelConfig:
     state_producer: bool = True
     state_warpgroups: int = 1
     state_slots: int = 2
-    reverse_producer: bool = False
+    reverse_producer: bool = True
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
