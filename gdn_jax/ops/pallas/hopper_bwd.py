@@ -516,7 +516,8 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     """The backward's WY stage from the forward's saved Aqk and T (``KernelConfig.save_wy``): one
     CTA per (batch x value head, chunk)::
 
-        W = T (beta e^gamma K),  U = T (beta V)      bf16x2 (T = t_hi + t_lo, both in SMEM)
+        W = T diag(beta e^gamma) K,  U = T diag(beta) V   bf16x2 (T = t_hi + t_lo read into
+                                                          registers, its columns scaled, split)
         dVl = Aqk^T dO                               Aqk transposed in SMEM
 
     No K K^T / Q K^T and no inverse (the dependent chain of :func:`wy_backward`). Arguments: k, v,
@@ -530,7 +531,7 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     rs = lambda x: x.reshape(BH, n, C)
     gates = jnp.stack([rs(beta), rs(beta) * rs(e_gam)], axis=2).astype(F32)
     WG = plgpu.Layout.WGMMA
-    ROW = WG.reduce(1)
+    COL = WG.reduce(0)
 
     def body(k_ref, v_ref, do_ref, g_ref, a_ref, th_ref, tl_ref, w_ref, u_ref, dvl_ref,
              k_s, v_s, do_s, g_s, a_s, th_s, tl_s, bars):
@@ -547,14 +548,12 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
         (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
         for i in (0, 1, 5, 6):
             plgpu.barrier_wait(bars.at[i])
-        beta_r = _load(g_s.at[0], ROW, interp)
-        k_s[...] = (_load(k_s, WG, interp).astype(F32)
-                    * lax.broadcast_in_dim(_load(g_s.at[1], ROW, interp), (C, K), [0])).astype(k_s.dtype)
-        v_s[...] = (_load(v_s, WG, interp).astype(F32) * lax.broadcast_in_dim(beta_r, (C, V), [0])).astype(v_s.dtype)
         do_s[...] = dvl.astype(do_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
-        write_w_u((th_s, tl_s), k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
+        t = _load(th_s, WG, interp).astype(F32) + _load(tl_s, WG, interp).astype(F32)
+        write_w_u(t, _load(g_s.at[1], COL, interp), _load(g_s.at[0], COL, interp), k_s, v_s, k_s,
+                  w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
 
     scratch = [_smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt), plgpu.SMEM((2, C), F32),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
