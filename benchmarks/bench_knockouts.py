@@ -31,9 +31,9 @@ WY_EDITS = {
     "no inverse rounds": [("        if blocked:  # the rounds inside", "        if False:  # the rounds inside"),
                           ("        while (1 << lg) < C:", "        while False:")],
     "no W / U": [("        if compact:  # W leaves through", "        if True:\n            pass\n        elif compact:  # W leaves through"),
-                 ("        else:\n            write_w_u((th, tl), k_s, v_s, q_s,", "        elif False:\n            write_w_u((th, tl), k_s, v_s, q_s,")],
-    "W / U with T hi only": [("                (Xm,) = _mmas([((C, min(128, N)), t_pair, (xc, xc))], interp)",
-                              "                (Xm,) = _mmas([((C, min(128, N)), t_pair[0], xc)], interp)")],
+                 ("        else:\n            write_w_u(tw, tu, k_s, v_s, q_s,", "        elif False:\n            write_w_u(tw, tu, k_s, v_s, q_s,")],
+    "W / U with T hi only": [("                (Xm,) = _mmas([((C, min(128, N)), pair, (xc, xc))], interp)",
+                              "                (Xm,) = _mmas([((C, min(128, N)), pair[0], xc)], interp)")],
 }
 WY_EDITS["no rounds, no W / U"] = WY_EDITS["no inverse rounds"] + WY_EDITS["no W / U"]
 

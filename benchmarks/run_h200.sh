@@ -129,10 +129,13 @@ for s in $STEPS; do
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
     ab) for tree in ${AB_TREES:-. .base/old}; do
           echo "=== tree $tree" | tee -a "$OUT/ab.txt"
-          PYTHONPATH=$tree:$PYTHONPATH MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_AB:-200}" python \
+          # the benchmarks put their checkout's root first on sys.path: each tree runs from a copy
+          # of this checkout's benchmarks/ beside that tree's gdn_jax/
+          rm -rf /tmp/ab_tree && mkdir -p /tmp/ab_tree && cp -r benchmarks "$tree/gdn_jax" /tmp/ab_tree/
+          (cd /tmp/ab_tree && MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_AB:-200}" python \
              benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0 --reps 20 --no-jla} \
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 \
-             | grep -v -i warning | grep -i -E "registers|spill stores|^ *[a-z(=]" | grep -v "Compile time" \
+             | grep -v -i warning | grep -i -E "registers|spill stores|^ *[a-z(=]" | grep -v "Compile time") \
              | tee -a "$OUT/ab.txt" | grep -v -i -E "registers|spill" | tail -12
         done ;;
     regs) # ptxas' register / spill / shared-memory report of every Hopper kernel (MOSAIC_GPU_DUMP_PTXAS

@@ -584,21 +584,25 @@ def wy_compact(call: KernelCall) -> bool:
     return call.wy_compact and call.K == call.V
 
 
-def write_w_u(t, col_w, col_u, k_s, v_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=False):
-    """W = T diag(beta e^gamma) K and U = T diag(beta) V with the scales on T's columns: ``t`` the
-    float32 [C, C] T in the wgmma layout, ``col_w`` / ``col_u`` the [C] beta e^gamma / beta rows in
-    the column-broadcast layout (``Layout.WGMMA.reduce(0)``). Each scaled T is split into a bf16
-    (hi, lo) pair in registers (T diag(s) to ~2^-16) and multiplied with the unscaled K / V tile
-    (``k_s``, ``v_s``: no rounding of a scaled K or V, no SMEM round trip of the tiles; bf16x2,
-    float32 accumulation). Written to ``w_dst`` / ``u_dst`` by TMA through ``w_s`` and ``v_s``;
-    waits for every copy of the CTA to land. ``sequential``: W first, then U, each in column blocks
-    of at most 128 (one [C, <= 128] accumulator and one scaled pair live at a time; ``w_s`` may be
-    ``k_s``)."""
+def scaled_t(t, col, C):
+    """A zero-argument function giving T diag(s) as a bf16 (hi, lo) register pair (to ~2^-16) for
+    :func:`write_w_u`: ``t`` the float32 [C, C] T in the wgmma layout, ``col`` the [C] scales s in
+    the column-broadcast layout (``Layout.WGMMA.reduce(0)``)."""
+    return lambda: _split(t * lax.broadcast_in_dim(col, (C, C), [1]))
+
+
+def write_w_u(tw, tu, k_s, v_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=False):
+    """W = T diag(beta e^gamma) K and U = T diag(beta) V as bf16x2 products (float32 accumulation):
+    ``tw`` / ``tu`` zero-argument functions giving the A operands' (hi, lo) pairs, :func:`scaled_t`
+    (the scales on T's columns in registers; ``k_s`` / ``v_s`` the unscaled K and V tiles: no
+    rounding of a scaled K or V, no SMEM round trip of the tiles; called when their product is
+    issued, so that one pair is live at a time in the sequential form). Written to ``w_dst`` / ``u_dst`` by TMA through ``w_s`` and ``v_s``; waits for every
+    copy of the CTA to land. ``sequential``: W first, then U, each in column blocks of at most 128
+    (one [C, <= 128] accumulator and one pair live at a time; ``w_s`` may be ``k_s``)."""
     plgpu = _plgpu()
-    cb = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
     if sequential:
-        for col, x_s, dst_s, N, dst in ((col_w, k_s, w_s, K, w_dst), (col_u, v_s, v_s, V, u_dst)):
-            pair = _split(t * cb(col))
+        for pair_fn, x_s, dst_s, N, dst in ((tw, k_s, w_s, K, w_dst), (tu, v_s, v_s, V, u_dst)):
+            pair = pair_fn()
             # in column blocks of at most 128 (a [C, 128] float32 accumulator: 64 registers)
             for c0 in range(0, N, 128):
                 cols = pl.ds(c0, min(128, N))
@@ -610,8 +614,7 @@ def write_w_u(t, col_w, col_u, k_s, v_s, w_s, w_dst, u_dst, C, K, V, interp, seq
             plgpu.copy_smem_to_gmem(dst_s, dst)
         plgpu.wait_smem_to_gmem(0)
         return
-    Wm, Um = _mmas([((C, K), _split(t * cb(col_w)), (k_s, k_s)), ((C, V), _split(t * cb(col_u)), (v_s, v_s))],
-                   interp)
+    Wm, Um = _mmas([((C, K), tw(), (k_s, k_s)), ((C, V), tu(), (v_s, v_s))], interp)
     w_s[...] = Wm.astype(w_s.dtype)
     v_s[...] = Um.astype(v_s.dtype)
     plgpu.commit_smem()
@@ -842,7 +845,10 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         bar = lambda i: bars[i].at[slot] if i < 4 else bars[i].at[0]
         for i in (0, 1, 3) if compact else range(4):
             plgpu.barrier_wait(bar(i))
-        kk, qk = _mmas([((C, C), k_s, _T(k_s)), ((C, C), q_s, _T(k_s))], interp)
+        # Q K^T first, Aqk formed and stored, then K K^T: one [C, C] accumulator live at a time (185
+        # registers instead of 196; H200 whole forward 0.274 -> 0.265 ms at 4x4096x16x128, 0.475 ->
+        # 0.461 at 1x16384x16x128, results/hopper_h200/ab_wy_dee6582.txt)
+        (qk,) = _mmas([((C, C), q_s, _T(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse
             plgpu.copy_gmem_to_smem(srcs[2], v_s, bar(2))
         i, j = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
@@ -853,7 +859,6 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         lower, incl = i > j, i >= j
         beta_r = _load(g_s.at[0], row, interp)
         e = jnp.exp(jnp.where(incl, dg, 0.0))  # one exp for both: the strict lower part is A's
-        A = jnp.where(lower, kk * bcast_r(beta_r) * e, 0.0)
         aqk = jnp.where(incl, qk * (scale * e), 0.0)
         a_s[...] = aqk.astype(BF16)
         plgpu.commit_smem()
@@ -865,6 +870,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
         else:
             plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
+        (kk,) = _mmas([((C, C), k_s, _T(k_s))], interp)
+        A = jnp.where(lower, kk * bcast_r(beta_r) * e, 0.0)
         # T = (I + A)^-1: T_2 exact, then T_2s = T_s - (T_s L_s) T_s with L_s the sub-diagonal s-blocks
         eye = jnp.where(i == j, 1.0, 0.0)
         T = eye - jnp.where(((i & 1) == 1) & (j == i - 1), A, 0.0)
@@ -901,28 +908,29 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
             if with_w:  # W = T diag(beta e^gamma) K, the scales on T's columns (see write_w_u)
-                tw = _split(T * lax.broadcast_in_dim(_load(g_s.at[2], col, interp), (C, C), [1]))
-                (Wm,) = _mmas([((C, K), tw, (k_s, k_s))], interp)
+                (Wm,) = _mmas([((C, K), scaled_t(T, _load(g_s.at[2], col, interp), C)(), (k_s, k_s))], interp)
                 k_s[...] = Wm.astype(k_s.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(k_s, w_ref.at[bh, rows])
             plgpu.wait_smem_to_gmem(0)
             return
-        # W = T diag(beta e^gamma) K, U = T diag(beta) V: the scales on T's columns (write_w_u)
+        # W = T diag(beta e^gamma) K, U = T diag(beta) V: the scales on T's columns (write_w_u), T
+        # taken as its (hi, lo) pair's sum -- the T that the gradient kernel and wy_from_saved read
+        th, tl = _split(T)
+        T = th.astype(F32) + tl.astype(F32)
         if backward or save_t:  # T for the gradient kernel (and the backward's WY), as its (hi, lo) pair
-            th, tl = _split(T)
             tlo_s = l_hi if t_lo is None else t_lo  # the rounds' last wgmma reading L hi has completed
             t_hi[...], tlo_s[...] = th, tl
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_hi, thi_ref.at[bh, c])
             plgpu.copy_smem_to_gmem(tlo_s, tlo_ref.at[bh, c])
-        col_w, col_u = _load(g_s.at[2], col, interp), _load(g_s.at[4], col, interp)
+        tw, tu = scaled_t(T, _load(g_s.at[2], col, interp), C), scaled_t(T, _load(g_s.at[4], col, interp), C)
         if compact:  # W leaves through K's tile, U through v's (q's), one after the other
             plgpu.barrier_wait(bar(2))
-            write_w_u(T, col_w, col_u, k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+            write_w_u(tw, tu, k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=True)
         else:
-            write_w_u(T, col_w, col_u, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
+            write_w_u(tw, tu, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
     kw = _kernel_kw(call)
