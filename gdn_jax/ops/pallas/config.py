@@ -46,7 +46,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
-            "grad_precision": ("bf16x3", "bf16"), "fwd_form": (None, "wu", "t")}
+            "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -252,6 +252,13 @@ class KernelConfig:
         check_gpu_reverse_producer_956f7c8.txt). GPU only, like ``state_producer`` (interpret mode
         runs the one-warpgroup pass inside the op; tests/ops/test_hopper_bwd.py checks the kernel
         call by call).
+      grad_t_phase: the Hopper gradient kernels' dA (T = (I + A)^-1): "chain" (default; dT = (dVn
+        Vn^T)(I + A)^T, then dA = -strict(T^T dT T^T), three chained C x C x C products) or
+        "direct" (dA = -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I: two products, the
+        one-warpgroup kernel reuses its T^T dVn). Built 2026-12-03, opt-in, checked in interpret
+        mode against float64 and against "chain" (tests/ops/test_hopper_bwd.py), NOT yet run on a
+        GPU; motive: the T phase is 0.216 of the gradient kernel's 0.528 ms at 4x4096x16x128
+        (results/hopper_h200/knockouts_grads_dee6582.txt).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
         each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
@@ -327,6 +334,7 @@ class KernelConfig:
     wy_precision: str = "bf16"
     wy_compact: bool = True
     grad_precision: str = "bf16x3"
+    grad_t_phase: str = "chain"
     fwd_form: Optional[str] = None
     approx_math: bool = True
     wy_chunks_per_cta: Optional[int] = None
@@ -430,6 +438,7 @@ class KernelCall:
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
     grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
+    grad_tp: str = "chain"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
@@ -558,7 +567,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
-        wy_compact=config.wy_compact, grad_precision=config.grad_precision, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
+        wy_compact=config.wy_compact, grad_precision=config.grad_precision, grad_tp=config.grad_t_phase, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
         approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
         rev_prod=config.reverse_producer, grad_wgs=config.grad_warpgroups,

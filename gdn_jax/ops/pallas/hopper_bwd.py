@@ -93,7 +93,8 @@ def _grad_sources(call: KernelCall, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h
     return b, hh, rows, srcs
 
 
-def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp, hp=True):
+def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp, hp=True,
+             direct=False, y=None, V=None):
     """The gradient kernels' T phase (both :func:`chunk_grads` variants): T = (I + A)^-1 with
     A = strict(beta K K^T * Gamma); dT = (dVn Vn^T)(I + A)^T, dA = -strict(T^T dT T^T),
     dKK = dA * Gamma. Writes dKK (bf16) into ``dkk_s`` and beta * dKK into ``x_lo`` (the operand of
@@ -101,9 +102,35 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     gate gradients). ``x_hi`` / ``x_lo``: two [C, C] bf16 scratch tiles; ``masks()`` and
     ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix;
     ``hp``: the three C x C x C products as bf16x3 (else one bf16 wgmma each, T as its hi part:
-    ``KernelConfig.grad_precision="bf16"``)."""
+    ``KernelConfig.grad_precision="bf16"``).
+
+    ``direct`` (``KernelConfig.grad_t_phase="direct"``): since T (I + A) = I, (I + A)^T T^T = I and
+    dA = -strict(T^T (dVn Vn^T) (I + A)^T T^T) = -strict((T^T dVn) Vn^T): two products instead of
+    three chained ones, Y = T^T dVn [C, V] (T's hi / lo pair against dVn; ``y``, when the caller
+    has it already, skips it) and Y Vn^T (Y as a bf16 hi / lo pair; with ``hp`` False T's and Y's hi
+    parts alone); ``x_hi`` is not used. The identity holds for the T that the forward used to the
+    accuracy of its inverse (~1.7e-4 with the default bf16 rounds), below the kernels' bf16
+    rounding."""
     plgpu = _plgpu()
     bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+    if direct:
+        if y is None:
+            kk, y = _mmas([((C, C), k_s, _T(k_s)), ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
+                                                     (dvn_s, dvn_s) if hp else (dvn_s,))], interp)
+        else:
+            (kk,) = _mmas([((C, C), k_s, _T(k_s))], interp)
+        yh, yl = _split(y, hp)
+        (dar,) = _mmas([((C, C), (yh, yl) if hp else (yh,), (_T(vn_s), _T(vn_s)) if hp else (_T(vn_s),))], interp)
+        strict, _, _ = masks()
+        gs = gamma(strict)
+        a = kk * bc_r(beta_r, (C, C)) * gs
+        da = jnp.where(strict, -dar, 0.0)
+        m = da * a
+        dkk = da * gs
+        dkk_s[...] = dkk.astype(BF16)
+        x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
+        plgpu.commit_smem()
+        return m
     kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
     strict, _, diag = masks()
     gs = gamma(strict)
@@ -217,7 +244,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             #    dk += (beta dKK)^T K = dKK^T (beta K); dKK stays in SMEM for step 5
             def t_phase(x_hi, x_lo):
                 m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp,
-                             hp=call.grad_precision == "bf16x3")
+                             hp=call.grad_precision == "bf16x3", direct=call.grad_tp == "direct", y=dvb, V=V)
                 (dk2,) = _mmas([(dk, _T(x_lo), k_s)], interp)
                 return jnp.sum(m, axis=1), jnp.sum(m, axis=0), dk2
 
@@ -379,7 +406,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
             wait(8, 9, 10)
             m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
-                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3")
+                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3",
+                         direct=call.grad_tp == "direct", V=V)
             # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
             dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
             if pf:  # q (dq has left), Vn, dVn and T (once warpgroup 1 is done with them) are free
