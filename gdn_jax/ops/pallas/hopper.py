@@ -714,13 +714,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
 
     In SMEM / registers (gamma the in-chunk cumulative log decay, masks applied to exponents)::
 
-        KK, QK = K K^T, Q K^T                                  wgmma (K transposed in SMEM)
+        QK, then (Aqk stored) KK = Q K^T, K K^T                wgmma (K transposed in SMEM)
         A   = strictly_lower(beta_i KK_ij e^{gamma_i - gamma_j});  Aqk = tril(scale QK_ij e^{..})
         T   = (I + A)^-1   recursive blocks T_2s = T_s - (T_s L_s) T_s, s = 1 .. C/2
         W   = T diag(beta e^gamma) K,  U = T diag(beta) V      the scales on T's columns (write_w_u)
 
-    Every product involving T runs as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
-    the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); with
+    The inverse's products can run as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
+    the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); W and U
+    as bf16x2 (T diag(s) as a register hi / lo pair against the unscaled bf16 K / V tile); with
     ``KernelConfig.wy_precision="bf16"`` the doubling rounds' products take bf16 operands (one
     wgmma each, float32 accumulation), with ``"bf16_blocks"`` only the rounds inside the 16 x 16
     diagonal blocks (T_2 -> T_16); W, U and T's outputs keep the hi / lo pair.
