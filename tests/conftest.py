@@ -49,6 +49,14 @@ jax.config.update("jax_compilation_cache_dir",
                   os.path.join(_REPO, ".jax_cache", os.environ.get("PYTEST_XDIST_WORKER", "main")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+# Four CPU devices: Mosaic GPU's interpreter runs each warpgroup of a kernel as a thread whose
+# barrier waits block in io_callbacks, and with the CPU client of one device on a 2-core machine
+# a warp-specialised kernel (a producer warpgroup beside one or two compute warpgroups) hangs --
+# with four devices it runs (seen 2026-12-03: the two-compute-warpgroup state pass, un-jitted and
+# inside jit, 4 s instead of a hang). Computations still run on device 0. Tests that need exactly
+# one or two devices spawn their own processes (tests/experiments/test_training.py).
+jax.config.update("jax_num_cpu_devices", 4)
+
 
 # ---------------------------------------------------------------------------
 # compiled executables are released once a worker holds many memory mappings

@@ -632,14 +632,17 @@ def test_k256_mixed_head_dims(K, V, form):
     check_close({"o": (o, ro, TOL_O), "S": (S, rS, TOL_S)})
 
 
-@pytest.mark.parametrize("nc,D,form,packed", [(1, 2, "wu", False), (1, 3, "wu", True), (1, 2, "t", True)])
+@pytest.mark.parametrize("nc,D,form,packed", [(1, 2, "wu", False), (1, 3, "wu", True), (1, 2, "t", True),
+                                               (2, 2, "wu", True), (2, 2, "t", False)])
 def test_state_producer_kernel(nc, D, form, packed):
     """The warp-specialised state pass (``KernelConfig.state_producer``: a producer warpgroup issues
     each chunk's TMA copies into ``state_slots`` = D slots; ``state_warpgroups`` = nc compute
     warpgroups share a chunk's tiles) equals the one-warpgroup pass bit for bit: the forward (o,
     final state, and h, Vn with ``save_states``) and the backward's recompute (h, Vn), with and
-    without ``cu_seqlens``, in both forward forms. Called kernel by kernel, un-jitted (see
-    ``KernelConfig.state_producer`` on interpret mode); it lowers for CUDA inside the op."""
+    without ``cu_seqlens``, in both forward forms, with one and two compute warpgroups. Called
+    kernel by kernel inside ``jax.jit`` (the op itself runs the one-warpgroup pass in interpret
+    mode, see ``KernelConfig.state_producer``; the interpreter needs the 4 CPU devices that
+    conftest sets to run three warpgroups); it lowers for CUDA inside the op."""
     from gdn_jax.ops.pallas import vjp as V
 
     cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
@@ -668,8 +671,8 @@ def test_state_producer_kernel(nc, D, form, packed):
         if rec and tf:  # the backward's recompute takes W and U (the backward's WY) in either form
             c = dataclasses.replace(c, fwd_form="wu")
         w_u = wy_wu if rec and tf else wy
-        return hopper.forward_states_and_output(c, w_u["w"], w_u["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
-                                                *q_args, **kw)
+        return jax.jit(lambda w, u, *a: hopper.forward_states_and_output(c, w, u, *a, **kw))(
+            w_u["w"], w_u["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"], *q_args)
 
     for rec in (False, True):
         got, ref = run(cw, rec), run(base, rec)
@@ -713,9 +716,9 @@ def test_state_producer_checked():
 @pytest.mark.parametrize("form", ["wu", "t"])
 def test_state_two_warpgroups_lower_for_cuda(form):
     """``state_warpgroups=2`` (two compute warpgroups beside the producer, each its own value
-    block, sharing the chunk's tiles) lowers for CUDA, forward and backward. Its values are not
-    checked in interpret mode: three interpreted warpgroups blocking on each other's barriers hang
-    XLA:CPU's thread pool on 2 cores. On the H200 it is bit-equal to the one-warpgroup pass at
+    block, sharing the chunk's tiles) lowers for CUDA, forward and backward. Its values are checked
+    in interpret mode by test_state_producer_kernel (with conftest's 4 CPU devices: with one, three
+    interpreted warpgroups blocking on each other's barriers hang on 2 cores). On the H200 it is bit-equal to the one-warpgroup pass at
     1x16384x16x128 (results/hopper_h200/stages_producer_89efcf0.txt) and passes check_gpu 10 of 10
     (check_gpu_producer_89efcf0.txt)."""
     cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, state_warpgroups=2, save_states=False)

@@ -138,7 +138,7 @@ def test_reverse_producer_bit_equal(K, V, cu, own):
     """``KernelConfig.reverse_producer`` (a producer warpgroup issues the reverse pass's copies into
     two slots; the consumer releases a slot after its last wgmma) gives the one-warpgroup pass's dh,
     dVn, dh0 and d e^{gamma_C} bit for bit, with dVl given or formed from Aqk, with ``cu_seqlens``.
-    Called kernel by kernel (interpret mode runs the one-warpgroup pass inside the op:
+    Called kernel by kernel, jitted (interpret mode runs the one-warpgroup pass inside the op:
     ``KernelConfig.state_producer``); it lowers for CUDA inside value_and_grad."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(K, V, cu)
     assert not call.rev_prod  # interpret mode: off inside the op
@@ -146,7 +146,8 @@ def test_reverse_producer_bit_equal(K, V, cu, own):
     h = HB.recompute_states(call, wy["w"], wy["u"], k, ekd, dec, h0, flags)["h"]
     aqk = jnp.asarray(np.random.default_rng(2).standard_normal((call.BH, call.n, call.C, call.C)) * 0.1, BF16)
     dvl, a = (None, aqk) if own else (wy["dvl"], None)
-    got, ref = (HB.reverse_states(c, q, k, wy["w"], dvl, do, eg, ekd, dec, dfin, h, flags, aqk=a)
+    got, ref = (jax.jit(lambda *x, c=c: HB.reverse_states(c, *x, aqk=a))(q, k, wy["w"], dvl, do, eg, ekd, dec, dfin,
+                                                                         h, flags)
                 for c in (dataclasses.replace(call, rev_prod=True), call))
     assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n]), np.asarray(ref[n])) for n in ref)
     text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", reverse_producer=True,

@@ -229,9 +229,11 @@ class KernelConfig:
         one-warpgroup pass (check_gpu_producer_89efcf0.txt). On the GPU only: in interpret mode the op runs the
         one-warpgroup pass, because Mosaic GPU's interpreter, inside a larger jitted program on
         XLA:CPU, can starve XLA's thread pool while one warpgroup blocks on another's barrier (a
-        hang, seen on 2 cores); the warp-specialised kernel itself is checked in interpret mode
-        call by call with one compute warpgroup (tests/ops/test_hopper.py::test_state_producer_kernel;
-        two compute warpgroups hang the interpreter even so: lowering only, and on the H200).
+        hang, seen on 2 cores with the CPU client's default one device); the warp-specialised
+        kernel itself, with one and two compute warpgroups, is checked in interpret mode call by
+        call inside jit (tests/ops/test_hopper.py::test_state_producer_kernel), in a process with
+        4 CPU devices (``jax.config.update("jax_num_cpu_devices", 4)`` before JAX starts, as
+        tests/conftest.py does), where the interpreter runs three warpgroups without hanging.
       state_warpgroups: compute warpgroups per CTA of a warp-specialised state pass (1, the default,
         or 2; 2 needs ``state_producer``; GPU only, K <= 128, like it): each takes its own block of
         ``bv_state`` value channels, and they share the chunk's q, k, W (T), Aqk tiles, so those are
