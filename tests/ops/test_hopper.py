@@ -369,11 +369,14 @@ def test_grad_t_phase_direct(wgs, precision):
 
 
 def test_grad_t_phase_direct_lowers_for_cuda():
-    """Both gradient kernels with ``grad_t_phase="direct"`` lower for CUDA (bf16x3 and bf16)."""
+    """Both Hopper gradient kernels with ``grad_t_phase="direct"`` lower for CUDA (bf16x3 and bf16),
+    and so does the Triton backward with it."""
     for wgs, precision in ((2, "bf16x3"), (1, "bf16")):
         text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_t_phase="direct",
                                           grad_warpgroups=wgs, grad_precision=precision))
         assert text.count("custom_call @mosaic_gpu") == 4
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="triton", grad_t_phase="direct"), triton=True)
+    assert "__gpu$xla.gpu.triton" in text  # the Triton gradient kernel's form (tests/ops/test_pallas.py)
 
 
 def test_bf16_rounds_lower_for_cuda():

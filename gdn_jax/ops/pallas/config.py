@@ -254,12 +254,15 @@ class KernelConfig:
         check_gpu_reverse_producer_956f7c8.txt). GPU only, like ``state_producer`` (interpret mode
         runs the one-warpgroup pass inside the op; tests/ops/test_hopper_bwd.py checks the kernel
         call by call).
-      grad_t_phase: the Hopper gradient kernels' dA (T = (I + A)^-1): "chain" (default; dT = (dVn
+      grad_t_phase: the gradient kernels' dA (T = (I + A)^-1): "chain" (default; dT = (dVn
         Vn^T)(I + A)^T, then dA = -strict(T^T dT T^T), three chained C x C x C products) or
-        "direct" (dA = -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I: two products, the
-        one-warpgroup kernel reuses its T^T dVn). Built 2026-12-03, opt-in, checked in interpret
-        mode against float64 and against "chain" (tests/ops/test_hopper_bwd.py), NOT yet run on a
-        GPU; motive: the T phase is 0.216 of the gradient kernel's 0.528 ms at 4x4096x16x128
+        "direct" (dA = -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I). Hopper: two
+        products (the one-warpgroup kernel reuses its T^T dVn: one); Triton: the whole-K kernel
+        accumulates (T^T dVn) Vn^T over its value blocks from the dv product it has (no dT, no
+        dW X^T, no T products), the K-split kernel one T^T product instead of three. Built
+        2026-12-03, opt-in, checked in interpret mode against float64 and against "chain"
+        (tests/ops/test_hopper.py, test_pallas.py), lowers for CUDA, NOT yet run on a GPU; motive:
+        the T phase is 0.216 of the Hopper gradient kernel's 0.528 ms at 4x4096x16x128
         (results/hopper_h200/knockouts_grads_dee6582.txt).
       grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
         (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas

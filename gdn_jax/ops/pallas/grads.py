@@ -9,6 +9,7 @@ Per chunk, with S = h_n, dS = dh_n (the state leaving the chunk), q scaled::
     S' = e^{gamma_C} S + Kd^T Vn       ->  dKd = Vn dS^T, d e^{gamma_C} = sum(S * dS)
     U  = T (beta V), W = T (beta K e^gamma), T = (I + A)^-1, A = strict((beta K) K^T * Gamma)
                                        ->  dT, dA = -T^T dT T^T (strictly lower), dv, dbeta, dk
+                                           (grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T))
     Gamma_ij = exp(gamma_i - gamma_j)  ->  d gamma as row / column sums of M = dA * A + dAqk * Aqk
 
 Outputs: dq, dk, dv (token layout, input dtype); dbeta, d gamma (column and row views, whose sum
@@ -55,11 +56,13 @@ def _ddec(S, dS):
     return _t.colsum(_t.rowsum(S.astype(F32) * dS.astype(F32)))
 
 
-def _wy_backward(call: KernelCall, T, A, Gs, strict, dT, dW, k, e_gam):
+def _wy_backward(call: KernelCall, T, A, Gs, strict, dT, dW, k, e_gam, dA=None):
     """Through W = T X (X = beta K e^gamma), T = (I + A)^-1, A = strict((beta K) K^T * Gamma),
-    for the K columns ``k``: returns (M = dA * A, dKK = dA * Gamma, d(beta K), dX)."""
+    for the K columns ``k``: returns (M = dA * A, dKK = dA * Gamma, d(beta K), dX). ``dA`` given
+    (``KernelConfig.grad_t_phase="direct"``): dT is not used."""
     dX = _t.mm(call, T, dW, ta=True, dt=F32)
-    dA = -_t.mm(call, _t.mm(call, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv") * strict
+    if dA is None:
+        dA = -_t.mm(call, _t.mm(call, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv") * strict
     # gamma enters A and Aqk through Gamma_ij = exp(gamma_i - gamma_j): +M_ij to gamma_i, -M_ij to
     # gamma_j. The diagonal (Gamma_ii = 1) does not depend on gamma: leaving it out of M avoids a
     # large +x/-x pair whose f32 rounding would dominate tiny gate gradients under strong decay.
@@ -104,10 +107,15 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
     A = _t.mm(call, kb, k, tb=True) * Gs
     T = t_ref[...] if t_ref is not None else _t.inv_unit_lower(call, A)
 
+    direct = call.grad_tp == "direct"
+
     def more(sl, S, dS, vn, dvn, v, add):  # everything else that runs over V
         add("ddec", _ddec(S, dS))
-        add("dT", _t.mm(call, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
+        if not direct:
+            add("dT", _t.mm(call, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
         dvb = _t.mm(call, T, dvn, ta=True, dt=F32)
+        if direct:  # KernelConfig.grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), since (I + A)^T T^T = I
+            add("dAd", _t.mm(call, dvb, vn, tb=True, dt=F32))
         dv_ref[:, sl] = (dvb * beta).astype(dv_ref.dtype)
         add("dbeta", _t.rowsum(dvb * v))
 
@@ -118,8 +126,11 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
     dk = acc["dKd"] * e_gam_end_ref[...]
 
     X = kb * e_gam
-    dT = acc["dT"] + _t.mm(call, acc["dW"], X, tb=True, dt=F32)
-    M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, dT, acc["dW"], k, e_gam)
+    if direct:
+        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, None, acc["dW"], k, e_gam, dA=-acc["dAd"] * strict)
+    else:
+        dT = acc["dT"] + _t.mm(call, acc["dW"], X, tb=True, dt=F32)
+        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, dT, acc["dW"], k, e_gam)
     dk = dk + _t.mm(call, dKK, kb, ta=True) + dkb * beta
     dbeta = acc["dbeta"] + _t.rowsum(dkb * k)
     deg = _t.rowsum(dX * kb)
@@ -165,8 +176,12 @@ def _grad_kernel_ksplit(call: KernelCall, *, q_ref, k_ref, q_cols_ref, k_cols_re
     dk = acc["dKd"] * e_gam_end_ref[...]
 
     kbs = ks * beta
-    dT = acc["dVV"] + _t.mm(call, acc["dVV"], A, tb=True, dt=F32)  # dvn Vn^T (I + A)^T
-    M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, dT, acc["dW"], ks, e_gam)
+    if call.grad_tp == "direct":  # KernelConfig.grad_t_phase: dA = -strict(T^T dvn Vn^T), since (I + A)^T T^T = I
+        dA = -_t.mm(call, T, acc["dVV"], ta=True, dt=F32, role="inv") * strict
+        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, None, acc["dW"], ks, e_gam, dA=dA)
+    else:
+        dT = acc["dVV"] + _t.mm(call, acc["dVV"], A, tb=True, dt=F32)  # dvn Vn^T (I + A)^T
+        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, dT, acc["dW"], ks, e_gam)
     dk = dk + _t.mm(call, dKK, kbs, ta=True) + dkb * beta
     dbeta = dbeta + _t.rowsum(dkb * ks)
     deg = _t.rowsum(dX * kbs)
