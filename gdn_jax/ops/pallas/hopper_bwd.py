@@ -113,6 +113,16 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     rounding."""
     plgpu = _plgpu()
     bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+
+    def finish(dar, a, gs):  # dA = -strict(dar); M = dA * A, dKK = dA * Gamma (and beta dKK) to SMEM
+        strict, _, _ = masks()
+        da = jnp.where(strict, -dar, 0.0)
+        dkk = da * gs
+        dkk_s[...] = dkk.astype(BF16)
+        x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
+        plgpu.commit_smem()
+        return da * a
+
     if direct:
         if y is None:
             kk, y = _mmas([((C, C), k_s, _T(k_s)), ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
@@ -123,14 +133,7 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
         (dar,) = _mmas([((C, C), (yh, yl) if hp else (yh,), (_T(vn_s), _T(vn_s)) if hp else (_T(vn_s),))], interp)
         strict, _, _ = masks()
         gs = gamma(strict)
-        a = kk * bc_r(beta_r, (C, C)) * gs
-        da = jnp.where(strict, -dar, 0.0)
-        m = da * a
-        dkk = da * gs
-        dkk_s[...] = dkk.astype(BF16)
-        x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
-        plgpu.commit_smem()
-        return m
+        return finish(dar, kk * bc_r(beta_r, (C, C)) * gs, gs)
     kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
     strict, _, diag = masks()
     gs = gamma(strict)
@@ -148,14 +151,7 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     plgpu.commit_smem()
     (r,) = _mmas([((C, C), *_terms((_T(th_s), _T(tl_s)), (x_hi, x_lo), hp))], interp)
     (ra,) = _mmas([((C, C), *_terms(_split(r, hp), (_T(th_s), _T(tl_s)), hp))], interp)
-    strict, _, _ = masks()
-    da = jnp.where(strict, -ra, 0.0)
-    m = da * a
-    dkk = da * gs
-    dkk_s[...] = dkk.astype(BF16)
-    x_lo[...] = (dkk * bc_r(beta_r, (C, C))).astype(BF16)
-    plgpu.commit_smem()
-    return m
+    return finish(ra, a, gs)
 
 
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
