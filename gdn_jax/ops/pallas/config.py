@@ -257,9 +257,14 @@ class KernelConfig:
       grad_t_phase: the gradient kernels' dA (T = (I + A)^-1): "chain" (default; dT = (dVn
         Vn^T)(I + A)^T, then dA = -strict(T^T dT T^T), three chained C x C x C products) or
         "direct" (dA = -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I). Hopper: two
-        products (the one-warpgroup kernel reuses its T^T dVn: one); Triton: the whole-K kernel
-        accumulates (T^T dVn) Vn^T over its value blocks from the dv product it has (no dT, no
-        dW X^T, no T products), the K-split kernel one T^T product instead of three. Built
+        products (the one-warpgroup kernel reuses its T^T dVn: one); Triton: the K-split kernel
+        one T^T product instead of three, and the whole-K kernel, with float32 intermediates
+        (``mid_dtype``) only, accumulates (T^T dVn) Vn^T over its value blocks from the dv product
+        it has (one C x C x bv product per block; no dT, no dW X^T, no T products). With bf16
+        intermediates the whole-K kernel keeps the chain: it reads v, X and h there, while the
+        direct form reads the stored bf16 Vn, whose rounding is relative to |U| + |W S| -- where Vn
+        cancels, dbeta came out 1.2-2x less accurate (review 2026-12-03). The Hopper kernels and
+        the K-split kernel read the stored Vn in both forms (no accuracy change). Built
         2026-12-03, opt-in, checked in interpret mode against float64 and against "chain"
         (tests/ops/test_hopper.py, test_pallas.py), lowers for CUDA, NOT yet run on a GPU; motive:
         the T phase is 0.216 of the Hopper gradient kernel's 0.528 ms at 4x4096x16x128
