@@ -116,11 +116,11 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
 
     def more(sl, S, dS, vn, dvn, v, add):  # everything else that runs over V
         add("ddec", _ddec(S, dS))
-        if not direct:
-            add("dT", _t.mm(call, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
         dvb = _t.mm(call, T, dvn, ta=True, dt=F32)
         if direct:  # KernelConfig.grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), since (I + A)^T T^T = I
             add("dAd", _t.mm(call, dvb, vn, tb=True, dt=F32))
+        else:
+            add("dT", _t.mm(call, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
         dv_ref[:, sl] = (dvb * beta).astype(dv_ref.dtype)
         add("dbeta", _t.rowsum(dvb * v))
 

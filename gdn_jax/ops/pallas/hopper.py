@@ -596,8 +596,8 @@ def write_w_u(tw, tu, k_s, v_s, w_s, w_dst, u_dst, C, K, V, interp, sequential=F
     ``tw`` / ``tu`` zero-argument functions giving the A operands' (hi, lo) pairs, :func:`scaled_t`
     (the scales on T's columns in registers; ``k_s`` / ``v_s`` the unscaled K and V tiles: no
     rounding of a scaled K or V, no SMEM round trip of the tiles; called when their product is
-    issued, so that one pair is live at a time in the sequential form). Written to ``w_dst`` / ``u_dst`` by TMA through ``w_s`` and ``v_s``; waits for every
-    copy of the CTA to land. ``sequential``: W first, then U, each in column blocks of at most 128
+    issued, so that one pair is live at a time in the sequential form). Written to ``w_dst`` /
+    ``u_dst`` by TMA through ``w_s`` and ``v_s``; waits for every copy of the CTA to land. ``sequential``: W first, then U, each in column blocks of at most 128
     (one [C, <= 128] accumulator and one pair live at a time; ``w_s`` may be ``k_s``)."""
     plgpu = _plgpu()
     if sequential:
@@ -848,7 +848,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.barrier_wait(bar(i))
         # Q K^T first, Aqk formed and stored, then K K^T: one [C, C] accumulator live at a time (185
         # registers instead of 196; H200 whole forward 0.274 -> 0.265 ms at 4x4096x16x128, 0.475 ->
-        # 0.461 at 1x16384x16x128, results/hopper_h200/ab_wy_dee6582.txt)
+        # 0.461 at 1x16384x16x128: tree .base/v1 of results/hopper_h200/ab_wy_dee6582.txt, measured
+        # before W and U took T as t_hi + t_lo, a change not yet timed or checked on the GPU)
         (qk,) = _mmas([((C, C), q_s, _T(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse
             plgpu.copy_gmem_to_smem(srcs[2], v_s, bar(2))
