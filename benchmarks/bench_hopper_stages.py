@@ -376,7 +376,7 @@ def main(argv=None):
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
                          ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A)),
-                         ("bwd grads direct dA", lambda A: grads(dataclasses.replace(cb, grad_tp="direct"), A))]
+                         ("bwd grads chain dA", lambda A: grads(dataclasses.replace(cb, grad_tp="chain"), A))]
                 cr1 = dataclasses.replace(cb, rev_prod=False)  # KernelConfig.reverse_producer=False (default True)
                 steps.append(("bwd reverse pass 1 WG", lambda A: HB.reverse_states(
                     cr1, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
@@ -443,7 +443,7 @@ def main(argv=None):
                      ("producer 2x2", KC(state_producer=True, state_warpgroups=2)),
                      ("reverse 1 WG", KC(reverse_producer=False)),
                      ("no producers", KC(state_producer=False, reverse_producer=False)),
-                     ("grads 1 WG", KC(grad_warpgroups=1)), ("grads direct dA", KC(grad_t_phase="direct")), ("no save states", KC(save_states=False))]
+                     ("grads 1 WG", KC(grad_warpgroups=1)), ("grads chain dA", KC(grad_t_phase="chain")), ("no save states", KC(save_states=False))]
             whole += [(f"grads {m} per CTA", KC(grad_chunks_per_cta=m)) for m in grad_chunks_per_cta(cb.n, cb.BH)]
             for label, kc in whole:
                 if not wanted(label):

@@ -322,7 +322,7 @@ def test_bf16_rounds(inverse, save_wy, precision):
 
 @pytest.mark.parametrize("wgs", [2, 1])
 def test_grad_precision_bf16(wgs):
-    """``KernelConfig(grad_precision="bf16")``: the gradient kernel's T phase (dT, T^T dT, dA) with
+    """``KernelConfig(grad_precision="bf16")``: the gradient kernel's T phase (default "direct": T^T dVn, Y Vn^T) with
     one bf16 wgmma per product, in both gradient kernels. It takes effect (dk, dbeta, dg differ from
     bf16x3's; o, the final state, dq and dv do not: the T phase feeds only dk and the gates), the
     change stays near one bf16 rounding of dk (rel_rms <= 3e-3 against bf16x3), and the gradients are
@@ -348,8 +348,8 @@ def _t_phase_change(x, base, changed):
 
 @pytest.mark.parametrize("wgs,precision", [(2, "bf16x3"), (1, "bf16"), (2, "bf16")])
 def test_grad_t_phase_direct(wgs, precision):
-    """``KernelConfig(grad_t_phase="direct")``: dA = -strict((T^T dVn) Vn^T) (exact since
-    (I + A)^T T^T = I) instead of the chained dT = (dVn Vn^T)(I + A)^T, T^T dT T^T, in both gradient
+    """``KernelConfig(grad_t_phase="direct")`` (the default): dA = -strict((T^T dVn) Vn^T) (exact
+    since (I + A)^T T^T = I) instead of ``"chain"``'s dT = (dVn Vn^T)(I + A)^T, T^T dT T^T, in both gradient
     kernels. It takes effect (dk, dbeta or dg differ from the chain's; with bf16x3 products the two
     forms agree to ~1e-7 in float32 in interpret mode, so often only dg, the float32 output, shows
     it; o, S, dq, dv do not differ), the change stays under one bf16 rounding of dk (rel_rms <= 3e-3
@@ -357,7 +357,7 @@ def test_grad_t_phase_direct(wgs, precision):
     gates, an initial state, T not a multiple of the chunk)."""
     x = make_inputs(seed_of("hopper-grad-t-phase", wgs, precision), 1, 150, 2, 128, 128, gates="strong",
                     dtype=BF16, init=True)
-    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs, grad_precision=precision)
+    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs, grad_precision=precision, grad_t_phase="chain")
     got, errs = _t_phase_change(x, base, dataclasses.replace(base, grad_t_phase="direct"))
     assert 0 < max(errs) <= 3e-3, errs
     _check(x, got)

@@ -313,7 +313,8 @@ def test_kernel_config_variants(variant):
 @pytest.mark.parametrize("variant,dtype", [(dict(), F32), (dict(bk_grad=32, save_t=False), F32), (dict(), BF16)],
                          ids=["whole-k-f32", "k-blocks-f32", "whole-k-bf16-keeps-chain"])
 def test_grad_t_phase_direct_triton(variant, dtype):
-    """``KernelConfig(grad_t_phase="direct")`` in the Triton gradient kernels (interpret mode):
+    """``KernelConfig(grad_t_phase="direct")`` (the default) against ``"chain"`` in the Triton
+    gradient kernels (interpret mode):
     dA = -strict((T^T dVn) Vn^T) accumulated over the value blocks (whole-K kernel, float32
     intermediates) or -strict(T^T (dVn Vn^T)) (K-split kernel), exact since (I + A)^T T^T = I. It
     takes effect (dk, dbeta or dg differ from the chain's; float32 inputs, since the forms'
@@ -323,7 +324,7 @@ def test_grad_t_phase_direct_triton(variant, dtype):
     direct form would read the bf16-stored Vn): the same outputs bit for bit."""
     x = make(seed_of("triton-grad-t-phase", str(variant), str(dtype)), 1, 75, 2, 64, 64, dtype=dtype, init=True,
              gates="strong")
-    base = KernelConfig(bv_grad=32, **variant)
+    base = KernelConfig(bv_grad=32, grad_t_phase="chain", **variant)
     a = run(x, chunk_size=32, kernel_config=base)
     b = run(x, chunk_size=32, kernel_config=KernelConfig(grad_t_phase="direct", bv_grad=32, **variant))
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0])) and np.array_equal(np.asarray(a[2]["v"]),

@@ -254,9 +254,9 @@ class KernelConfig:
         check_gpu_reverse_producer_956f7c8.txt). GPU only, like ``state_producer`` (interpret mode
         runs the one-warpgroup pass inside the op; tests/ops/test_hopper_bwd.py checks the kernel
         call by call).
-      grad_t_phase: the gradient kernels' dA (T = (I + A)^-1): "chain" (default; dT = (dVn
-        Vn^T)(I + A)^T, then dA = -strict(T^T dT T^T), three chained C x C x C products) or
-        "direct" (dA = -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I). Hopper: two
+      grad_t_phase: the gradient kernels' dA (T = (I + A)^-1): "direct" (default; dA =
+        -strict((T^T dVn) Vn^T), exact since (I + A)^T T^T = I) or "chain" (dT = (dVn Vn^T)(I +
+        A)^T, then dA = -strict(T^T dT T^T), three chained C x C x C products). Hopper: two
         products (the one-warpgroup kernel reuses its T^T dVn: one); Triton: the K-split kernel
         one T^T product instead of three, and the whole-K kernel, with float32 intermediates
         (``mid_dtype``) only, accumulates (T^T dVn) Vn^T over its value blocks from the dv product
@@ -264,14 +264,14 @@ class KernelConfig:
         intermediates the whole-K kernel keeps the chain: it reads v, X and h there, while the
         direct form reads the stored bf16 Vn, whose rounding is relative to |U| + |W S| -- where Vn
         cancels, dbeta came out 1.2-2x less accurate (review 2026-12-03). The Hopper kernels and
-        the K-split kernel read the stored Vn in both forms (no accuracy change). Built
-        2026-12-03, opt-in, checked in interpret mode against float64 and against "chain"
-        (tests/ops/test_hopper.py, test_pallas.py), lowers for CUDA, NOT yet run on a GPU; motive:
-        the T phase is 0.216 of the Hopper gradient kernel's 0.528 ms at 4x4096x16x128
-        (results/hopper_h200/knockouts_grads_dee6582.txt).
-      grad_precision: the three C x C x C products of the Hopper gradient kernels' T phase (dT =
-        (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, three wgmmas
-        each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
+        the K-split kernel read the stored Vn in both forms (no accuracy change). Default "direct"
+        since 2026-12-03: H200, Hopper gradient kernel 0.539 -> 0.464 ms at 4x4096x16x128 and
+        0.544 -> 0.467 at 1x16384x16x128; whole op fwd+bwd 1.078 -> 1.008 and 1.668 -> 1.583 ms;
+        2x8192x8x256 (Triton backward) 4.055 -> 3.996; check_gpu bf16 30 of 30 with it (Hopper and
+        Triton) (results/hopper_h200/stages_direct_3ebdaae.txt, check_gpu_direct_3ebdaae.txt).
+      grad_precision: the products of the Hopper gradient kernels' T phase (``grad_t_phase``
+        "direct": T^T dVn and (T^T dVn) Vn^T; "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT,
+        (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, two or three wgmmas each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
         float32 accumulation). Interpret mode, 1x128x1x64, two draws against bf16x3: dk 1.2e-3 /
         1.5e-3, dbeta 0.4e-3 / 1.3e-3 RMS relative (dk is written in bf16: one rounding is
         ~1.1e-3); tests/ops/test_hopper.py bounds the change at 3e-3.
@@ -344,7 +344,7 @@ class KernelConfig:
     wy_precision: str = "bf16"
     wy_compact: bool = True
     grad_precision: str = "bf16x3"
-    grad_t_phase: str = "chain"
+    grad_t_phase: str = "direct"
     fwd_form: Optional[str] = None
     approx_math: bool = True
     wy_chunks_per_cta: Optional[int] = None
@@ -448,7 +448,7 @@ class KernelCall:
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
     grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
-    grad_tp: str = "chain"  # KernelConfig.grad_t_phase
+    grad_tp: str = "direct"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)

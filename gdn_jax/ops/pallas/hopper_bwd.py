@@ -299,8 +299,9 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     """:func:`chunk_grads` with two warpgroups per CTA (``KernelConfig.grad_warpgroups=2``): the
     same gradients, the work split so that the two wgmma chains run side by side and meet once.
 
-    * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), the T phase (dT = (dVn Vn^T)
-      (I + A)^T, dA, dKK; dk += (beta dKK)^T K) and dKK K (dk += beta dKK K, its dbeta term);
+    * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), the T phase (dA, by default
+      -strict((T^T dVn) Vn^T), see :func:`_t_phase`; dKK; dk += (beta dKK)^T K) and dKK K
+      (dk += beta dKK K, its dbeta term);
     * warpgroup 1: dv = beta T^T dVn (dbeta), dKd = Vn dS^T (dk += e^{gamma_C - gamma} dKd,
       d e^{gamma_C - gamma}), the W phase's dW = -dVn S^T and dX = T^T dW (dk += beta e^gamma dX,
       its dbeta and d e^gamma terms), then its dk partial (bf16) into shared memory and one
