@@ -124,13 +124,14 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
         return da * a
 
     if direct:
+        kk_spec = ((C, C), k_s, _T(k_s))
+        dar_spec = lambda yh, yl: ((C, C), (yh, yl) if hp else (yh,), (_T(vn_s), _T(vn_s)) if hp else (_T(vn_s),))
         if y is None:
-            kk, y = _mmas([((C, C), k_s, _T(k_s)), ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
-                                                     (dvn_s, dvn_s) if hp else (dvn_s,))], interp)
-        else:
-            (kk,) = _mmas([((C, C), k_s, _T(k_s))], interp)
-        yh, yl = _split(y, hp)
-        (dar,) = _mmas([((C, C), (yh, yl) if hp else (yh,), (_T(vn_s), _T(vn_s)) if hp else (_T(vn_s),))], interp)
+            kk, y = _mmas([kk_spec, ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
+                                     (dvn_s, dvn_s) if hp else (dvn_s,))], interp)
+            (dar,) = _mmas([dar_spec(*_split(y, hp))], interp)
+        else:  # K K^T and Y Vn^T in one round
+            kk, dar = _mmas([kk_spec, dar_spec(*_split(y, hp))], interp)
         strict, _, _ = masks()
         gs = gamma(strict)
         return finish(dar, kk * bc_r(beta_r, (C, C)) * gs, gs)
@@ -299,16 +300,19 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     """:func:`chunk_grads` with two warpgroups per CTA (``KernelConfig.grad_warpgroups=2``): the
     same gradients, the work split so that the two wgmma chains run side by side and meet once.
 
-    * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), the T phase (dA, by default
-      -strict((T^T dVn) Vn^T), see :func:`_t_phase`; dKK; dk += (beta dKK)^T K) and dKK K
-      (dk += beta dKK K, its dbeta term);
+    * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), with ``grad_t_phase="chain"``
+      the T phase (dA, dKK, see :func:`_t_phase`), then dk += (beta dKK)^T K and dKK K (dk += beta
+      dKK K, its dbeta term);
     * warpgroup 1: dv = beta T^T dVn (dbeta), dKd = Vn dS^T (dk += e^{gamma_C - gamma} dKd,
-      d e^{gamma_C - gamma}), the W phase's dW = -dVn S^T and dX = T^T dW (dk += beta e^gamma dX,
-      its dbeta and d e^gamma terms), then its dk partial (bf16) into shared memory and one
-      barrier arrival; warpgroup 0 adds it and writes dk.
+      d e^{gamma_C - gamma}), with ``grad_t_phase="direct"`` (the default) the T phase from the
+      T^T dVn it has (dA = -strict((T^T dVn) Vn^T); dKK and beta dKK go to warpgroup 0 through
+      shared memory and a barrier), the W phase's dW = -dVn S^T and dX = T^T dW (dk += beta
+      e^gamma dX, its dbeta and d e^gamma terms), then its dk partial (bf16) into shared memory and
+      one barrier arrival; warpgroup 0 adds it and writes dk.
 
     Against the one-warpgroup kernel: dW and the dk partial are single bf16 operands (there:
-    a bf16 hi / lo pair for dW); the scalar rows come out as seven partial rows, summed here.
+    a bf16 hi / lo pair for dW); the scalar rows come out as seven (nine with the T phase in
+    warpgroup 1) partial rows, summed here.
     Shared memory: :func:`grads_smem_bytes` (219 KB at K = V = 128). Interpret mode runs the two
     warpgroups' work in turn in one thread (see the comment at the end of the body)."""
     plgpu = _plgpu()
@@ -320,7 +324,12 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     gates = _grad_gates(call, beta, gam, e_gam, e_gam_end)
     WG = plgpu.Layout.WGMMA
     ROW, COL = WG.reduce(1), WG.reduce(0)
-    NSC = 7  # output rows: dbeta (wg 0), dgam, -cgam, de_gam (wg 0), de_gam_end, dbeta (wg 1), de_gam (wg 1)
+    # grad_t_phase="direct": the T phase runs in warpgroup 1, which has T^T dVn from its dv product
+    # (warpgroup 0 would form it again), and hands dKK / beta dKK to warpgroup 0 through x_hi / x_lo
+    tp1 = call.grad_tp == "direct"
+    # output rows: dbeta (wg 0), dgam, -cgam, de_gam (wg 0), de_gam_end, dbeta (wg 1), de_gam (wg 1)
+    # (+ with tp1: the T phase's dgam and -cgam terms, wg 1)
+    NSC = 9 if tp1 else 7
 
     per_cta = call.grad_per_cta  # chunks per CTA: > 1 runs the persistent, prefetching kernel
     pf = per_cta > 1
@@ -333,7 +342,11 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         c0 = lax.axis_index("c") * _i32(per_cta) if pf else lax.axis_index("c")
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
         # the persistent kernel's two in-CTA barriers: h_s free (both warpgroups done with it) and
-        # warpgroup 1 done with Vn, dVn and T (after its dX product)
+        # warpgroup 1 done with Vn, dVn and T (after its dX product); with tp1: dKK in x_hi / x_lo
+        # (warpgroup 1 -> 0) and, persistent kernel, x_hi / x_lo read (warpgroup 0 -> 1)
+        sync = list(sync)
+        dkk_bar = sync.pop(0) if tp1 else None
+        x_free = sync.pop(0) if tp1 and pf else None
         h_free, t_free = sync if pf else (None, None)
 
         def sources(c):
@@ -399,14 +412,21 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])
             dk = dk * scale
-            # 4. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
-            #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
-            wait(8, 9, 10)
-            m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
-                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3",
-                         direct=call.grad_tp == "direct", V=V)
-            # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
-            dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
+            if tp1:  # dKK (x_hi) and beta dKK (x_lo) from warpgroup 1's T phase
+                if not interp:
+                    plgpu.barrier_wait(dkk_bar)
+                dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), x_hi, k_s)], interp)
+                if pf and not interp:
+                    plgpu.barrier_arrive(x_free)
+                m = None
+            else:
+                # 4. T = (I + A)^-1, A = strict(beta K K^T * Gamma): dT = (dVn Vn^T)(I + A)^T,
+                #    dA = -strict(T^T dT T^T), M = dA * A (+ the Q path's), dKK = dA * Gamma
+                wait(8, 9, 10)
+                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
+                             lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3", V=V)
+                # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
+                dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
             if pf:  # q (dq has left), Vn, dVn and T (once warpgroup 1 is done with them) are free
                 if not interp:
                     plgpu.barrier_wait(t_free)
@@ -414,8 +434,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 prefetch(nxt, c, (0, 7, 8, 9, 10))
             dk = dk + dkb * bc_r(beta_r, (C, K))
             sc_s[0] = jnp.sum(dkb * ld(k_s).astype(F32), axis=1)
-            sc_s[1] = dgam + jnp.sum(m, axis=1)
-            sc_s[2] = -(cgam + jnp.sum(m, axis=0))
+            sc_s[1] = dgam if tp1 else dgam + jnp.sum(m, axis=1)
+            sc_s[2] = -cgam if tp1 else -(cgam + jnp.sum(m, axis=0))
             sc_s[3] = de_gam
             # warpgroup 1's dk partial, then dk leaves through k_s (both warpgroups are done with it)
             if not interp:
@@ -432,9 +452,10 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
 
         def wg1(c, nxt):
             b, hh, rows, _ = sources(c)
+            rows_ = (0, 3, 4, 1) if tp1 else (0, 3, 4)  # beta, e^gamma, e^{gamma_C - gamma} (, gamma)
             if not pf:
                 wait(1, 2, 4, 6, 7, 8, 9, 10)
-                beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
+                beta_r, eg_r, ee_r, *gam_r = (ld(g_s.at[r], ROW) for r in rows_)
             else:  # the first products need neither k, v nor the gates (the tiles that land last)
                 wait(6, 7, 8, 9, 10)
             # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
@@ -443,7 +464,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             prefetch(nxt, c, (6,))  # dh is free
             if pf:
                 wait(1, 2, 4)
-                beta_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 3, 4))
+                beta_r, eg_r, ee_r, *gam_r = (ld(g_s.at[r], ROW) for r in rows_)
             kf = ld(k_s).astype(F32)
             de_end = jnp.sum(dkd * kf, axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
@@ -451,6 +472,18 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
+            if tp1:
+                # 4. the T phase, grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), M = dA * A,
+                #    dKK = dA * Gamma into x_hi, beta dKK into x_lo, then dkk_bar
+                if pf and not interp:  # warpgroup 0 has read the previous chunk's
+                    plgpu.barrier_wait(x_free)
+                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, None, x_lo, x_hi, beta_r, masks,
+                             lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == "bf16x3",
+                             direct=True, y=dvb, V=V)
+                if not interp:
+                    plgpu.barrier_arrive(dkk_bar)
+                sc_s[7] = jnp.sum(m, axis=1)
+                sc_s[8] = -jnp.sum(m, axis=0)
             # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW,
             #    d(beta K) = dX e^gamma (+ dKK K, warpgroup 0)
             wait(5)
@@ -512,6 +545,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         else:
             wg = lax.axis_index("wg")
             pl.when(wg == 0)(lambda: issue(c0))
+            if tp1 and pf:  # x_hi / x_lo start free: warpgroup 1's first x_free wait passes
+                pl.when(wg == 0)(lambda: plgpu.barrier_arrive(x_free))
             pl.when(wg == 0)(chunk(wg0))
             pl.when(wg == 1)(chunk(wg1))
 
@@ -520,6 +555,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((NSC, C), F32),
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, K), BF16),
                plgpu.Barrier(num_barriers=11), plgpu.Barrier(num_arrivals=1)]
+    if tp1:  # dkk_bar (and, persistent kernel, x_free)
+        scratch += [plgpu.Barrier(num_arrivals=1)] * (2 if pf else 1)
     if pf:
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
@@ -532,8 +569,9 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
     col = lambda x: x.reshape(BH, Tp, 1)
-    return dict(dq=dq, dk=dk, dv=dv, dbeta=col(sc[:, :, 0] + sc[:, :, 5]), dgam=col(sc[:, :, 1]),
-                dgam_row=sc[:, :, 2].reshape(BH, n, 1, C), de_gam=col(sc[:, :, 3] + sc[:, :, 6]),
+    dgam, dgam_row = (sc[:, :, 1] + sc[:, :, 7], sc[:, :, 2] + sc[:, :, 8]) if tp1 else (sc[:, :, 1], sc[:, :, 2])
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=col(sc[:, :, 0] + sc[:, :, 5]), dgam=col(dgam),
+                dgam_row=dgam_row.reshape(BH, n, 1, C), de_gam=col(sc[:, :, 3] + sc[:, :, 6]),
                 de_gam_end=col(sc[:, :, 4]))
 
 
