@@ -39,10 +39,11 @@ WY_EDITS["no rounds, no W / U"] = WY_EDITS["no inverse rounds"] + WY_EDITS["no W
 
 GRAD_EDITS = {
     "base": [],
-    "no T phase": [("            m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,\n"
-                    "                         lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == \"bf16x3\",\n"
-                    "                         direct=call.grad_tp == \"direct\", V=V)",
-                    "            m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
+    # (the default grad_t_phase="direct": the T phase in warpgroup 1; x_hi / x_lo then go unwritten)
+    "no T phase": [("                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, None, x_lo, x_hi, beta_r, masks,\n"
+                    "                             lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == \"bf16x3\",\n"
+                    "                             direct=True, y=dvb, V=V)",
+                    "                m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
     "T^T dVn, T^T dW with T hi only": [
         ("dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)",
          "dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s),), (dvn_s,))], interp)"),
