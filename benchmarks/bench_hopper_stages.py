@@ -371,10 +371,10 @@ def main(argv=None):
                 Bk.update(jax.jit(recompute)(Bk))  # h, vn
                 Bk.update(jax.jit(reverse)(Bk))  # dh, dvn, dh0, de_gam_last
                 c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
-                cgp = dataclasses.replace(cb, grad_precision="bf16")  # KernelConfig.grad_precision="bf16"
+                cgp = dataclasses.replace(cb, grad_precision="bf16x3")  # KernelConfig.grad_precision="bf16x3" (the default is bf16)
                 steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
-                         ("bwd grads, bf16 T phase", lambda A: grads(cgp, A)),
+                         ("bwd grads bf16x3 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A)),
                          ("bwd grads chain dA", lambda A: grads(dataclasses.replace(cb, grad_tp="chain"), A))]
                 cr1 = dataclasses.replace(cb, rev_prod=False)  # KernelConfig.reverse_producer=False (default True)
@@ -434,7 +434,7 @@ def main(argv=None):
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
-                     ("grads bf16", KC(grad_precision="bf16")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
+                     ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      ("approx math", KC(approx_math=True)), ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),

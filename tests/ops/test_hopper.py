@@ -322,14 +322,15 @@ def test_bf16_rounds(inverse, save_wy, precision):
 
 @pytest.mark.parametrize("wgs", [2, 1])
 def test_grad_precision_bf16(wgs):
-    """``KernelConfig(grad_precision="bf16")``: the gradient kernel's T phase (default "direct": T^T dVn, Y Vn^T) with
-    one bf16 wgmma per product, in both gradient kernels. It takes effect (dk, dbeta, dg differ from
+    """``KernelConfig(grad_precision="bf16")`` (the default) against ``"bf16x3"``: the gradient
+    kernel's T phase (default "direct": Y Vn^T) with one bf16 wgmma per product, in both gradient
+    kernels. It takes effect (dk, dbeta, dg differ from
     bf16x3's; o, the final state, dq and dv do not: the T phase feeds only dk and the gates), the
     change stays near one bf16 rounding of dk (rel_rms <= 3e-3 against bf16x3), and the gradients are
     within the suite's tolerances of float64."""
     x = make_inputs(seed_of("hopper-grad-precision", wgs), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
                     init=True)
-    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs)
+    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs, grad_precision="bf16x3")
     got, errs = _t_phase_change(x, base, dataclasses.replace(base, grad_precision="bf16"))
     assert min(errs) > 0 and max(errs) <= 3e-3, errs
     _check(x, got)

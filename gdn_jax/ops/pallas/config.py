@@ -270,16 +270,17 @@ class KernelConfig:
         2x8192x8x256 (Triton backward) 4.055 -> 3.996; check_gpu bf16 30 of 30 with it (Hopper and
         Triton) (results/hopper_h200/stages_direct_3ebdaae.txt, check_gpu_direct_3ebdaae.txt).
       grad_precision: the products of the Hopper gradient kernels' T phase (``grad_t_phase``
-        "direct": T^T dVn and (T^T dVn) Vn^T; "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT,
-        (T^T dT) T^T -> dA): "bf16x3" (hi / lo pairs, two or three wgmmas each) or "bf16" (T's hi part and the other operand rounded to bf16 once, one wgmma each,
-        float32 accumulation). Interpret mode, 1x128x1x64, two draws against bf16x3: dk 1.2e-3 /
-        1.5e-3, dbeta 0.4e-3 / 1.3e-3 RMS relative (dk is written in bf16: one rounding is
-        ~1.1e-3); tests/ops/test_hopper.py bounds the change at 3e-3.
-        H200, 4x4096x16x128 (results/hopper_h200/stages_3b5d244.txt): gradient kernel 0.549 ->
-        0.489 ms, fwd+bwd 1.100 -> 1.048 pipelined. GPU check (bf16, with the default bf16 WY
-        rounds) 8 of 8 within tolerance, but at beta 1.9 dk 9.1e-3 and dbeta 9.5e-3 (tolerance
-        1.2e-2; 8.8 / 9.2e-3 without it, 6.8 / 6.8e-3 with every product bf16x3): with both
-        reductions the edge case keeps ~25 % margin, so this one stays opt-in. Default "bf16x3".
+        "direct": (T^T dVn) Vn^T -- T^T dVn itself is dv's product and keeps T's hi / lo pair;
+        "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16" (default since
+        2026-12-03; one wgmma each, the register operand rounded to bf16 once -- T's hi part in the
+        chain --, float32 accumulation) or "bf16x3" (hi / lo pairs, two or three wgmmas each).
+        With the direct dA: H200, 4x4096x16x128, gradient kernel 0.432 -> 0.393 ms (same lease,
+        results/hopper_h200/ab_tp1_1b0eebf.txt, "bwd grads, bf16 T phase"); GPU check bf16 10 of 10
+        (check_gpu_grad_bf16_0313446.txt), every error as with bf16x3 to the printed digits but at
+        beta 1.9 dk 7.8e-3 -> 8.0e-3, dbeta 7.9e-3 -> 7.8e-3 (tolerance 1.2e-2; interpret mode
+        gives the same: 7.83 -> 7.99e-3, 7.76 -> 7.68e-3). With the chain (3b5d244) the same
+        option cost more at beta 1.9 (dk 8.8 -> 9.1e-3, dbeta 9.2 -> 9.5e-3) and saved 0.549 ->
+        0.489 ms. tests/ops/test_hopper.py bounds the change against bf16x3 at 3e-3.
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
         and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
@@ -343,7 +344,7 @@ class KernelConfig:
     wy_inverse: str = "blocked"
     wy_precision: str = "bf16"
     wy_compact: bool = True
-    grad_precision: str = "bf16x3"
+    grad_precision: str = "bf16"
     grad_t_phase: str = "direct"
     fwd_form: Optional[str] = None
     approx_math: bool = True
@@ -447,7 +448,7 @@ class KernelCall:
     save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
     wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
     wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
-    grad_precision: str = "bf16x3"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
+    grad_precision: str = "bf16"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
     grad_tp: str = "direct"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
