@@ -17,8 +17,8 @@ and dS = dh_n the gradient of the state leaving it (notation of :mod:`gdn_jax.op
 * :func:`chunk_grads` (one CTA per chunk): every local gradient, ordered to keep at most two
   [C, K] float32 accumulators live and the masks / decay matrices recomputed per phase; dT = (dVn Vn^T)(I + A)^T (contracts over V only, no
   cancellation, see :func:`.grads._grad_kernel_ksplit`); every product with T or with the float32
-  dW / dT / R as bf16x3 or bf16x2 (hi, lo pairs), the rest bf16 with float32 accumulation, as the
-  Triton kernel's intermediates.
+  dT / R / T^T dVn as bf16x3 or bf16x2 (hi, lo pairs), the rest bf16 with float32 accumulation, as
+  the Triton kernel's intermediates; dX = T^T dW formed as -(T^T dVn) S^T (:func:`_dx`).
 
 Interpret mode (CPU) runs the same bodies with ``jnp`` matmuls (see :mod:`.hopper`).
 """
@@ -62,14 +62,13 @@ def _zeros(shape, interp):
 
 def grads_smem_bytes(call: KernelCall) -> int:
     """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
-    gates), the output scalars and the largest phase scratch (dKK + dW hi / lo); with two
-    warpgroups (``call.grad_wgs == 2``) both warpgroups' scratch at once (dKK, the T phase's two
-    [C, C] tiles, dW) and seven output rows."""
+    gates), the output scalars and the phase scratch (dKK and the T phase's two [C, C] tiles); with
+    two warpgroups (``call.grad_wgs == 2``) also the dk partial's [C, K] tile and nine output rows."""
     C, K, V = call.C, call.K, call.V
     inputs = (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2
     if call.grad_wgs == 2:
-        return inputs + 12 * C * 4 + 3 * C * C * 2 + C * K * 2
-    return inputs + 10 * C * 4 + C * C * 2 + 2 * C * K * 2
+        return inputs + 14 * C * 4 + 3 * C * C * 2 + C * K * 2
+    return inputs + 10 * C * 4 + 3 * C * C * 2
 
 
 def _grad_gates(call: KernelCall, beta, gam, e_gam, e_gam_end):
@@ -153,6 +152,18 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     (r,) = _mmas([((C, C), *_terms((_T(th_s), _T(tl_s)), (x_hi, x_lo), hp))], interp)
     (ra,) = _mmas([((C, C), *_terms(_split(r, hp), (_T(th_s), _T(tl_s)), hp))], interp)
     return finish(ra, a, gs)
+
+
+def _dx(y, h_s, C, K, interp):
+    """dX = T^T dW of the gradient kernels' W phase (W = T X, Vn = U - W S, dW = -dVn S^T) as
+    -(T^T dVn) S^T: ``y`` = T^T dVn [C, V] float32 (the dv product's) as a bf16 hi / lo register
+    pair against the stored bf16 state ``h_s`` [K, V] (S^T from SMEM), two wgmmas in one round.
+    Exact by associativity; against the former dW = -dVn S^T then T^T dW, one round and a [C, K]
+    SMEM round trip less, and dW is never rounded to bf16 -- where Vn cancels (repeated keys, the
+    state predicting v) the two-warpgroup kernel's single-bf16 dW made dbeta 4x less accurate."""
+    yh, yl = _split(y)
+    (dx,) = _mmas([((C, K), (yh, yl), (_T(h_s), _T(h_s)))], interp)
+    return -dx
 
 
 def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
@@ -247,19 +258,11 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
 
             dg, cg, dk2 = pl.run_scoped(t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
 
-            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW;
-            #    d(beta K) = dX e^gamma + dKK K
-            def w_phase(dw_hi, dw_lo):
-                (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
-                hi, lo = _split(-dw)
-                dw_hi[...], dw_lo[...] = hi, lo
-                plgpu.commit_smem()
-                (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s), _T(th_s)), (dw_hi, dw_hi, dw_lo))], interp)
-                deg = jnp.sum(dx * ld(k_s).astype(F32), axis=1) * beta_r
-                (dkb,) = _mmas([(dx * bc_r(eg_r, (C, K)), dkk_s, k_s)], interp)
-                return deg, dkb
-
-            deg, dkb = pl.run_scoped(w_phase, _smem((C, K), BF16), _smem((C, K), BF16))
+            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dX = T^T dW with dW = -dVn S^T, formed as
+            #    -(T^T dVn) S^T from dv's T^T dVn (see _dx); d(beta K) = dX e^gamma + dKK K
+            dx = _dx(dvb, h_s, C, K, interp)
+            deg = jnp.sum(dx * ld(k_s).astype(F32), axis=1) * beta_r
+            (dkb,) = _mmas([(dx * bc_r(eg_r, (C, K)), dkk_s, k_s)], interp)
             return dg, cg, dk2, deg, dkb
 
         dg, cg, dk, deg, dkb = pl.run_scoped(tw_phases, _smem((C, C), BF16))
@@ -306,13 +309,12 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     * warpgroup 1: dv = beta T^T dVn (dbeta), dKd = Vn dS^T (dk += e^{gamma_C - gamma} dKd,
       d e^{gamma_C - gamma}), with ``grad_t_phase="direct"`` (the default) the T phase from the
       T^T dVn it has (dA = -strict((T^T dVn) Vn^T); dKK and beta dKK go to warpgroup 0 through
-      shared memory and a barrier), the W phase's dW = -dVn S^T and dX = T^T dW (dk += beta
-      e^gamma dX, its dbeta and d e^gamma terms), then its dk partial (bf16) into shared memory and
-      one barrier arrival; warpgroup 0 adds it and writes dk.
+      shared memory and a barrier), the W phase's dX = T^T dW = -(T^T dVn) S^T (:func:`_dx`; dk +=
+      beta e^gamma dX, its dbeta and d e^gamma terms), then its dk partial (bf16) into shared
+      memory and one barrier arrival; warpgroup 0 adds it and writes dk.
 
-    Against the one-warpgroup kernel: dW and the dk partial are single bf16 operands (there:
-    a bf16 hi / lo pair for dW); the scalar rows come out as seven (nine with the T phase in
-    warpgroup 1) partial rows, summed here.
+    Against the one-warpgroup kernel: the dk partial is a single bf16 operand; the scalar rows
+    come out as seven (nine with the T phase in warpgroup 1) partial rows, summed here.
     Shared memory: :func:`grads_smem_bytes` (219 KB at K = V = 128). Interpret mode runs the two
     warpgroups' work in turn in one thread (see the comment at the end of the body)."""
     plgpu = _plgpu()
@@ -484,26 +486,24 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                     plgpu.barrier_arrive(dkk_bar)
                 sc_s[7] = jnp.sum(m, axis=1)
                 sc_s[8] = -jnp.sum(m, axis=0)
-            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dW = -dVn S^T, dX = T^T dW,
-            #    d(beta K) = dX e^gamma (+ dKK K, warpgroup 0)
+            if pf and not interp:  # done with Vn, dVn and T
+                plgpu.barrier_arrive(t_free)
+            # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dX = T^T dW with dW = -dVn S^T, formed as
+            #    -(T^T dVn) S^T from the dv product's T^T dVn (see _dx); d(beta K) = dX e^gamma
+            #    (+ dKK K, warpgroup 0)
             wait(5)
-            (dw,) = _mmas([((C, K), dvn_s, _T(h_s))], interp)
+            dx = _dx(dvb, h_s, C, K, interp)
             if pf and not interp:  # h_s is free once warpgroup 0's first products are done too
                 plgpu.barrier_arrive(h_free)
                 plgpu.barrier_wait(h_free)
                 prefetch(nxt, c, (5,))
-            dw_s[...] = (-dw).astype(BF16)
-            plgpu.commit_smem()
-            (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)
-            if pf and not interp:  # done with Vn, dVn and T
-                plgpu.barrier_arrive(t_free)
             deg = jnp.sum(dx * kf, axis=1) * beta_r
             dxe = dx * bc_r(eg_r, (C, K))
             dk1 = dk1 + dxe * bc_r(beta_r, (C, K))
             sc_s[4] = de_end
             sc_s[5] = dbeta + jnp.sum(dxe * kf, axis=1)
             sc_s[6] = deg
-            dw_s[...] = dk1.astype(BF16)  # the dX wgmma has completed: dw_s carries the dk partial
+            dw_s[...] = dk1.astype(BF16)  # the dk partial (warpgroup 0 read the previous one: h_free)
             plgpu.commit_smem()
             if not interp:
                 plgpu.barrier_arrive(dk_bar)
