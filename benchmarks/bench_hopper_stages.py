@@ -31,7 +31,8 @@ between them, and the host's time outside them (per call we pay ~0.41 ms above t
 4x4096x16x128, jla ~0.27).
 
 Shapes are ``bench_pallas.SHAPES`` indices or BxTxHxD. ``--only`` times just the lines whose
-name contains one of its comma-separated substrings. ``--blocks`` times the forward state pass at each value
+name contains one of its comma-separated substrings (semicolon-separated if it has a ";": labels
+such as "bwd grads, 1 WG" contain commas). ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
 device call's time limit keeps what was printed), with the bytes the stage must move at least
 (:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at 4.3 TB/s (not in
@@ -195,10 +196,11 @@ def main(argv=None):
                     help="also trace this many synchronised whole-op fwd+bwd calls of each selected whole-op "
                          "line (and jla) and print where each call's time goes: kernels, gaps, host")
     ap.add_argument("--only", default="",
-                    help="comma-separated substrings: time only the lines whose name contains one, e.g. "
-                         "'kernel,WG,pallas' (default: every line)")
+                    help="comma-separated substrings (semicolon-separated when it has a ';', for labels "
+                         "with commas): time only the lines whose name contains one, e.g. 'kernel,WG,pallas' "
+                         "or 'bwd grads, 1 WG;pallas' (default: every line)")
     args = ap.parse_args(argv)
-    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    only = [o.strip() for o in args.only.split(";" if ";" in args.only else ",") if o.strip()]
 
     t_only = [False]  # a shape only fwd_form "t" takes (K = 256): its stages, the whole op, jla
 
