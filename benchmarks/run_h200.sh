@@ -13,7 +13,9 @@
 #   bench_a/_b benchmarks/bench_pallas.py, shapes 0-2 / 3-4 with FLA and jax-linear-attention live
 #              (bench = both; BENCH_SHAPES_A / _B replace the shapes, BENCH_FLAGS adds flags, e.g.
 #              BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min); LIMIT_BENCH
-#   breakdown  each kernel alone at the first shape (Triton era; replaced by stages on the H200)
+#   breakdown  each kernel alone (bench_pallas' per-kernel breakdown) at BREAKDOWN_SHAPES (default 0),
+#              BREAKDOWN_FLAGS adds flags: e.g. BREAKDOWN_SHAPES=4 BREAKDOWN_FLAGS="--variants bwd_chunk=64"
+#              (the D = 256 backward, all Triton: which of its kernels to replace first)
 #   stages     benchmarks/bench_hopper_stages.py, each Hopper kernel alone with its HBM floor
 #              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla";
 #              STAGES_ONLY adds --only with spaces kept, e.g. "fwd WY approx,late o,pallas")
@@ -121,8 +123,8 @@ for s in $STEPS; do
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_a.txt" | tail -3 ;;&
     bench|bench_b) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes ${BENCH_SHAPES_B:-3,4} --reps 20 --no-breakdown ${BENCH_FLAGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_b.txt" | tail -3 ;;&
-    breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes 0 --reps 20 --no-fla --no-jla \
-             --no-chunk 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
+    breakdown) timeout "${LIMIT_BREAKDOWN:-200}" python benchmarks/bench_pallas.py --shapes ${BREAKDOWN_SHAPES:-0} --reps 20 \
+             --no-fla --no-jla --no-chunk ${BREAKDOWN_FLAGS:-} 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
     stages) timeout "${LIMIT_STAGES:-240}" python benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0,3,2 --reps 20} \
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
