@@ -44,11 +44,10 @@ GRAD_EDITS = {
                     "                             lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == \"bf16x3\",\n"
                     "                             direct=True, y=dvb, V=V)",
                     "                m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
-    "T^T dVn, T^T dW with T hi only": [
+    # T^T dVn also feeds the direct dA and dX = -(T^T dVn) S^T (hopper_bwd._dx)
+    "T^T dVn (so dX, dA) with T hi only": [
         ("dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)",
-         "dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s),), (dvn_s,))], interp)"),
-        ("    (dx,) = _mmas([((C, K), (_T(th_s), _T(tl_s)), (dw_s, dw_s))], interp)",
-         "    (dx,) = _mmas([((C, K), (_T(th_s),), (dw_s,))], interp)")],
+         "dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s),), (dvn_s,))], interp)")],
 }
 # the two-warpgroup kernel's HBM traffic: its tile loads (and their waits) or its result stores
 # removed -- one chunk per CTA, one CTA per SM, so a chunk's loads do not overlap its compute

@@ -83,7 +83,7 @@ def test_bench_knockouts_interpret():
         for name in edits:
             assert re.search(r"^" + re.escape(name) + r" +0\.000 ", table, re.M), (name, table)
         assert re.search(r"^base +0\.000 +(\w+ 0\.0e\+00 ?)+$", table, re.M), table
-        first = {"wy": "no inverse rounds", "grads": "T^T dVn, T^T dW with T hi only",
+        first = {"wy": "no inverse rounds", "grads": "T^T dVn (so dX, dA) with T hi only",
                  "state": "no Q S, Aqk Vn (chain + store)"}[kernel]
         line = [ln for ln in table.splitlines() if ln.startswith(first)][0]
         assert any(float(v) > 0 for v in re.findall(r"\d\.\de[-+]\d\d", line)), line

@@ -472,7 +472,7 @@ def _cancelling_inputs(seed, T=128, H=2, D=64):
 @pytest.mark.parametrize("wgs", [2, 1])
 def test_grads_where_vn_cancels(wgs):
     """Both Hopper gradient kernels where Vn cancels (:func:`_cancelling_inputs`, K = V = 128):
-    dbeta within 7e-2 and dk, dv within 2e-2 of float64. Measured 2026-12-03 over four draws: dbeta
+    dbeta within 7e-2, dk, dv within 2e-2 and dg within 1e-2 of float64. Measured 2026-12-03 over four draws: dbeta
     2.4-5.8e-2 (both kernels; the Triton kernels 3.8-5.6e-2), dk 1.3-1.4e-2, dv 1.3e-2 -- the bf16
     intermediates set that level (float32 ones give ~2e-3). Before dX = T^T dW was formed as
     -(T^T dVn) S^T (:func:`gdn_jax.ops.pallas.hopper_bwd._dx`), the two-warpgroup kernel rounded dW
@@ -488,4 +488,4 @@ def test_grads_where_vn_cancels(wgs):
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*ins, jnp.asarray(S0, F32))
     ref = reference_grads(*ins, initial_state=jnp.asarray(S0, F32), do=jnp.asarray(do, F32), dS=jnp.asarray(dS, F32))
     errs = {n: _rel(a, ref[n]) for n, a in zip(("q", "k", "v", "g", "beta"), got)}
-    assert errs["beta"] <= 7e-2 and errs["k"] <= 2e-2 and errs["v"] <= 2e-2, errs
+    assert errs["beta"] <= 7e-2 and errs["k"] <= 2e-2 and errs["v"] <= 2e-2 and errs["g"] <= 1e-2, errs

@@ -269,6 +269,9 @@ class KernelConfig:
         0.544 -> 0.467 at 1x16384x16x128; whole op fwd+bwd 1.078 -> 1.008 and 1.668 -> 1.583 ms;
         2x8192x8x256 (Triton backward) 4.055 -> 3.996; check_gpu bf16 30 of 30 with it (Hopper and
         Triton) (results/hopper_h200/stages_direct_3ebdaae.txt, check_gpu_direct_3ebdaae.txt).
+        The defaults before 2026-12-03 are ``grad_t_phase="chain", grad_precision="bf16x3"``
+        ("chain" alone now runs with the bf16 T phase: at beta 1.9 dk 9.1e-3, dbeta 9.5e-3 on the
+        GPU against bf16x3's 8.8 / 9.2e-3).
       grad_precision: the products of the Hopper gradient kernels' T phase (``grad_t_phase``
         "direct": (T^T dVn) Vn^T -- T^T dVn itself is dv's product and keeps T's hi / lo pair;
         "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16" (default since
@@ -282,9 +285,9 @@ class KernelConfig:
         option cost more at beta 1.9 (dk 8.8 -> 9.1e-3, dbeta 9.2 -> 9.5e-3) and saved 0.549 ->
         0.489 ms. tests/ops/test_hopper.py bounds the change against bf16x3 at 3e-3.
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
-        1 (one warpgroup runs every phase in turn) or 2 (the Q path and the T phase on one, dv, dKd
-        and the W phase on the other, side by side; dW and the second warpgroup's dk partial as
-        single bf16 operands). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
+        1 (one warpgroup runs every phase in turn) or 2 (the Q path on one, dv, dKd, the T phase --
+        on the first with ``grad_t_phase="chain"`` -- and the W phase on the other, side by side;
+        the second warpgroup's dk partial as a single bf16 operand). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
         ms; GPU check 16 of 16 at 097d608). In interpret mode the two warpgroups' work runs in
         turn in one thread (Mosaic GPU's interpreter hung with two warpgroup threads on 2 cores).
       grad_chunks_per_cta: chunks of one head per CTA of the Hopper two-warpgroup gradient kernel.
@@ -293,7 +296,7 @@ class KernelConfig:
         persistent kernel, grid (B*H, ceil(chunks / m)), each CTA looping over m consecutive
         chunks and loading the next chunk's tiles while this one computes, each as soon as its
         tile is free (dO and dh after the first products, h after both warpgroups' products with
-        it, q, Vn, dVn and T after the T phase and warpgroup 1's dX, v after dv has left; only k
+        it, q, Vn, dVn and T once warpgroup 1's T phase is done, v after dv has left; only k
         and the gates, 17 of ~180 KB, once dk has left). Same
         values (the arithmetic per chunk is unchanged). Built 2026-12-02, not yet run on a GPU;
         needs ``grad_warpgroups=2``.
