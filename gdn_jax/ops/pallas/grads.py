@@ -29,10 +29,10 @@ from .layout import hm_spec, run, sds, token_shape, token_spec
 F32 = _t.F32
 
 
-def _value_loop(call: KernelCall, h_ref, dh_ref, vn_ref, dvn_ref, do_ref, more, load=lambda sl: None):
-    """Sum over value blocks of bv_grad columns the terms that contract over V: dQg, dAqk, dW,
-    dKd, plus whatever ``more(sl, S, dS, vn, dvn, x, add)`` adds with ``add(name, term)``, where
-    ``x = load(sl)`` is read with the block's other inputs."""
+def _value_loop(call: KernelCall, h_ref, dh_ref, vn_ref, dvn_ref, do_ref, more, load=lambda sl: None, dw=True):
+    """Sum over value blocks of bv_grad columns the terms that contract over V: dQg, dAqk, dW
+    (unless ``dw`` is False), dKd, plus whatever ``more(sl, S, dS, vn, dvn, x, add)`` adds with
+    ``add(name, term)``, where ``x = load(sl)`` is read with the block's other inputs."""
     acc = {}
 
     def add(name, x):
@@ -46,7 +46,8 @@ def _value_loop(call: KernelCall, h_ref, dh_ref, vn_ref, dvn_ref, do_ref, more, 
         x = load(sl)
         add("dQg", _t.mm(call, do, S, tb=True))  # o = Qg S + Aqk vn
         add("dAqk", _t.mm(call, do, vn, tb=True))
-        add("dW", -_t.mm(call, dvn, S, tb=True))  # vn = U - W S
+        if dw:
+            add("dW", -_t.mm(call, dvn, S, tb=True))  # vn = U - W S
         add("dKd", _t.mm(call, vn, dS, tb=True))  # S' = dec S + Kd^T vn
         more(sl, S, dS, vn, dvn, x, add)
     return acc
@@ -56,11 +57,13 @@ def _ddec(S, dS):
     return _t.colsum(_t.rowsum(S.astype(F32) * dS.astype(F32)))
 
 
-def _wy_backward(call: KernelCall, T, A, Gs, strict, dT, dW, k, e_gam, dA=None):
+def _wy_backward(call: KernelCall, T, A, Gs, strict, dT, dW, k, e_gam, dA=None, dX=None):
     """Through W = T X (X = beta K e^gamma), T = (I + A)^-1, A = strict((beta K) K^T * Gamma),
     for the K columns ``k``: returns (M = dA * A, dKK = dA * Gamma, d(beta K), dX). ``dA`` given
-    (``KernelConfig.grad_t_phase="direct"``): dT is not used."""
-    dX = _t.mm(call, T, dW, ta=True, dt=F32)
+    (``KernelConfig.grad_t_phase="direct"``): dT is not used; ``dX`` given (= T^T dW, formed by the
+    caller as -(T^T dVn) S^T): dW is not used."""
+    if dX is None:
+        dX = _t.mm(call, T, dW, ta=True, dt=F32)
     if dA is None:
         dA = -_t.mm(call, _t.mm(call, T, dT, ta=True, dt=F32, role="inv"), T, tb=True, dt=F32, role="inv") * strict
     # gamma enters A and Aqk through Gamma_ij = exp(gamma_i - gamma_j): +M_ij to gamma_i, -M_ij to
@@ -119,20 +122,23 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
         dvb = _t.mm(call, T, dvn, ta=True, dt=F32)
         if direct:  # KernelConfig.grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), since (I + A)^T T^T = I
             add("dAd", _t.mm(call, dvb, vn, tb=True, dt=F32))
+            # and dX = T^T dW = -(T^T dVn) S^T from the same T^T dVn (no dW, no T^T dW product)
+            add("dX", -_t.mm(call, dvb, S, tb=True, dt=F32))
         else:
             add("dT", _t.mm(call, dvn, v * beta, tb=True, dt=F32))  # U = T (beta V)
         dv_ref[:, sl] = (dvb * beta).astype(dv_ref.dtype)
         add("dbeta", _t.rowsum(dvb * v))
 
     acc = _value_loop(call, h_ref, dh_ref, vn_ref, dvn_ref, do_ref, more,
-                      load=lambda sl: _t.load_f32(v_ref, slice(None), sl))
+                      load=lambda sl: _t.load_f32(v_ref, slice(None), sl), dw=not direct)
     de_gam_last_ref[...] = acc["ddec"]
     de_gam_end_ref[...] = _t.rowsum(acc["dKd"] * k)  # Kd = K e^{gamma_C - gamma}
     dk = acc["dKd"] * e_gam_end_ref[...]
 
     X = kb * e_gam
     if direct:
-        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, None, acc["dW"], k, e_gam, dA=-acc["dAd"] * strict)
+        M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, None, None, k, e_gam, dA=-acc["dAd"] * strict,
+                                       dX=acc["dX"])
     else:
         dT = acc["dT"] + _t.mm(call, acc["dW"], X, tb=True, dt=F32)
         M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, dT, acc["dW"], k, e_gam)
