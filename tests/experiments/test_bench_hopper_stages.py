@@ -28,7 +28,8 @@ def test_bench_hopper_stages_interpret():
     # (KernelConfig.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
     # intermediate runs too: forward WY, backward WY, recompute, reverse pass); T = 70 is not a
     # multiple of the chunk (dO is padded to the kernels' time axis)
-    text = _stages("1x70x1x64", "+ h,own dVl,gradient kernel,bwd grads 2 per,fwd WY compact")
+    # (--only with ';' separators, so that a label with a comma, "+ h, Vn", is one filter)
+    text = _stages("1x70x1x64", "+ h, Vn;own dVl;gradient kernel;bwd grads 2 per;fwd WY compact")
     for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA",
                  "fwd WY compact"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
