@@ -131,8 +131,8 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
             kk, y = _mmas([kk_spec, ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
                                      (dvn_s, dvn_s) if hp else (dvn_s,))], interp)
             (dar,) = _mmas([dar_spec(*_split(y, hp))], interp)
-        else:  # K K^T and Y Vn^T in one round
-            kk, dar = _mmas([kk_spec, dar_spec(*_split(y, hp))], interp)
+        else:  # K K^T and Y Vn^T in one round (y: float32, or its (hi, lo) pair)
+            kk, dar = _mmas([kk_spec, dar_spec(*(y if isinstance(y, tuple) else _split(y, hp)))], interp)
         strict, _, _ = masks()
         gs = gamma(strict)
         return finish(dar, kk * bc_r(beta_r, (C, C)) * gs, gs)
@@ -163,8 +163,9 @@ def _dx(y, h_s, C, K, interp):
     Exact by associativity; against the former dW = -dVn S^T then T^T dW, one round and a [C, K]
     SMEM round trip less, and dW is never rounded to bf16 -- where Vn cancels (repeated keys, the
     state predicting v) the two-warpgroup kernel's single-bf16 dW made dbeta 2-7x less accurate
-    (K = V = 128, four draws: 1.1-1.8e-1 against 2.4-5.8e-2 vs float64)."""
-    yh, yl = _split(y)
+    (K = V = 128, four draws: 1.1-1.8e-1 against 2.4-5.8e-2 vs float64). ``y`` may be given as
+    its (hi, lo) pair already (the two-warpgroup kernel splits it once, before its T phase)."""
+    yh, yl = y if isinstance(y, tuple) else _split(y)
     (dx,) = _mmas([((C, K), (yh, yl), (_T(h_s), _T(h_s)))], interp)
     return -dx
 
@@ -470,13 +471,19 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             if pf:
                 wait(1, 2, 4)
                 beta_r, eg_r, ee_r, *gam_r = (ld(g_s.at[r], ROW) for r in rows_)
-            kf = ld(k_s).astype(F32)
-            de_end = jnp.sum(dkd * kf, axis=1)
+            # k is read from its tile where needed (k_s holds it until this warpgroup's dk_bar
+            # arrival): a float32 copy live through the T phase and dX cost 64 registers, and
+            # T^T dVn is split into its bf16 (hi, lo) pair once, for the T phase and _dx (H200,
+            # 4x4096x16x128: with dvb and k live through _dx the kernel spilled 740 bytes per
+            # thread and took 0.532 ms against bebff6b's 0.395, results/hopper_h200/ab_dx_657f96a.txt)
+            kf = lambda: ld(k_s).astype(F32)
+            de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
+            y = _split(dvb)
             if tp1:
                 # 4. the T phase, grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), M = dA * A,
                 #    dKK = dA * Gamma into x_hi, beta dKK into x_lo, then dkk_bar
@@ -484,7 +491,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                     plgpu.barrier_wait(x_free)
                 m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, None, x_lo, x_hi, beta_r, masks,
                              lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == "bf16x3",
-                             direct=True, y=dvb, V=V)
+                             direct=True, y=y, V=V)
                 if not interp:
                     plgpu.barrier_arrive(dkk_bar)
                 sc_s[7] = jnp.sum(m, axis=1)
@@ -495,16 +502,16 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             #    -(T^T dVn) S^T from the dv product's T^T dVn (see _dx); d(beta K) = dX e^gamma
             #    (+ dKK K, warpgroup 0)
             wait(5)
-            dx = _dx(dvb, h_s, C, K, interp)
+            dx = _dx(y, h_s, C, K, interp)
             if pf and not interp:  # h_s is free once warpgroup 0's first products are done too
                 plgpu.barrier_arrive(h_free)
                 plgpu.barrier_wait(h_free)
                 prefetch(nxt, c, (5,))
-            deg = jnp.sum(dx * kf, axis=1) * beta_r
+            deg = jnp.sum(dx * kf(), axis=1) * beta_r
             dxe = dx * bc_r(eg_r, (C, K))
             dk1 = dk1 + dxe * bc_r(beta_r, (C, K))
             sc_s[4] = de_end
-            sc_s[5] = dbeta + jnp.sum(dxe * kf, axis=1)
+            sc_s[5] = dbeta + jnp.sum(dxe * kf(), axis=1)
             sc_s[6] = deg
             dw_s[...] = dk1.astype(BF16)  # the dk partial (warpgroup 0 read the previous one: h_free)
             plgpu.commit_smem()
