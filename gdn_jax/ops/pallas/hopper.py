@@ -659,15 +659,22 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
     A block-diagonal X is kept compressed, ``Xc[r, m] = X[r, 16 (r // 16) + m]`` ([C, 16]); for
     block-diagonal X, Y, ``(X Y)c = sum_b mask_b(Xc) @ Yc[16 b : 16 b + 16]`` with ``mask_b`` the rows
     of block b: one m64n16k16 wgmma per block (bf16x3 as the dense rounds), a quarter of a dense
-    round's FLOPs. Each round: ``Pc = (T L)c``, ``Tc <- Tc - (P T)c``. Then T_16 is expanded to
-    [C, C] exactly: ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in
-    ``eye_s``, T_hi's tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round
-    overwrites it). ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full); ``hp``: bf16x3
-    products (else one bf16 wgmma per block, ``KernelConfig.wy_precision="bf16"``). Returns T_16 as
-    a float32 [C, C] array."""
+    round's FLOPs. A's diagonal blocks go to shared memory once (``Ac``, as L's tiles); each round
+    ``Pc = (T_s L_s)c`` is ``(T_s A)c`` masked to L_s's blocks (rows of the odd s-blocks, columns of
+    the s-block before theirs): T_s is block diagonal, so a row r of an odd s-block meets A only in
+    the rows of its own s-block, where L_s = A on those columns -- the same products, so the same
+    values as forming and storing L_s per round, without it (one [C, C] where, split and store
+    less per round). Then ``Tc <- Tc - (P T)c``, and T_16 is expanded to [C, C] exactly:
+    ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in ``eye_s``, T_hi's
+    tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round overwrites it).
+    ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full); ``hp``: bf16x3 products (else one
+    bf16 wgmma per block, ``KernelConfig.wy_precision="bf16"``). Returns T_16 as a float32 [C, C]
+    array."""
     plgpu = _plgpu()
     nb = C // 16
     rb = _iota((C, 16), 0, interp) >> 4
+    rl = _iota((C, 16), 0, interp) & 15  # the row within its 16-block
+    m = _iota((C, 16), 1, interp)  # the compressed column: global column 16 (r // 16) + m
 
     def compress(X):
         out = jnp.where(rb == 0, X[:, 0:16], 0.0)
@@ -687,14 +694,17 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
             As, Bs = As + A_, Bs + B_
         return As, Bs
 
+    ah, al = _split(compress(A), hp)
+    lc_hi[...] = ah
+    if hp:
+        lc_lo[...] = al
     Tc = compress(T2)
     for lg in (1, 2, 3):
-        bi = i >> lg
-        Lc = compress(jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0))
+        bi = rl >> lg
         th, tl = _split(Tc, hp)
-        lh, ll = _split(Lc, hp)
-        _round_tiles(hp, [((th, tl), (tc_hi, tc_lo)), ((lh, ll), (lc_hi, lc_lo))])
+        _round_tiles(hp, [((th, tl), (tc_hi, tc_lo))])
         (P,) = _mmas([((C, 16), *terms(th, tl, lc_hi, lc_lo))], interp)
+        P = jnp.where(((bi & 1) == 1) & ((m >> lg) == bi - 1), P, 0.0)
         ph, pl_ = _split(-P, hp)
         (Tc,) = _mmas([(Tc, *terms(ph, pl_, tc_hi, tc_lo))], interp)
     eye_s[...] = jnp.where(i == j, 1.0, 0.0).astype(BF16)
@@ -883,21 +893,26 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             lg = 4
         if compact:  # l_hi is Aqk's staging tile: its store must have read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if blocked and (1 << lg) < C:  # A to L's tiles once: each round masks T_s A instead of forming L_s
+            ah, al = _split(A, hp_across)
+            _round_tiles(hp_across, [((ah, al), (l_hi, l_lo))])
         while (1 << lg) < C:
             bi = i >> lg
-            L = jnp.where(((bi & 1) == 1) & ((j >> lg) == bi - 1), A, 0.0)
+            mask = ((bi & 1) == 1) & ((j >> lg) == bi - 1)  # L_s's blocks
             hp = hp_in if lg < 4 else hp_across
             th, tl = _split(T, hp)
-            lh, ll = _split(L, hp)
-            _round_tiles(hp, [((th, tl), (t_hi, t_lo)), ((lh, ll), (l_hi, l_lo))])
-            if blocked:  # contract only where the operand is nonzero: L's odd s-blocks of rows, P's even columns
+            if blocked:  # contract only where the operand is nonzero: A's odd s-blocks of rows, P's even columns
+                _round_tiles(hp, [((th, tl), (t_hi, t_lo))])
                 sz = 1 << lg
                 odd = [(sz * (2 * t + 1), sz) for t in range(C // (2 * sz))]
                 even = [(2 * t * sz, sz) for t in range(C // (2 * sz))]
+                # (T_s A) on the odd s-blocks' rows of A = T_s L_s on L_s's blocks (see _blocked_rounds)
                 (P,) = _mmas([((C, C), *_k_slices(th, tl, l_hi, l_lo, odd))], interp)
-                ph, pl_ = _split(-P, hp)
+                ph, pl_ = _split(-jnp.where(mask, P, 0.0), hp)
                 (T,) = _mmas([(T, *_k_slices(ph, pl_, t_hi, t_lo, even))], interp)
             else:
+                lh, ll = _split(jnp.where(mask, A, 0.0), hp)
+                _round_tiles(hp, [((th, tl), (t_hi, t_lo)), ((lh, ll), (l_hi, l_lo))])
                 (P,) = _mmas([((C, C), *_terms((th, tl), (l_hi, l_lo), hp))], interp)
                 ph, pl_ = _split(-P, hp)
                 (T,) = _mmas([(T, *_terms((ph, pl_), (t_hi, t_lo), hp))], interp)
