@@ -9,7 +9,8 @@ on CPU (a smoke test of this script: its times mean nothing there).
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
-forward WY, the gradient kernel, the whole op: "approx" lines), ``wy_chunks_per_cta=m`` (the forward
+forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers=False`` (the forward
+WY with and without T, bit-equality against the default's outputs; whole op "own barriers"), ``wy_chunks_per_cta=m`` (the forward
 WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``late_o_store=True`` ("late o" lines; whole op
 with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
@@ -85,6 +86,8 @@ def stage_bytes(shape, C=64):
         "bwd grads, bf16 T phase": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd grads approx": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "fwd WY approx": 3 * Xk + 2 * Xv + CC,
+        "fwd WY own barriers": 3 * Xk + 2 * Xv + CC,
+        "fwd WY + T own barriers": 3 * Xk + 2 * Xv + 3 * CC,
         **{f"fwd WY {m} per CTA": 3 * Xk + 2 * Xv + CC for m in (2, 4, 8)},
         **{f"fwd WY T-form {m} per CTA": 2 * Xk + 3 * CC for m in (2, 4, 8)},
         "bwd grads m per CTA": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
@@ -266,6 +269,14 @@ def main(argv=None):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
             if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
+            cnb = dataclasses.replace(cf, auto_barriers=False)  # KernelConfig.auto_barriers=False
+            for label, kw in (("fwd WY own barriers", {}), ("fwd WY + T own barriers", dict(save_t=True))):
+                if wanted(label) and wu:
+                    line(label, lambda A, kw=kw: wy_fwd(cnb, A, **kw), F)
+                    # the same values as with Pallas' automatic barriers, bit for bit (every output array)
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F) for c in (cnb, cf))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
                 cm = dataclasses.replace(cf, wy_per_cta=m)
                 for label, c1, kw in ((f"fwd WY {m} per CTA", cm, {}),
@@ -437,7 +448,8 @@ def main(argv=None):
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
-                     ("approx math", KC(approx_math=True)), ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
+                     ("approx math", KC(approx_math=True)), ("own barriers", KC(auto_barriers=False)),
+                     ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),
                      ("no save_wy", KC(save_wy=False)),

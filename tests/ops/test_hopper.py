@@ -579,7 +579,26 @@ def test_approx_math_lowers_for_cuda():
         KernelConfig(approx_math=1)
 
 
+def test_auto_barriers_lowers_for_cuda():
+    """``KernelConfig(auto_barriers=False)``: the WY kernels compiled with Pallas'
+    ``unsafe_no_auto_barriers`` and their own barriers (hopper._sync) lower for CUDA, the option
+    reaches them (the lowered module differs from the default's: the forward WY, and with
+    ``save_wy=False`` also the backward's WY kernel), and a non-bool is refused. Interpret mode has
+    no barriers: the values are the default's (test_scheduling_options_bit_equal)."""
+    assert KernelConfig().auto_barriers
+    kernels = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    for extra, n_wy in (({}, 1), (dict(save_wy=False), 2)):  # the WY kernels and no other differ
+        on = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
+        off = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, **extra)))
+        assert len(on) == len(off) >= 4 and sum(a != b for a, b in zip(on, off)) == n_wy
+    # the persistent forward WY (its per-step TMA-store wait and barrier)
+    cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, wy_chunks_per_cta=2))
+    with pytest.raises(TypeError, match="auto_barriers"):
+        KernelConfig(auto_barriers=0)
+
+
 @pytest.mark.parametrize("opt,form,packed", [
+    (dict(auto_barriers=False), "wu", True),
     (dict(wy_chunks_per_cta=2), "wu", True), (dict(wy_chunks_per_cta=3), "t", True),
     (dict(late_o_store=True), "wu", False), (dict(late_o_store=True), "t", True)])
 def test_scheduling_options_bit_equal(opt, form, packed):

@@ -50,7 +50,8 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
-_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer", "reverse_producer")
+_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer", "reverse_producer",
+          "auto_barriers")
 _OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states")
 
 
@@ -196,6 +197,19 @@ class KernelConfig:
         forward WY 0.160 -> 0.157 ms, whole op fwd 0.293 -> 0.282, fwd+bwd 1.099 -> 1.081;
         check_gpu bf16 of the new defaults 10 of 10 (check_gpu_4061e56.txt), the same errors as
         without it to the printed digits.
+      auto_barriers: whether the Hopper WY kernels (the forward's and the backward's) are compiled
+        with Pallas' automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
+        puts a warpgroup ``bar.sync`` before and after every store of registers to shared memory
+        and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and one
+        ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel whose
+        Nsight Compute profile shows barrier stalls as 1.5 of its 5.4 cycles per instruction
+        (results/hopper_h200/ncu_kernels_b284d0d.txt). False compiles them with
+        ``CompilerParams(unsafe_no_auto_barriers=True)``; the kernels then place the barriers their
+        data flow needs (every store into a tile is followed by ``commit_smem`` before a wgmma or
+        TMA reads it; the tiles that threads store into are read by wgmma or TMA only, and where a
+        TMA store must have read a tile, the thread that waited for it meets the others at a
+        barrier before they overwrite it). Other kernels keep the automatic barriers. Built
+        2026-12-03, not yet run on a GPU (interpret mode has no barriers: same values).
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,
@@ -351,6 +365,7 @@ class KernelConfig:
     grad_t_phase: str = "direct"
     fwd_form: Optional[str] = None
     approx_math: bool = True
+    auto_barriers: bool = True
     wy_chunks_per_cta: Optional[int] = None
     late_o_store: bool = True
     state_producer: bool = True
@@ -455,6 +470,7 @@ class KernelCall:
     grad_tp: str = "direct"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
+    auto_barriers: bool = True  # KernelConfig.auto_barriers (the Hopper WY kernels)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
     late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
     state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
@@ -582,7 +598,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, grad_tp=config.grad_t_phase, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
-        approx_math=config.approx_math, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
+        approx_math=config.approx_math, auto_barriers=config.auto_barriers, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
         rev_prod=config.reverse_producer, grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,

@@ -55,13 +55,28 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel_kw(call: KernelCall) -> dict:
+def _kernel_kw(call: KernelCall, own_barriers: bool = False) -> dict:
     """``plgpu.kernel``'s keyword arguments for ``call``: Mosaic GPU's interpreter (platform
-    "interpret") or, on a GPU with ``KernelConfig.approx_math``, compiler params that lower exp to
-    ``ex2.approx.ftz`` (a multiply and one instruction instead of libdevice's range reduction)."""
+    "interpret") or, on a GPU, compiler params: with ``KernelConfig.approx_math`` exp lowered to
+    ``ex2.approx.ftz`` (a multiply and one instruction instead of libdevice's range reduction);
+    ``own_barriers`` (a kernel that places its own barriers, see :func:`_sync`) with
+    ``KernelConfig.auto_barriers`` False: ``unsafe_no_auto_barriers``."""
     if call.platform == "interpret":
         return dict(interpret=_interpret_params())
-    return dict(compiler_params=_plgpu().CompilerParams(approx_math=True)) if call.approx_math else {}
+    kw = dict(approx_math=True) if call.approx_math else {}
+    if own_barriers and not call.auto_barriers:
+        kw["unsafe_no_auto_barriers"] = True
+    return dict(compiler_params=_plgpu().CompilerParams(**kw)) if kw else {}
+
+
+def _sync(call: KernelCall):
+    """The warpgroup barrier that Pallas' automatic barriers would have put before the next store to
+    shared memory, where the data flow needs it (``KernelConfig.auto_barriers`` False): after a TMA
+    store wait (``wait_smem_to_gmem``, which only the thread that issued the copies waits for) and
+    before other threads overwrite the tile it read. ``commit_smem`` (a fence and a ``bar.sync``);
+    nothing with the automatic barriers or in interpret mode."""
+    if not call.auto_barriers and call.platform != "interpret":
+        _plgpu().commit_smem()
 
 
 def _transforms(dtype, cols, swizzle=None):
@@ -836,6 +851,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             def _():
                 # the previous chunk's stores have read their tiles (its slot is the next one's)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _sync(call)
                 pl.when((t + 1 < per) & (c + 1 < n))(lambda: issue(c + 1, 1 - slot))
                 chunk_body(r, bh, c, slot, sources(c))
             return carry
@@ -893,6 +909,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             lg = 4
         if compact:  # l_hi is Aqk's staging tile: its store must have read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _sync(call)
         if blocked and (1 << lg) < C:  # A to L's tiles once: each round masks T_s A instead of forming L_s
             ah, al = _split(A, hp_across)
             _round_tiles(hp_across, [((ah, al), (l_hi, l_lo))])
@@ -950,7 +967,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             write_w_u(tw, tu, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
-    kw = _kernel_kw(call)
+    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see _sync)
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
