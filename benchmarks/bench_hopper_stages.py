@@ -10,7 +10,8 @@ Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
 forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers=False`` (the forward
-WY with and without T, bit-equality against the default's outputs; whole op "own barriers"), ``wy_chunks_per_cta=m`` (the forward
+WY with and without T and the forward state pass with and without h, Vn, bit-equality against the
+default's outputs; whole op "own barriers"), ``wy_chunks_per_cta=m`` (the forward
 WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``late_o_store=True`` ("late o" lines; whole op
 with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
@@ -71,6 +72,8 @@ def stage_bytes(shape, C=64):
         "fwd state pass": 3 * Xk + 2 * Xv + CC,  # q, k, w, u, aqk -> o
         "fwd state pass + h, Vn": 3 * Xk + 3 * Xv + CC + HS,  # + h, vn
         "fwd state pass late o": 3 * Xk + 2 * Xv + CC,
+        "fwd state pass own barriers": 3 * Xk + 2 * Xv + CC,
+        "fwd state pass + h, Vn own barriers": 3 * Xk + 3 * Xv + CC + HS,
         "fwd state pass + h, Vn late o": 3 * Xk + 3 * Xv + CC + HS,
         "fwd WY T-form": 2 * Xk + 3 * CC,  # q, k -> aqk, t_hi, t_lo (KernelConfig.fwd_form="t")
         "fwd WY T-form + W": 3 * Xk + 3 * CC,  # + w
@@ -322,6 +325,14 @@ def main(argv=None):
                 line("fwd state pass 1 WG", lambda A: state_pass(cf1, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
+            cnb = dataclasses.replace(cf, auto_barriers=False)  # KernelConfig.auto_barriers=False
+            for label, kw in (("fwd state pass own barriers", {}), ("fwd state pass + h, Vn own barriers",
+                                                                     dict(save_states=True))):
+                if wanted(label) and wu:
+                    line(label, lambda A, kw=kw: state_pass(cnb, A, **kw), F)
+                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cnb, cf))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
             for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
                 if wanted(label) and wu:

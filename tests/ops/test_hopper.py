@@ -580,17 +580,24 @@ def test_approx_math_lowers_for_cuda():
 
 
 def test_auto_barriers_lowers_for_cuda():
-    """``KernelConfig(auto_barriers=False)``: the WY kernels compiled with Pallas'
+    """``KernelConfig(auto_barriers=False)``: the WY kernels and the state pass compiled with Pallas'
     ``unsafe_no_auto_barriers`` and their own barriers (hopper._sync) lower for CUDA, the option
-    reaches them (the lowered module differs from the default's: the forward WY, and with
-    ``save_wy=False`` also the backward's WY kernel), and a non-bool is refused. Interpret mode has
+    reaches them and no other kernel (the lowered modules that differ from the default's: the
+    forward WY and state pass; with ``save_wy=False`` also the backward's WY kernel, with
+    ``save_states=False`` the backward's recompute), and a non-bool is refused. Interpret mode has
     no barriers: the values are the default's (test_scheduling_options_bit_equal)."""
     assert KernelConfig().auto_barriers
     kernels = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    for extra, n_wy in (({}, 1), (dict(save_wy=False), 2)):  # the WY kernels and no other differ
+    for extra, n_wy in (({}, 2), (dict(save_wy=False), 3), (dict(save_states=False), 3)):
         on = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
         off = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, **extra)))
-        assert len(on) == len(off) >= 4 and sum(a != b for a, b in zip(on, off)) == n_wy
+        assert len(on) == len(off) >= 4 and on != off
+        # JAX 0.10 lowers the same kernel to the same text each time; JAX 0.11's modules (bytecode
+        # with a kernel hash) differ between two lowerings of one config, so count only where they don't
+        same = on == kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
+        assert same or not jax.__version__.startswith("0.10.")  # CI's JAX: the exact count runs
+        if same:
+            assert sum(a != b for a, b in zip(on, off)) == n_wy
     # the persistent forward WY (its per-step TMA-store wait and barrier)
     cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, wy_chunks_per_cta=2))
     with pytest.raises(TypeError, match="auto_barriers"):

@@ -461,6 +461,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def store_state(S, seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _sync(call)
             f_s[...] = S
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
@@ -483,6 +484,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def store_o(o, j):  # o of chunk j through o_s by TMA
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _sync(call)
             o_s[...] = o.astype(o_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
@@ -502,6 +504,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
             if keep:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _sync(call)
             s_s[...] = S.astype(BF16)
             plgpu.commit_smem()
             if keep:
@@ -558,7 +561,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    kw = _kernel_kw(call)
+    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see _sync)
     states = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     if rec:
         out_type = states
