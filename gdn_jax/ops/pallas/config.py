@@ -197,9 +197,9 @@ class KernelConfig:
         forward WY 0.160 -> 0.157 ms, whole op fwd 0.293 -> 0.282, fwd+bwd 1.099 -> 1.081;
         check_gpu bf16 of the new defaults 10 of 10 (check_gpu_4061e56.txt), the same errors as
         without it to the printed digits.
-      auto_barriers: whether the Hopper WY kernels (the forward's and the backward's) and the
-        state pass (the forward's and the backward's recompute) are compiled with Pallas'
-        automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
+      auto_barriers: whether the Hopper WY kernels (the forward's and the backward's), the state
+        pass (the forward's and the backward's recompute) and the reverse pass are compiled with
+        Pallas' automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
         puts a warpgroup ``bar.sync`` before and after every store of registers to shared memory
         and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and one
         ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel whose
@@ -210,8 +210,9 @@ class KernelConfig:
         TMA reads it; the tiles that threads store into are read by wgmma or TMA only, and where a
         TMA store must have read a tile, the thread that waited for it meets the others at a
         barrier before they overwrite it). In the state pass that is 6-8 barriers per chunk step
-        fewer on its sequential S chain (the s_s, vn_s, vs_s and o stores). The reverse pass and
-        the gradient kernels keep the automatic barriers. Built 2026-12-03, not yet run on a GPU
+        fewer on its sequential S chain (the s_s, vn_s, vs_s and o stores), in the reverse pass
+        ~10 on its dS chain. The gradient kernels keep the automatic barriers (their warpgroups
+        read tiles that other threads store: not audited for this yet). Built 2026-12-03, not yet run on a GPU
         (interpret mode has no barriers: same values).
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
-from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
+from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _sync, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
                      _wait_slot, chunk_last_row, scaled_t, write_w_u)
 
 SMEM_BYTES = 227 * 1024
@@ -759,6 +759,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
 
         def store_state(dS, seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _sync(call)
             f_s[...] = dS
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
@@ -786,6 +787,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                     seq, first, last = _slot_flags(g_s, slot)
                     dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
+                _sync(call)
                 ds_s[...] = dS.astype(BF16)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
@@ -862,7 +864,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
-    kw = _kernel_kw(call)
+    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see hopper._sync)
     if prod:
         kw.update(num_threads=2, thread_name="wg")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
