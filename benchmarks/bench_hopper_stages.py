@@ -10,8 +10,8 @@ Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
 forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers=False`` (the forward
-WY with and without T, the forward state pass with and without h, Vn and the reverse pass ("bwd
-reverse own barriers", the default's form), bit-equality against the default's outputs; whole op
+WY with and without T, the forward state pass with and without h, Vn, the reverse pass ("bwd
+reverse own barriers", the default's form) and the gradient kernel ("bwd grads own barriers"), bit-equality against the default's outputs; whole op
 "own barriers"), ``wy_chunks_per_cta=m`` (the forward
 WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``late_o_store=True`` ("late o" lines; whole op
 with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY kernel
@@ -86,6 +86,7 @@ def stage_bytes(shape, C=64):
         "bwd recompute": 2 * Xk + 2 * Xv + HS,  # k, w, u -> h, vn
         "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
         "bwd reverse own barriers": 3 * Xk + 2 * Xv + CC + 2 * HS,  # as "bwd reverse, own dVl"
+        "bwd grads own barriers": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd gradient kernel": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,  # q, k, v, do, h, dh, vn, dvn, t -> dq, dk, dv
         "bwd grads, 1 WG": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
         "bwd grads, bf16 T phase": 4 * Xk + 5 * Xv + 2 * HS + 2 * CC,
@@ -427,6 +428,12 @@ def main(argv=None):
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
+                if wanted("bwd grads own barriers"):  # KernelConfig.auto_barriers=False
+                    cnbg = dataclasses.replace(cb, auto_barriers=False)
+                    line("bwd grads own barriers", lambda A: grads(cnbg, A), Bk)
+                    a, b = (jax.jit(lambda A, c=c: grads(c, A))(Bk) for c in (cnbg, cb))
+                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
                 if wanted("bwd reverse own barriers"):  # KernelConfig.auto_barriers=False, the default's form
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
 

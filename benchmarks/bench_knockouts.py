@@ -42,7 +42,7 @@ GRAD_EDITS = {
     # (the default grad_t_phase="direct": the T phase in warpgroup 1; x_hi / x_lo then go unwritten)
     "no T phase": [("                m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, None, x_lo, x_hi, beta_r, masks,\n"
                     "                             lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == \"bf16x3\",\n"
-                    "                             direct=True, y=dvb, V=V)",
+                    "                             direct=True, y=y, V=V)",
                     "                m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
     # T^T dVn also feeds the direct dA and dX = -(T^T dVn) S^T (hopper_bwd._dx)
     "T^T dVn (so dX, dA) with T hi only": [

@@ -580,16 +580,17 @@ def test_approx_math_lowers_for_cuda():
 
 
 def test_auto_barriers_lowers_for_cuda():
-    """``KernelConfig(auto_barriers=False)``: the WY kernels, the state pass and the reverse pass
-    compiled with Pallas' ``unsafe_no_auto_barriers`` and their own barriers (hopper._sync) lower
-    for CUDA, the option reaches them and not the gradient kernel (the lowered modules that differ
-    from the default's: the forward WY, the state pass and the reverse pass; with ``save_wy=False``
-    also the backward's WY kernel, with ``save_states=False`` the backward's recompute), and a
-    non-bool is refused. Interpret mode has
+    """``KernelConfig(auto_barriers=False)``: the WY kernels, the state pass, the reverse pass and
+    the two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their
+    own barriers (hopper._sync) lower for CUDA, and the option reaches exactly those kernels (the
+    lowered modules that differ from the default's: all four by default; with ``save_wy=False``
+    also the backward's WY kernel; with ``save_states=False`` the recompute, not the backward's WY
+    from the saved T; with ``grad_warpgroups=1`` not that gradient kernel), and a non-bool is
+    refused. Interpret mode has
     no barriers: the values are the default's (test_scheduling_options_bit_equal)."""
     assert KernelConfig().auto_barriers
     kernels = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    for extra, n_wy in (({}, 3), (dict(save_wy=False), 4), (dict(save_states=False), 4)):
+    for extra, n_wy in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 5), (dict(grad_warpgroups=1), 3)):
         on = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
         off = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, **extra)))
         assert len(on) == len(off) >= 4 and on != off

@@ -198,8 +198,8 @@ class KernelConfig:
         check_gpu bf16 of the new defaults 10 of 10 (check_gpu_4061e56.txt), the same errors as
         without it to the printed digits.
       auto_barriers: whether the Hopper WY kernels (the forward's and the backward's), the state
-        pass (the forward's and the backward's recompute) and the reverse pass are compiled with
-        Pallas' automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
+        pass (the forward's and the backward's recompute), the reverse pass and the two-warpgroup
+        gradient kernel are compiled with Pallas' automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
         puts a warpgroup ``bar.sync`` before and after every store of registers to shared memory
         and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and one
         ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel whose
@@ -211,8 +211,9 @@ class KernelConfig:
         TMA store must have read a tile, the thread that waited for it meets the others at a
         barrier before they overwrite it). In the state pass that is 6-8 barriers per chunk step
         fewer on its sequential S chain (the s_s, vn_s, vs_s and o stores), in the reverse pass
-        ~10 on its dS chain. The gradient kernels keep the automatic barriers (their warpgroups
-        read tiles that other threads store: not audited for this yet). Built 2026-12-03, not yet run on a GPU
+        ~10 on its dS chain; the gradient kernel also needs one where a warpgroup's threads read a
+        tile (k, v) that they then overwrite (dk, dv). The one-warpgroup gradient kernel and the
+        backward's WY from the saved T (``save_wy``) keep the automatic barriers. Built 2026-12-03, not yet run on a GPU
         (interpret mode has no barriers: same values).
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates

@@ -448,6 +448,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 plgpu.barrier_wait(dk_bar)
             dk = dk + ld(dw_s).astype(F32)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            _sync(call)  # this warpgroup's threads have read k (sc_s[0]'s ld(k_s)) and dq's store q_s
             k_s[...] = dk.astype(k_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
@@ -480,6 +481,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
+            _sync(call)  # every thread has read v before dv overwrites it
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
@@ -571,7 +573,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
-    kw = _kernel_kw(call)
+    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see hopper._sync)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
