@@ -207,7 +207,8 @@ def main(argv=None):
     ap.add_argument("--only", default="",
                     help="comma-separated substrings (semicolon-separated when it has a ';', for labels "
                          "with commas): time only the lines whose name contains one, e.g. 'kernel,WG,pallas' "
-                         "or 'bwd grads, 1 WG;pallas' (default: every line)")
+                         "or 'bwd grads, 1 WG;pallas'; an item starting with '=' matches a whole name only, "
+                         "e.g. '=fwd WY' (default: every line)")
     args = ap.parse_args(argv)
     only = [o.strip() for o in args.only.split(";" if ";" in args.only else ",") if o.strip()]
 
@@ -217,7 +218,7 @@ def main(argv=None):
         if t_only[0] and not ("T-form" in name or "K256" in name or "[triton]" in name
                               or name in ("pallas", "fwd form t", "fwd form wu", "jla")):
             return False
-        return not only or any(o in name for o in only)
+        return not only or any(name == o[1:] if o.startswith("=") else o in name for o in only)
 
     import jax
     import jax.numpy as jnp
@@ -253,6 +254,9 @@ def main(argv=None):
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
     KC = lambda **kw: KernelConfig(**base, **kw)
+    # options that an older tree's gdn_jax lacks (the ab step runs this script beside other commits'
+    # gdn_jax/) are skipped there rather than failing the whole run
+    has = lambda field: field in KernelConfig.__dataclass_fields__
     for shape in bp.parse_shapes(args.shapes, on_gpu=True):
         try:
             x = bp.make_inputs(shape)
@@ -275,9 +279,9 @@ def main(argv=None):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
             if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
-            cnb = dataclasses.replace(cf, auto_barriers=False)  # KernelConfig.auto_barriers=False
+            cnb = dataclasses.replace(cf, auto_barriers=False) if has("auto_barriers") else None
             for label, kw in (("fwd WY own barriers", {}), ("fwd WY + T own barriers", dict(save_t=True))):
-                if wanted(label) and wu:
+                if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
                     line(label, lambda A, kw=kw: wy_fwd(cnb, A, **kw), F)
                     # the same values as with Pallas' automatic barriers, bit for bit (every output array)
                     a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F) for c in (cnb, cf))
@@ -328,10 +332,9 @@ def main(argv=None):
                 line("fwd state pass 1 WG", lambda A: state_pass(cf1, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
-            cnb = dataclasses.replace(cf, auto_barriers=False)  # KernelConfig.auto_barriers=False
             for label, kw in (("fwd state pass own barriers", {}), ("fwd state pass + h, Vn own barriers",
                                                                      dict(save_states=True))):
-                if wanted(label) and wu:
+                if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
                     line(label, lambda A, kw=kw: state_pass(cnb, A, **kw), F)
                     a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cnb, cf))
                     same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
@@ -428,13 +431,13 @@ def main(argv=None):
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
-                if wanted("bwd grads own barriers"):  # KernelConfig.auto_barriers=False
+                if wanted("bwd grads own barriers") and has("auto_barriers"):  # KernelConfig.auto_barriers=False
                     cnbg = dataclasses.replace(cb, auto_barriers=False)
                     line("bwd grads own barriers", lambda A: grads(cnbg, A), Bk)
                     a, b = (jax.jit(lambda A, c=c: grads(c, A))(Bk) for c in (cnbg, cb))
                     same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
                     print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
-                if wanted("bwd reverse own barriers"):  # KernelConfig.auto_barriers=False, the default's form
+                if wanted("bwd reverse own barriers") and has("auto_barriers"):  # auto_barriers=False, the default's form
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
 
                     def rev_of(c):
@@ -480,7 +483,8 @@ def main(argv=None):
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
-                     ("approx math", KC(approx_math=True)), ("own barriers", KC(auto_barriers=False)),
+                     ("approx math", KC(approx_math=True)),
+                     *([("own barriers", KC(auto_barriers=False))] if has("auto_barriers") else []),
                      ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),
