@@ -67,8 +67,8 @@ GRAD_EDITS.update({"no tile loads (garbage in)": _G_NO_LOADS, "no result stores"
 _NO_OUT = [("                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],\n"
             "                               interp, between=prev)",
             "                (ws,) = _mmas([((C, bv), x_s, s_s)], interp, between=prev)\n                qs = ws"),
-           ("            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)",
-            "            (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
+           ("            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_end, _T(k_s.at[slot]), vs_s)], interp)",
+            "            (S,) = _mmas([(S * g_end, _T(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
 _NO_O_STORE = [("            o_s[...] = o.astype(o_s.dtype)\n            plgpu.commit_smem()\n"
                 "            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
                 "            pass")]

@@ -199,22 +199,26 @@ class KernelConfig:
         without it to the printed digits.
       auto_barriers: whether the Hopper WY kernels (the forward's and the backward's), the state
         pass (the forward's and the backward's recompute), the reverse pass and the two-warpgroup
-        gradient kernel are compiled with Pallas' automatic barriers (default True). Pallas (Mosaic GPU, JAX 0.10 and 0.11)
-        puts a warpgroup ``bar.sync`` before and after every store of registers to shared memory
-        and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and one
-        ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel whose
-        Nsight Compute profile shows barrier stalls as 1.5 of its 5.4 cycles per instruction
+        gradient kernel are compiled with Pallas' automatic barriers (default True). Pallas
+        (Mosaic GPU, JAX 0.10 and 0.11) puts a warpgroup ``bar.sync`` before and after every store
+        of registers to shared memory and before every TMA load, on top of the kernels' own
+        ``commit_smem`` (a fence and one ``bar.sync``): ~11 stores per chunk in the forward WY
+        kernel, ~22 barriers, of a kernel whose Nsight Compute profile shows barrier stalls as 1.5
+        of its 5.4 cycles per instruction
         (results/hopper_h200/ncu_kernels_b284d0d.txt). False compiles them with
-        ``CompilerParams(unsafe_no_auto_barriers=True)``; the kernels then place the barriers their
-        data flow needs (every store into a tile is followed by ``commit_smem`` before a wgmma or
-        TMA reads it; the tiles that threads store into are read by wgmma or TMA only, and where a
-        TMA store must have read a tile, the thread that waited for it meets the others at a
-        barrier before they overwrite it). In the state pass that is 6-8 barriers per chunk step
-        fewer on its sequential S chain (the s_s, vn_s, vs_s and o stores), in the reverse pass
-        ~10 on its dS chain; the gradient kernel also needs one where a warpgroup's threads read a
-        tile (k, v) that they then overwrite (dk, dv). The one-warpgroup gradient kernel and the
-        backward's WY from the saved T (``save_wy``) keep the automatic barriers. Built 2026-12-03, not yet run on a GPU
-        (interpret mode has no barriers: same values).
+        ``CompilerParams(unsafe_no_auto_barriers=True)``. Their data flow needs none of those
+        barriers: every store into a tile is followed by ``commit_smem`` before a wgmma or TMA
+        reads it; the tiles threads store into are otherwise read by wgmma or TMA only;
+        ``wait_smem_to_gmem`` ends with a warpgroup ``bar.sync`` of its own (Mosaic GPU's
+        ``await_async_copy``), which orders a TMA store's reads before threads overwrite the tile;
+        every thread read of a slot that TMA refills comes before a ``commit_smem`` that precedes
+        the refill (the state and reverse passes read their last gate of a step before that commit
+        for this); the gradient kernel keeps one ``bar.sync`` (``hopper._sync``) between its
+        threads' loads of v and their dv stores into the same tile (the same register layout, so
+        insurance). In the state pass that is 6-8 barriers per chunk step fewer on its sequential S
+        chain, in the reverse pass ~10 on its dS chain. The one-warpgroup gradient kernel and the
+        backward's WY from the saved T (``save_wy``) keep the automatic barriers. Built 2026-12-03,
+        not yet run on a GPU (interpret mode has no barriers: same values).
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,

@@ -71,10 +71,13 @@ def _kernel_kw(call: KernelCall, own_barriers: bool = False) -> dict:
 
 def _sync(call: KernelCall):
     """The warpgroup barrier that Pallas' automatic barriers would have put before the next store to
-    shared memory, where the data flow needs it (``KernelConfig.auto_barriers`` False): after a TMA
-    store wait (``wait_smem_to_gmem``, which only the thread that issued the copies waits for) and
-    before other threads overwrite the tile it read. ``commit_smem`` (a fence and a ``bar.sync``);
-    nothing with the automatic barriers or in interpret mode."""
+    shared memory, where the data flow may need it (``KernelConfig.auto_barriers`` False): where a
+    warpgroup's threads read a tile with thread loads and then overwrite it. ``commit_smem`` (a fence
+    and a ``bar.sync``); nothing with the automatic barriers or in interpret mode. Not needed after
+    ``wait_smem_to_gmem``: Mosaic GPU ends that wait with a warpgroup ``bar.sync`` itself
+    (``LaunchContext.await_async_copy``, JAX 0.10 and 0.11), so threads that overwrite a tile after
+    it know the TMA store has read it. Where a tile is refilled by TMA, every thread read of it
+    comes before a ``commit_smem`` that precedes the refill."""
     if not call.auto_barriers and call.platform != "interpret":
         _plgpu().commit_smem()
 
@@ -461,7 +464,6 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def store_state(S, seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            _sync(call)
             f_s[...] = S
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
@@ -484,7 +486,6 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
         def store_o(o, j):  # o of chunk j through o_s by TMA
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            _sync(call)
             o_s[...] = o.astype(o_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
@@ -504,7 +505,6 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 S = lax.cond(first, lambda: load_state(seq), lambda: S)
             if keep:  # s_s and vn_s may still feed the previous chunk's h / Vn stores
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                _sync(call)
             s_s[...] = S.astype(BF16)
             plgpu.commit_smem()
             if keep:
@@ -531,6 +531,11 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             else:
                 vn = _load(u_s.at[slot * nc + w], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             e_end = _load(g_s.at[slot, 1], row, interp)
+            # this slot's last gate reads come before the commit below: the one-warpgroup pass refills
+            # the slot at its next step, and without the automatic barriers (KernelConfig.auto_barriers
+            # False) nothing else orders those reads before that TMA copy
+            g_end = g_s[slot, 2, 0]
+            e_o = None if rec else _load(g_s.at[slot, 0], row, interp)
             vn_s[...] = vn.astype(BF16)
             vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)
             plgpu.commit_smem()
@@ -538,11 +543,11 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
             release = (lambda: plgpu.barrier_arrive(r["free"].at[slot])) if wspec else (lambda: None)
             if rec:
-                (S,) = _mmas([(S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+                (S,) = _mmas([(S * g_end, _T(k_s.at[slot]), vs_s)], interp)
                 release()  # the slot's last read
                 return S
-            o0 = qs * bcast(_load(g_s.at[slot, 0], row, interp), qs.shape)
-            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_s[slot, 2, 0], _T(k_s.at[slot]), vs_s)], interp)
+            o0 = qs * bcast(e_o, qs.shape)
+            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_end, _T(k_s.at[slot]), vs_s)], interp)
             release()
             if not late:
                 store_o(o, i)
@@ -854,7 +859,6 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             def _():
                 # the previous chunk's stores have read their tiles (its slot is the next one's)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                _sync(call)
                 pl.when((t + 1 < per) & (c + 1 < n))(lambda: issue(c + 1, 1 - slot))
                 chunk_body(r, bh, c, slot, sources(c))
             return carry
@@ -912,7 +916,6 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             lg = 4
         if compact:  # l_hi is Aqk's staging tile: its store must have read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            _sync(call)
         if blocked and (1 << lg) < C:  # A to L's tiles once: each round masks T_s A instead of forming L_s
             ah, al = _split(A, hp_across)
             _round_tiles(hp_across, [((ah, al), (l_hi, l_lo))])

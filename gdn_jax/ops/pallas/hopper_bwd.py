@@ -448,7 +448,6 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 plgpu.barrier_wait(dk_bar)
             dk = dk + ld(dw_s).astype(F32)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            _sync(call)  # this warpgroup's threads have read k (sc_s[0]'s ld(k_s)) and dq's store q_s
             k_s[...] = dk.astype(k_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, rows, hh])
@@ -481,7 +480,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
-            _sync(call)  # every thread has read v before dv overwrites it
+            _sync(call)  # every thread has read v before dv overwrites it (the same layout: insurance)
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
@@ -761,7 +760,6 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
 
         def store_state(dS, seq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            _sync(call)
             f_s[...] = dS
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
@@ -789,7 +787,6 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                     seq, first, last = _slot_flags(g_s, slot)
                     dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
-                _sync(call)
                 ds_s[...] = dS.astype(BF16)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
@@ -804,6 +801,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                 row = WG.reduce(1)
                 e_end = _load(g_s.at[slot, 1], row, interp)
                 e_o = _load(g_s.at[slot, 0], row, interp)
+                # the slot's last gate read before the commit below (see hopper.forward_states_and_output)
+                g_end = g_s[slot, 2, 0]
                 dvn = dvl + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
                 dvn_s[...] = dvn.astype(BF16)
                 ndvn_s[...] = (-dvn).astype(BF16)
@@ -817,7 +816,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
                 if one:
                     plgpu.barrier_wait(single_bars[0])
                     plgpu.barrier_wait(single_bars[2])
-                (dS,) = _mmas([(dS * g_s[slot, 2, 0], (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
+                (dS,) = _mmas([(dS * g_end, (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
                               interp)
                 if prod:  # the slot's last read: the producer may refill it
                     plgpu.barrier_arrive(free.at[slot])
