@@ -55,7 +55,8 @@ from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
 from gdn_jax.ops.pallas.state_fwd import forward_states, forward_states_and_output, output  # noqa: E402
 from gdn_jax.ops.pallas.wy import wy_repr  # noqa: E402
 
-# Measured anchors (H200, bf16, medians; README "GPU numbers"): shape -> {impl: (fwd ms, fwd+bwd ms)}
+# Measured anchors (H200, bf16, medians; results/hopper_h200/HISTORY.md "GPU numbers"):
+# shape -> {impl: (fwd ms, fwd+bwd ms)}
 ANCHORS = {
     (4, 4096, 16, 128): {"fla": (0.725, 2.643), "jla": (0.324, 1.233), "chunk": (4.260, 12.581)},
     (8, 2048, 16, 128): {"fla": (0.599, 2.619), "jla": (0.302, 1.088), "chunk": (3.606, 11.021)},
@@ -518,7 +519,7 @@ def main(argv=None):
     # ------------------------------------------------------------------ summary table (last output)
     log("\n" + "=" * 100)
     log("SUMMARY  (ms = median; 'x chunk' = chunk_ms / ms, >1 is faster than the plain XLA chunk;"
-        " 'vs FLA' = FLA_ms / ms; anchors = measured H200 numbers, README)")
+        " 'vs FLA' = FLA_ms / ms; anchors = measured H200 numbers, results/hopper_h200/HISTORY.md)")
     log(f"{'shape':<16} {'impl':<40} {'fwd':>7} {'f+b':>7} {'fwd x chunk':>11} {'f+b x chunk':>11} "
         f"{'fwd vs FLA':>10} {'f+b vs FLA':>10}")
     for shape, rows in results.items():
