@@ -322,8 +322,9 @@ class KernelConfig:
         tile is free (dO and dh after the first products, h after both warpgroups' products with
         it, q, Vn, dVn and T once warpgroup 1's T phase is done, v after dv has left; only k
         and the gates, 17 of ~180 KB, once dk has left). Same
-        values (the arithmetic per chunk is unchanged). Built 2026-12-02, not yet run on a GPU;
-        needs ``grad_warpgroups=2``.
+        values (the arithmetic per chunk is unchanged). Needs ``grad_warpgroups=2``. Ran on the
+        H200 (results/hopper_h200/NOTE.md items 12, 20): correct, slower than one chunk per CTA
+        (0.59-0.66 vs 0.43 ms at 4x4096x16x128 in session 25), hence opt-in.
       save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk
         size), the forward's state pass also writes the state entering each chunk ``h`` [B*H,
         chunks, K, V] and ``Vn`` = U - W h [B*H, T, V] (bf16: what the backward's forward
