@@ -257,6 +257,11 @@ def main(argv=None):
     # options that an older tree's gdn_jax lacks (the ab step runs this script beside other commits'
     # gdn_jax/) are skipped there rather than failing the whole run
     has = lambda field: field in KernelConfig.__dataclass_fields__
+
+    def bit_equal(f, g, A):
+        """Whether jitted f and g give the same arrays on A, bit for bit (every output)."""
+        a, b = jax.jit(f)(A), jax.jit(g)(A)
+        return all(bool(jnp.array_equal(a[key], b[key])) for key in b)
     for shape in bp.parse_shapes(args.shapes, on_gpu=True):
         try:
             x = bp.make_inputs(shape)
@@ -284,8 +289,7 @@ def main(argv=None):
                 if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
                     line(label, lambda A, kw=kw: wy_fwd(cnb, A, **kw), F)
                     # the same values as with Pallas' automatic barriers, bit for bit (every output array)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F) for c in (cnb, cf))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(lambda A, kw=kw: wy_fwd(cnb, A, **kw), lambda A, kw=kw: wy_fwd(cf, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
                 cm = dataclasses.replace(cf, wy_per_cta=m)
@@ -296,9 +300,8 @@ def main(argv=None):
                         continue
                     line(label, lambda A, c1=c1, kw=kw: wy_fwd(c1, A, **kw), F)
                     # the same values as one chunk per CTA, bit for bit (every output array)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F)
-                            for c in (c1, dataclasses.replace(c1, wy_per_cta=1)))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    c0 = dataclasses.replace(c1, wy_per_cta=1)
+                    same = bit_equal(lambda A, kw=kw: wy_fwd(c1, A, **kw), lambda A, kw=kw: wy_fwd(c0, A, **kw), F)
                     print(f"    {label}: outputs equal to one chunk per CTA: {same}", flush=True)
             cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
@@ -313,9 +316,8 @@ def main(argv=None):
                 if wanted(label) and HF.wy_compact(cfc):
                     line(label, lambda A, kw=kw: wy_fwd(cfc, A, **kw), F)
                     # the same values as the separate layout, bit for bit (every output array)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: wy_fwd(c, A, **kw))(F)
-                            for c in (cfc, dataclasses.replace(cf, wy_compact=False)))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    cs = dataclasses.replace(cf, wy_compact=False)
+                    same = bit_equal(lambda A, kw=kw: wy_fwd(cfc, A, **kw), lambda A, kw=kw: wy_fwd(cs, A, **kw), F)
                     print(f"    {label}: outputs equal to the separate layout's: {same}", flush=True)
 
             def state_pass(c, A, **kw):
@@ -336,8 +338,8 @@ def main(argv=None):
                                                                      dict(save_states=True))):
                 if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
                     line(label, lambda A, kw=kw: state_pass(cnb, A, **kw), F)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cnb, cf))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(lambda A, kw=kw: state_pass(cnb, A, **kw),
+                                     lambda A, kw=kw: state_pass(cf, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
             for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
@@ -352,8 +354,8 @@ def main(argv=None):
                     if not wanted(label) or not wu or HF.covers(cw) is not None:
                         continue
                     line(label, lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw), F)
-                    a, b = (jax.jit(lambda A, c=c, kw=kw: state_pass(c, A, **kw))(F) for c in (cw, cf1))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw),
+                                     lambda A, kw=kw: state_pass(cf1, A, **kw), F)
                     print(f"    {label}: outputs equal to the one-warpgroup pass: {same}", flush=True)
             # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
             ct = dataclasses.replace(cf, fwd_form="t")
@@ -434,8 +436,7 @@ def main(argv=None):
                 if wanted("bwd grads own barriers") and has("auto_barriers"):  # KernelConfig.auto_barriers=False
                     cnbg = dataclasses.replace(cb, auto_barriers=False)
                     line("bwd grads own barriers", lambda A: grads(cnbg, A), Bk)
-                    a, b = (jax.jit(lambda A, c=c: grads(c, A))(Bk) for c in (cnbg, cb))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(lambda A: grads(cnbg, A), lambda A: grads(cb, A), Bk)
                     print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
                 if wanted("bwd reverse own barriers") and has("auto_barriers"):  # auto_barriers=False, the default's form
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
@@ -446,12 +447,10 @@ def main(argv=None):
                                                            A["fl"], aqk=A["aqk"] if own else None)
                     cnbb = dataclasses.replace(cb, auto_barriers=False)
                     line("bwd reverse own barriers", rev_of(cnbb), Bk)
-                    a, b = (jax.jit(rev_of(c))(Bk) for c in (cnbb, cb))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(rev_of(cnbb), rev_of(cb), Bk)
                     print(f"    bwd reverse own barriers: outputs equal to the automatic barriers': {same}", flush=True)
                 if wanted("bwd reverse pass 1 WG") and cb.rev_prod:  # the same values, bit for bit
-                    a, b = (jax.jit(f)(Bk) for f in (reverse, dict(steps)["bwd reverse pass 1 WG"]))
-                    same = all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+                    same = bit_equal(reverse, dict(steps)["bwd reverse pass 1 WG"], Bk)
                     print(f"    bwd reverse pass (warp-specialised): outputs equal to the one-warpgroup pass: {same}",
                           flush=True)
             else:

@@ -481,7 +481,7 @@ class KernelCall:
     grad_tp: str = "direct"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
-    auto_barriers: bool = True  # KernelConfig.auto_barriers (the Hopper WY kernels)
+    auto_barriers: bool = True  # KernelConfig.auto_barriers (the Hopper kernels that place their own)
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
     late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
     state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
