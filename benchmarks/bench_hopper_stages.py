@@ -9,10 +9,12 @@ on CPU (a smoke test of this script: its times mean nothing there).
 Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
-forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers=False`` (the forward
-WY with and without T, the forward state pass with and without h, Vn, the reverse pass ("bwd
-reverse own barriers", the default's form) and the gradient kernel ("bwd grads own barriers"), bit-equality against the default's outputs; whole op
-"own barriers"), ``wy_chunks_per_cta=m`` (the forward
+forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers`` False against True
+(each kernel with its own barriers and with Pallas' automatic ones: the forward WY with and without
+T, the forward state pass with and without h, Vn, the reverse pass ("bwd reverse own / auto
+barriers", the default's form) and the gradient kernel ("bwd grads own / auto barriers"), with
+their outputs' bit-equality; whole op "own barriers" / "auto barriers"; the default, None, is own
+barriers for all but the reverse pass), ``wy_chunks_per_cta=m`` (the forward
 WY at m = 2, 4, 8, "per CTA" lines; whole op at 4), ``late_o_store=True`` ("late o" lines; whole op
 with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY kernel
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
@@ -258,6 +260,16 @@ def main(argv=None):
     # gdn_jax/) are skipped there rather than failing the whole run
     has = lambda field: field in KernelConfig.__dataclass_fields__
 
+    def barriers(c, own):
+        """KernelCall ``c`` with every Hopper kernel that can place its own barriers doing so (own) or
+        keeping Pallas' automatic barriers (KernelConfig.auto_barriers False / True); None where the
+        tree has no such option (an older ab tree: before 2026-12-03 it was a bool on KernelCall)."""
+        fields = type(c).__dataclass_fields__
+        if "own_barriers" in fields:
+            from gdn_jax.ops.pallas.config import OWN_BARRIER_KERNELS
+            return dataclasses.replace(c, own_barriers=OWN_BARRIER_KERNELS if own else ())
+        return dataclasses.replace(c, auto_barriers=not own) if "auto_barriers" in fields else None
+
     def bit_equal(f, g, A):
         """Whether jitted f and g give the same arrays on A, bit for bit (every output)."""
         a, b = jax.jit(f)(A), jax.jit(g)(A)
@@ -284,12 +296,13 @@ def main(argv=None):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
             if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
-            cnb = dataclasses.replace(cf, auto_barriers=False) if has("auto_barriers") else None
+            cnb, cab = barriers(cf, True), barriers(cf, False)  # KernelConfig.auto_barriers False / True
             for label, kw in (("fwd WY own barriers", {}), ("fwd WY + T own barriers", dict(save_t=True))):
-                if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
+                if wanted(label) and wu and cnb is not None:
                     line(label, lambda A, kw=kw: wy_fwd(cnb, A, **kw), F)
+                    line(label.replace("own", "auto"), lambda A, kw=kw: wy_fwd(cab, A, **kw), F)
                     # the same values as with Pallas' automatic barriers, bit for bit (every output array)
-                    same = bit_equal(lambda A, kw=kw: wy_fwd(cnb, A, **kw), lambda A, kw=kw: wy_fwd(cf, A, **kw), F)
+                    same = bit_equal(lambda A, kw=kw: wy_fwd(cnb, A, **kw), lambda A, kw=kw: wy_fwd(cab, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
                 cm = dataclasses.replace(cf, wy_per_cta=m)
@@ -336,10 +349,11 @@ def main(argv=None):
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
             for label, kw in (("fwd state pass own barriers", {}), ("fwd state pass + h, Vn own barriers",
                                                                      dict(save_states=True))):
-                if wanted(label) and wu and cnb is not None:  # KernelConfig.auto_barriers=False
+                if wanted(label) and wu and cnb is not None:
                     line(label, lambda A, kw=kw: state_pass(cnb, A, **kw), F)
+                    line(label.replace("own", "auto"), lambda A, kw=kw: state_pass(cab, A, **kw), F)
                     same = bit_equal(lambda A, kw=kw: state_pass(cnb, A, **kw),
-                                     lambda A, kw=kw: state_pass(cf, A, **kw), F)
+                                     lambda A, kw=kw: state_pass(cab, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
             cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
             for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
@@ -433,21 +447,22 @@ def main(argv=None):
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
-                if wanted("bwd grads own barriers") and has("auto_barriers"):  # KernelConfig.auto_barriers=False
-                    cnbg = dataclasses.replace(cb, auto_barriers=False)
+                cnbg, cabg = barriers(cb, True), barriers(cb, False)  # KernelConfig.auto_barriers False / True
+                if wanted("bwd grads own barriers") and cnbg is not None:
                     line("bwd grads own barriers", lambda A: grads(cnbg, A), Bk)
-                    same = bit_equal(lambda A: grads(cnbg, A), lambda A: grads(cb, A), Bk)
+                    line("bwd grads auto barriers", lambda A: grads(cabg, A), Bk)
+                    same = bit_equal(lambda A: grads(cnbg, A), lambda A: grads(cabg, A), Bk)
                     print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
-                if wanted("bwd reverse own barriers") and has("auto_barriers"):  # auto_barriers=False, the default's form
+                if wanted("bwd reverse own barriers") and cnbg is not None:  # the default's form
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
 
                     def rev_of(c):
                         return lambda A: HB.reverse_states(c, A["q"], A["k"], A["w"], None if own else A["dvl"],
                                                            A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                                                            A["fl"], aqk=A["aqk"] if own else None)
-                    cnbb = dataclasses.replace(cb, auto_barriers=False)
-                    line("bwd reverse own barriers", rev_of(cnbb), Bk)
-                    same = bit_equal(rev_of(cnbb), rev_of(cb), Bk)
+                    line("bwd reverse own barriers", rev_of(cnbg), Bk)
+                    line("bwd reverse auto barriers", rev_of(cabg), Bk)
+                    same = bit_equal(rev_of(cnbg), rev_of(cabg), Bk)
                     print(f"    bwd reverse own barriers: outputs equal to the automatic barriers': {same}", flush=True)
                 if wanted("bwd reverse pass 1 WG") and cb.rev_prod:  # the same values, bit for bit
                     same = bit_equal(reverse, dict(steps)["bwd reverse pass 1 WG"], Bk)
@@ -483,7 +498,8 @@ def main(argv=None):
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      ("approx math", KC(approx_math=True)),
-                     *([("own barriers", KC(auto_barriers=False))] if has("auto_barriers") else []),
+                     *([("own barriers", KC(auto_barriers=False)), ("auto barriers", KC(auto_barriers=True))]
+                       if has("auto_barriers") else []),
                      ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),
                      ("late o", KC(late_o_store=True)),
                      ("approx, wy 4, late o", KC(approx_math=True, wy_chunks_per_cta=4, late_o_store=True)),

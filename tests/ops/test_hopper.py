@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -580,26 +581,31 @@ def test_approx_math_lowers_for_cuda():
 
 
 def test_auto_barriers_lowers_for_cuda():
-    """``KernelConfig(auto_barriers=False)``: the WY kernels, the state pass, the reverse pass and
-    the two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their
-    own barriers (hopper._sync) lower for CUDA, and the option reaches exactly those kernels (the
-    lowered modules that differ from the default's: all four by default; with ``save_wy=False``
-    also the backward's WY kernel; with ``save_states=False`` the recompute, not the backward's WY
-    from the saved T; with ``grad_warpgroups=1`` not that gradient kernel), and a non-bool is
-    refused. Interpret mode has
-    no barriers: the values are the default's (test_scheduling_options_bit_equal)."""
-    assert KernelConfig().auto_barriers
-    kernels = lambda text: [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    for extra, n_wy in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 5), (dict(grad_warpgroups=1), 3)):
-        on = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
-        off = kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, **extra)))
-        assert len(on) == len(off) >= 4 and on != off
+    """``KernelConfig.auto_barriers``: the WY kernels, the state pass, the reverse pass and the
+    two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their own
+    barriers (hopper._sync) lower for CUDA, and the option reaches exactly those kernels: the
+    lowered modules of False that differ from True's are all four by default, with
+    ``save_wy=False`` also the backward's WY kernel, with ``save_states=False`` the recompute, not
+    the backward's WY from the saved T, with ``grad_warpgroups=1`` not that gradient kernel; the
+    default, None, differs from True in all of them but the reverse pass and from False in the
+    reverse pass only. A non-bool is refused. Interpret mode has no barriers: the values are
+    the same (test_scheduling_options_bit_equal)."""
+    assert KernelConfig().auto_barriers is None
+    # (without the location references, which number the call stack's frames)
+    kernels = lambda text: [re.sub(r" loc\(#loc\d+\)", "", line) for line in text.splitlines()
+                            if "custom_call @mosaic_gpu" in line]
+    lower = lambda **kw: kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw)))
+    for extra, n_own in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 5), (dict(grad_warpgroups=1), 3)):
+        on, off, default = (lower(auto_barriers=ab, **extra) for ab in (True, False, None))
+        assert len(on) == len(off) == len(default) >= 4 and on != off
         # JAX 0.10 lowers the same kernel to the same text each time; JAX 0.11's modules (bytecode
         # with a kernel hash) differ between two lowerings of one config, so count only where they don't
-        same = on == kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **extra)))
+        same = on == lower(auto_barriers=True, **extra)
         assert same or not jax.__version__.startswith("0.10.")  # CI's JAX: the exact count runs
         if same:
-            assert sum(a != b for a, b in zip(on, off)) == n_wy
+            assert sum(a != b for a, b in zip(on, off)) == n_own
+            assert sum(a != b for a, b in zip(default, off)) == 1  # the reverse pass
+            assert sum(a != b for a, b in zip(default, on)) == n_own - 1
     # the persistent forward WY (its per-step TMA-store wait and barrier)
     cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, wy_chunks_per_cta=2))
     with pytest.raises(TypeError, match="auto_barriers"):

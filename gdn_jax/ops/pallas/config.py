@@ -12,7 +12,7 @@ docstring below, in ``results/hopper_h200/`` (NOTE.md, HISTORY.md) and in
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +51,12 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
-_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer", "reverse_producer",
-          "auto_barriers")
-_OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states")
+_BOOLS = ("fuse_output", "wy_compact", "approx_math", "late_o_store", "state_producer", "reverse_producer")
+_OPTIONAL_BOOLS = ("save_t", "merge_state", "save_wy", "save_states", "auto_barriers")
+# the Hopper kernels that can place their own barriers (KernelConfig.auto_barriers), and those that do
+# by default: all but the reverse pass, which measured 9 % slower without Pallas' barriers
+OWN_BARRIER_KERNELS = ("wy", "state", "reverse", "grads")
+DEFAULT_OWN_BARRIERS = ("wy", "state", "grads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,26 +203,31 @@ class KernelConfig:
         without it to the printed digits.
       auto_barriers: whether the Hopper WY kernels (the forward's and the backward's), the state
         pass (the forward's and the backward's recompute), the reverse pass and the two-warpgroup
-        gradient kernel are compiled with Pallas' automatic barriers (default True). Pallas
-        (Mosaic GPU, JAX 0.10 and 0.11) puts a warpgroup ``bar.sync`` before and after every store
-        of registers to shared memory and before every TMA load, on top of the kernels' own
-        ``commit_smem`` (a fence and one ``bar.sync``): ~11 stores per chunk in the forward WY
-        kernel, ~22 barriers, of a kernel whose Nsight Compute profile shows barrier stalls as 1.5
-        of its 5.4 cycles per instruction
-        (results/hopper_h200/ncu_kernels_b284d0d.txt). False compiles them with
-        ``CompilerParams(unsafe_no_auto_barriers=True)``. Their data flow needs none of those
-        barriers: every store into a tile is followed by ``commit_smem`` before a wgmma or TMA
-        reads it; the tiles threads store into are otherwise read by wgmma or TMA only;
-        ``wait_smem_to_gmem`` ends with a warpgroup ``bar.sync`` of its own (Mosaic GPU's
-        ``await_async_copy``), which orders a TMA store's reads before threads overwrite the tile;
-        every thread read of a slot that TMA refills comes before a ``commit_smem`` that precedes
-        the refill (the state and reverse passes read their last gate of a step before that commit
-        for this); the gradient kernel keeps one ``bar.sync`` (``hopper._sync``) between its
-        threads' loads of v and their dv stores into the same tile (the same register layout, so
-        insurance). In the state pass that is 6-8 barriers per chunk step fewer on its sequential S
-        chain, in the reverse pass ~10 on its dS chain. The one-warpgroup gradient kernel and the
-        backward's WY from the saved T (``save_wy``) keep the automatic barriers. Built 2026-12-03,
-        not yet run on a GPU (interpret mode has no barriers: same values).
+        gradient kernel are compiled with Pallas' automatic barriers. Pallas (Mosaic GPU, JAX 0.10
+        and 0.11) puts a warpgroup ``bar.sync`` before and after every store of registers to shared
+        memory and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and
+        one ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel
+        whose Nsight Compute profile shows barrier stalls as 1.5 of its 5.4 cycles per instruction
+        (results/hopper_h200/ncu_kernels_b284d0d.txt); 6-8 barriers per chunk step on the state
+        pass's sequential S chain, ~10 on the reverse pass's dS chain. Without them
+        (``CompilerParams(unsafe_no_auto_barriers=True)``) the kernels' own ordering is enough:
+        every store into a tile is followed by ``commit_smem`` before a wgmma or TMA reads it; the
+        tiles threads store into are otherwise read by wgmma or TMA only; ``wait_smem_to_gmem``
+        ends with a warpgroup ``bar.sync`` of its own (Mosaic GPU's ``await_async_copy``), which
+        orders a TMA store's reads before threads overwrite the tile; every thread read of a slot
+        that TMA refills comes before a ``commit_smem`` that precedes the refill (the state and
+        reverse passes read their last gate of a step before that commit for this); the gradient
+        kernel keeps one ``bar.sync`` (``hopper._sync``) between its threads' loads of v and their
+        dv stores into the same tile (the same register layout, so insurance). True: all keep
+        Pallas' barriers; False: none does; None (default, from 2026-12-03): all but the reverse
+        pass place their own (config.DEFAULT_OWN_BARRIERS). H200, JAX 0.11.2, pipelined, each
+        kernel alone (results/hopper_h200/ab_barriers_6ad70e0.txt), automatic -> own barriers at
+        4x4096x16x128 / 1x16384x16x128: gradient kernel 0.444 -> 0.428 / 0.472 -> 0.419 ms,
+        state pass (+ h, Vn) 0.176 -> 0.173 / 0.439 -> 0.424, forward WY 0.143 -> 0.146 /
+        0.147 -> 0.143, reverse pass 0.192 -> 0.210 / 0.496 -> 0.542 (slower: it keeps them by
+        default); every kernel's outputs bit-equal to the automatic barriers' on the GPU. The
+        one-warpgroup gradient kernel and the backward's WY from the saved T (``save_wy``) always
+        keep the automatic barriers. Interpret mode has no barriers: the same values.
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,
@@ -376,7 +384,7 @@ class KernelConfig:
     grad_t_phase: str = "direct"
     fwd_form: Optional[str] = None
     approx_math: bool = True
-    auto_barriers: bool = True
+    auto_barriers: Optional[bool] = None
     wy_chunks_per_cta: Optional[int] = None
     late_o_store: bool = True
     state_producer: bool = True
@@ -481,7 +489,7 @@ class KernelCall:
     grad_tp: str = "direct"  # KernelConfig.grad_t_phase
     fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
     approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
-    auto_barriers: bool = True  # KernelConfig.auto_barriers (the Hopper kernels that place their own)
+    own_barriers: Tuple[str, ...] = ()  # KernelConfig.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
     wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
     late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
     state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
@@ -609,13 +617,21 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
         wy_compact=config.wy_compact, grad_precision=config.grad_precision, grad_tp=config.grad_t_phase, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
-        approx_math=config.approx_math, auto_barriers=config.auto_barriers, wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
+        approx_math=config.approx_math, own_barriers=_own_barriers(config.auto_barriers), wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
         rev_prod=config.reverse_producer, grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
     )
     return _with_mosaic(config, call)
+
+
+def _own_barriers(auto_barriers: Optional[bool]) -> Tuple[str, ...]:
+    """The Hopper kernels compiled without Pallas' automatic barriers for ``KernelConfig.auto_barriers``
+    (True: none; False: all that can be; None: the measured default)."""
+    if auto_barriers is None:
+        return DEFAULT_OWN_BARRIERS
+    return () if auto_barriers else OWN_BARRIER_KERNELS
 
 
 def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:

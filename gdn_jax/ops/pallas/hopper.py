@@ -29,6 +29,7 @@ kernel's logic; the wgmma lowering itself is checked by ``jax.export(..., platfo
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,30 +56,31 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel_kw(call: KernelCall, own_barriers: bool = False) -> dict:
+def _kernel_kw(call: KernelCall, kernel: Optional[str] = None) -> dict:
     """``plgpu.kernel``'s keyword arguments for ``call``: Mosaic GPU's interpreter (platform
     "interpret") or, on a GPU, compiler params: with ``KernelConfig.approx_math`` exp lowered to
     ``ex2.approx.ftz`` (a multiply and one instruction instead of libdevice's range reduction);
-    ``own_barriers`` (a kernel that places its own barriers, see :func:`_sync`) with
-    ``KernelConfig.auto_barriers`` False: ``unsafe_no_auto_barriers``."""
+    ``unsafe_no_auto_barriers`` for ``kernel`` (one of config.OWN_BARRIER_KERNELS: "wy", "state",
+    "reverse", "grads", kernels that can place their own barriers, see :func:`_sync`) where
+    ``KernelConfig.auto_barriers`` resolved to leave out Pallas' barriers (``call.own_barriers``)."""
     if call.platform == "interpret":
         return dict(interpret=_interpret_params())
     kw = dict(approx_math=True) if call.approx_math else {}
-    if own_barriers and not call.auto_barriers:
+    if kernel is not None and kernel in call.own_barriers:
         kw["unsafe_no_auto_barriers"] = True
     return dict(compiler_params=_plgpu().CompilerParams(**kw)) if kw else {}
 
 
-def _sync(call: KernelCall):
+def _sync(call: KernelCall, kernel: str):
     """The warpgroup barrier that Pallas' automatic barriers would have put before the next store to
-    shared memory, where the data flow may need it (``KernelConfig.auto_barriers`` False): where a
+    shared memory, where the data flow may need it (``kernel`` in ``call.own_barriers``): where a
     warpgroup's threads read a tile with thread loads and then overwrite it. ``commit_smem`` (a fence
     and a ``bar.sync``); nothing with the automatic barriers or in interpret mode. Not needed after
     ``wait_smem_to_gmem``: Mosaic GPU ends that wait with a warpgroup ``bar.sync`` itself
     (``LaunchContext.await_async_copy``, JAX 0.10 and 0.11), so threads that overwrite a tile after
     it know the TMA store has read it. Where a tile is refilled by TMA, every thread read of it
     comes before a ``commit_smem`` that precedes the refill."""
-    if not call.auto_barriers and call.platform != "interpret":
+    if kernel in call.own_barriers and call.platform != "interpret":
         _plgpu().commit_smem()
 
 
@@ -532,8 +534,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 vn = _load(u_s.at[slot * nc + w], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             e_end = _load(g_s.at[slot, 1], row, interp)
             # this slot's last gate reads come before the commit below: the one-warpgroup pass refills
-            # the slot at its next step, and without the automatic barriers (KernelConfig.auto_barriers
-            # False) nothing else orders those reads before that TMA copy
+            # the slot at its next step, and without the automatic barriers (KernelConfig.auto_barriers,
+            # the default for this pass) nothing else orders those reads before that TMA copy
             g_end = g_s[slot, 2, 0]
             e_o = None if rec else _load(g_s.at[slot, 0], row, interp)
             vn_s[...] = vn.astype(BF16)
@@ -566,7 +568,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see _sync)
+    kw = _kernel_kw(call, "state")  # KernelConfig.auto_barriers (see _sync)
     states = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     if rec:
         out_type = states
@@ -973,7 +975,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             write_w_u(tw, tu, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
-    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see _sync)
+    kw = _kernel_kw(call, "wy")  # KernelConfig.auto_barriers (see _sync)
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []

@@ -480,7 +480,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
-            _sync(call)  # every thread has read v before dv overwrites it (the same layout: insurance)
+            _sync(call, "grads")  # every thread has read v before dv overwrites it (the same layout: insurance)
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
@@ -572,7 +572,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
-    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see hopper._sync)
+    kw = _kernel_kw(call, "grads")  # KernelConfig.auto_barriers (see hopper._sync)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
@@ -865,7 +865,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
-    kw = _kernel_kw(call, own_barriers=True)  # KernelConfig.auto_barriers (see hopper._sync)
+    kw = _kernel_kw(call, "reverse")  # KernelConfig.auto_barriers (see hopper._sync)
     if prod:
         kw.update(num_threads=2, thread_name="wg")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
