@@ -84,6 +84,7 @@ def stage_bytes(shape, C=64):
         "fwd state T-form + h, Vn": 2 * Xk + 3 * Xv + 3 * CC + HS,  # + h, vn
         "bwd WY": 3 * Xk + 4 * Xv + 2 * CC,  # q, k, v, do -> w, u, dvl, t_hi, t_lo
         "bwd WY from saved": 2 * Xk + 4 * Xv + 3 * CC,  # k, v, do, aqk, t_hi, t_lo -> w, u, dvl
+        "bwd WY from saved own barriers": 2 * Xk + 4 * Xv + 3 * CC,
         "bwd reverse, own dVl": 3 * Xk + 2 * Xv + CC + 2 * HS,  # q, k, w, do, aqk, h -> dh, dvn
         "bwd recompute": 2 * Xk + 2 * Xv + HS,  # k, w, u -> h, vn
         "bwd reverse pass": 3 * Xk + 3 * Xv + 2 * HS,  # q, k, w, dvl, do, h -> dh, dvn
@@ -453,6 +454,15 @@ def main(argv=None):
                     line("bwd grads auto barriers", lambda A: grads(cabg, A), Bk)
                     same = bit_equal(lambda A: grads(cnbg, A), lambda A: grads(cabg, A), Bk)
                     print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
+                if wanted("bwd WY from saved own barriers") and cnbg is not None and "aqk" in Bk:
+                    def saved_of(c):
+                        return lambda A: HB.wy_from_saved(c, A["k"], A["v"], A["do"], A["beta"], A["eg"], A["aqk"],
+                                                          A["sv_t_hi"], A["sv_t_lo"])
+                    line("bwd WY from saved own barriers", saved_of(cnbg), Bk)
+                    line("bwd WY from saved auto barriers", saved_of(cabg), Bk)
+                    same = bit_equal(saved_of(cnbg), saved_of(cabg), Bk)
+                    print(f"    bwd WY from saved own barriers: outputs equal to the automatic barriers': {same}",
+                          flush=True)
                 if wanted("bwd reverse own barriers") and cnbg is not None:  # the default's form
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
 

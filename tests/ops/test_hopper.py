@@ -584,9 +584,10 @@ def test_auto_barriers_lowers_for_cuda():
     """``KernelConfig.auto_barriers``: the WY kernels, the state pass, the reverse pass and the
     two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their own
     barriers (hopper._sync) lower for CUDA, and the option reaches exactly those kernels: the
-    lowered modules of False that differ from True's are all four by default, with
-    ``save_wy=False`` also the backward's WY kernel, with ``save_states=False`` the recompute, not
-    the backward's WY from the saved T, with ``grad_warpgroups=1`` not that gradient kernel; the
+    lowered modules of False that differ from True's are all four by default (the backward is the
+    reverse pass and the gradient kernel), with ``save_wy=False`` also the backward's WY kernel,
+    with ``save_states=False`` also the recompute and the backward's WY from the saved T, with
+    ``grad_warpgroups=1`` not that gradient kernel; the
     default, None, differs from True in all of them but the reverse pass and from False in the
     reverse pass only. A non-bool is refused. Interpret mode has no barriers: the values are
     the same (test_scheduling_options_bit_equal)."""
@@ -595,7 +596,7 @@ def test_auto_barriers_lowers_for_cuda():
     kernels = lambda text: [re.sub(r" loc\(#loc\d+\)", "", line) for line in text.splitlines()
                             if "custom_call @mosaic_gpu" in line]
     lower = lambda **kw: kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw)))
-    for extra, n_own in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 5), (dict(grad_warpgroups=1), 3)):
+    for extra, n_own in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 6), (dict(grad_warpgroups=1), 3)):
         on, off, default = (lower(auto_barriers=ab, **extra) for ab in (True, False, None))
         assert len(on) == len(off) == len(default) >= 4 and on != off
         # JAX 0.10 lowers the same kernel to the same text each time; JAX 0.11's modules (bytecode

@@ -226,8 +226,10 @@ class KernelConfig:
         state pass (+ h, Vn) 0.176 -> 0.173 / 0.439 -> 0.424, forward WY 0.143 -> 0.146 /
         0.147 -> 0.143, reverse pass 0.192 -> 0.210 / 0.496 -> 0.542 (slower: it keeps them by
         default); every kernel's outputs bit-equal to the automatic barriers' on the GPU. The
-        one-warpgroup gradient kernel and the backward's WY from the saved T (``save_wy``) always
-        keep the automatic barriers. Interpret mode has no barriers: the same values.
+        backward's WY from the saved T (``save_wy`` with ``save_states=False``) counts as a "wy"
+        kernel (from 2026-12-04);
+        the one-warpgroup gradient kernel always keeps the automatic barriers. Interpret mode has
+        no barriers: the same values.
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
         layout, which "t" always uses). None / 1 (default): one CTA per chunk, its q, k and gates
         loaded before it computes (two CTAs per SM: ~194 registers). m > 1: grid (B*H,

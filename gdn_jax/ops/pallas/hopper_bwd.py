@@ -635,7 +635,9 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
                _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
     out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
                 jax.ShapeDtypeStruct((BH, Tp, V), in_dt))
-    kw = _kernel_kw(call)
+    # KernelConfig.auto_barriers: one of the "wy" kernels (no thread load of a tile it overwrites:
+    # dVl and W / U land in tiles that only a completed wgmma has read, as in the forward WY)
+    kw = _kernel_kw(call, "wy")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     w, u, dvl = fn(k, v, do, gates, aqk.astype(BF16), t_hi, t_lo)
     return dict(w=w, u=u, dvl=dvl)
