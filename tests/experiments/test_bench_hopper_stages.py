@@ -34,12 +34,14 @@ def test_bench_hopper_stages_interpret():
     for name in ("fwd state pass + h, Vn", "bwd reverse, own dVl", "bwd gradient kernel", "bwd grads 2 per CTA",
                  "fwd WY compact", "fwd WY own barriers", "fwd state pass + h, Vn own barriers",
                  "bwd reverse own barriers", "bwd grads own barriers", "fwd WY auto barriers",
-                 "fwd state pass + h, Vn auto barriers", "bwd reverse auto barriers", "bwd grads auto barriers"):
+                 "fwd state pass + h, Vn auto barriers", "bwd reverse auto barriers", "bwd grads auto barriers",
+                 "bwd WY from saved own barriers", "bwd WY from saved auto barriers"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
     # KernelConfig.wy_compact's lines check their outputs against the default's, auto_barriers False's against True's
     assert "fwd WY compact: outputs equal to the separate layout's: True" in text, text
     for name in ("fwd WY own barriers", "fwd WY + T own barriers", "fwd state pass own barriers",
-                 "fwd state pass + h, Vn own barriers", "bwd reverse own barriers", "bwd grads own barriers"):
+                 "fwd state pass + h, Vn own barriers", "bwd reverse own barriers", "bwd grads own barriers",
+                 "bwd WY from saved own barriers"):
         assert f"{name}: outputs equal to the automatic barriers': True" in text, text
     assert not re.search(r"fwd WY +[0-9]", text) and "pallas" not in text  # --only filters the rest
     assert "fwd WY + T compact" not in text, text
