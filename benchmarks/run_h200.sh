@@ -42,12 +42,19 @@
 #   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto
 #   zoology / fig2  the next piece of a Zoology grid, `experiments/sweep.py --preset
 #              zoology_mqar|zoology_fig2` with a time budget of LIMIT_SWEEP - 60 s, resuming from
-#              results/ and .base/ckpt_* in the working tree: unpack $OUT/<name>.tgz into results/
-#              and commit it, and the checkpoint parts into .base/, after each call (SWEEP_ARGS adds
-#              sweep flags, e.g. "--mixers gdn --d_models 64 --workers_per_device 2"). With
+#              results/<name> and .base/ckpt_<name> in the working tree
+#   pub_gla / pub_mamba2 / pub_attention  the same for the published-variant baselines at the
+#              zoology_mqar protocol (README "Baseline mixers"; results/zoology_{gla,mamba2}_published,
+#              results/zoology_attention_zoo)
+#              Every sweep step's results, log and unfinished runs' checkpoints come back as
+#              $OUT/sweeps.tgz.part-*: `python benchmarks/unpack_sweeps.py <files_at>` merges them into
+#              results/ and .base/ (carry .base next call), then commit results/. SWEEP_ARGS adds
+#              sweep flags to every sweep step, SWEEP_ARGS_<step> to one (replacing SWEEP_ARGS), e.g.
+#              SWEEP_ARGS_zoology="--mixers gla --d_models 64 --workers_per_device 2". With
 #              SWEEP_GPUS (e.g. 1,2,3) they run in the background on those GPUs, one after the
-#              other, while the other steps run on KERNEL_GPU (default 0). The checkpoints that come
-#              back are capped at CKPT_MB (default 45) MB, the runs furthest along first.
+#              other (SWEEP_CONCURRENT=1: all at once), while the other steps run on KERNEL_GPU
+#              (default 0). The checkpoints that come back are capped at CKPT_MB (default 45) MB
+#              over all sweeps, the runs furthest along first.
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
 # $WHEELS (default .base/wheels) when present.
@@ -63,34 +70,51 @@ export PYTHONPATH=.:${PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 # (the device's copy of .git can be stale: the working tree is what runs; record the commit by hand)
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
-sweep_step() {  # $1 = zoology | fig2: the next piece of that Zoology grid (see the header)
-  local name; name=$([ "$1" = zoology ] && echo zoology_mqar || echo zoology_fig2)
-  # the device returns at most 8 files, 2 folders down: the sweep's results come back as
-  # $OUT/$name.tgz (unpack into results/ and commit), the checkpoints of runs it left
-  # unfinished as $OUT/ckpt_$name.tgz.part-* (unpack into .base/ and carry .base next time)
-  rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name"
+sweep_spec() {  # sweep step -> its preset (= its results folder; the published variants: README)
+  case $1 in
+    zoology) echo zoology_mqar ;;
+    fig2) echo zoology_fig2 ;;
+    pub_gla) echo zoology_gla_published ;;
+    pub_mamba2) echo zoology_mamba2_published ;;
+    pub_attention) echo zoology_attention_zoo ;;
+  esac
+}
+SWEEP_STEPS="zoology fig2 pub_gla pub_mamba2 pub_attention"
+sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see the header)
+  local name args_var
+  name=$(sweep_spec "$1")
+  args_var="SWEEP_ARGS_$1"; args_var=${!args_var-${SWEEP_ARGS:-}}
+  # results (and unfinished runs' checkpoints) collect under /tmp; bundle_sweeps sends them back
+  rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name" /tmp/sweep_logs
   [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
   [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
-  # SWEEP_ARGS: extra sweep flags, e.g. "--mixers gdn gla --d_models 64 128 --workers_per_device 2"
+  # SWEEP_ARGS_<step> (else SWEEP_ARGS): extra sweep flags, e.g. "--d_models 64 --workers_per_device 2"
   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
     --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
-    --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) ${SWEEP_ARGS:-} \
-    2>&1 | grep -v -i warning | tee "$OUT/$name.txt" | tail -5
-  tar czf "$OUT/$name.tgz" -C /tmp "$name"
+    --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) $args_var \
+    2>&1 | grep -v -i warning > "/tmp/sweep_logs/$name.txt"
+  echo "--- sweep $1 ($name)"; tail -8 "/tmp/sweep_logs/$name.txt"
   # keep only the checkpoints of runs without a results.json (finished runs need none)
   (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"; done) 2>/dev/null
+  echo "$name" >> /tmp/sweep_logs/names
+}
+bundle_sweeps() {  # every sweep's results folder, log and checkpoints -> $OUT/sweeps.tgz.part-*
+  [ -f /tmp/sweep_logs/names ] || return 0
+  local names; names=$(sort -u /tmp/sweep_logs/names)
   # 64 MiB come back in all (and travel out again in .base): keep the checkpoints of the runs
-  # furthest along up to CKPT_MB (default 45) MB, drop the rest (those runs restart from step 0)
-  python - "/tmp/ckpt_$name" "${CKPT_MB:-45}" <<'PYEOF'
+  # furthest along up to CKPT_MB (default 45) MB over all sweeps, drop the rest (those restart)
+  python - "${CKPT_MB:-45}" $names <<'PYEOF'
 import os, shutil, sys
-root, budget = sys.argv[1], float(sys.argv[2]) * 1e6
+budget = float(sys.argv[1]) * 1e6
 runs = []
-for cell in sorted(os.listdir(root)):
-    for lr in sorted(os.listdir(os.path.join(root, cell))):
-        d = os.path.join(root, cell, lr)
-        steps = max([int(s) for s in os.listdir(d) if s.isdigit()] or [0])
-        size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(d) for f in fs)
-        runs.append((steps, size, d))
+for name in sys.argv[2:]:
+    root = f"/tmp/ckpt_{name}"
+    for cell in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        for lr in sorted(os.listdir(os.path.join(root, cell))):
+            d = os.path.join(root, cell, lr)
+            steps = max([int(s) for s in os.listdir(d) if s.isdigit()] or [0])
+            size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(d) for f in fs)
+            runs.append((steps, size, d))
 used = 0
 for steps, size, d in sorted(runs, reverse=True):
     if used + size > budget:
@@ -99,22 +123,32 @@ for steps, size, d in sorted(runs, reverse=True):
     else:
         used += size
 PYEOF
-  # a file comes back only under 16 MiB (64 MiB in all): the checkpoints travel as 15 MB parts
-  # (here: cat .../ckpt_$name.tgz.part-* | tar xz -C .base)
-  tar czf - -C /tmp "ckpt_$name" | split -b 15000000 - "$OUT/ckpt_$name.tgz.part-"; ls -la "$OUT"/*.tgz*
+  # a file comes back only under 16 MiB (64 MiB and 8 files in all): one archive in 15 MB parts;
+  # here: python benchmarks/unpack_sweeps.py <files_at> (merges the runs into results/<name>/,
+  # the checkpoints into .base/ckpt_<name>/, and rewrites each summary)
+  tar czf - -C /tmp sweep_logs $(for n in $names; do echo "$n ckpt_$n"; done) \
+    | split -b 15000000 - "$OUT/sweeps.tgz.part-"; ls -la "$OUT"/sweeps.tgz.part-*
 }
-# SWEEP_GPUS (e.g. "1,2,3" on nvidia-h200-x4): the zoology / fig2 steps run in the background on
+# SWEEP_GPUS (e.g. "1,2,3" on nvidia-h200-x4): the sweep steps run in the background on
 # those GPUs (the sweep spreads its workers over them) while the other steps run on KERNEL_GPU
 # (default 0) -- a multi-GPU machine costs the same device time per minute as one GPU
-# (several sweep steps run one after the other there, as without SWEEP_GPUS: at the same time their
-# workers would ask for more than a GPU's memory)
+# (several sweep steps run one after the other there, as without SWEEP_GPUS, unless SWEEP_CONCURRENT
+# is set: then all at once, each worker with XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.15) of a GPU;
+# without SWEEP_GPUS the other steps then share the GPU with them)
 bg=""
-if [ -n "${SWEEP_GPUS:-}" ]; then
-  sweeps=$(for s in $STEPS; do case $s in zoology|fig2) echo $s ;; esac; done)
-  if [ -n "$sweeps" ]; then
-    (export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS; for s in $sweeps; do sweep_step $s; done) & bg=$!
-  fi
-  export CUDA_VISIBLE_DEVICES=${KERNEL_GPU:-0}
+sweeps=$(for s in $STEPS; do case " $SWEEP_STEPS " in *" $s "*) echo $s ;; esac; done)
+if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}" ]; }; then
+  (
+    [ -n "${SWEEP_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS
+    if [ -n "${SWEEP_CONCURRENT:-}" ]; then
+      # every sweep step at once on the same GPUs: each worker its share of the memory
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.15}
+      for s in $sweeps; do sweep_step $s & done; wait
+    else
+      for s in $sweeps; do sweep_step $s; done
+    fi
+  ) & bg=$!
+  [ -n "${SWEEP_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=${KERNEL_GPU:-0}
 fi
 for s in $STEPS; do
   case $s in
@@ -147,7 +181,7 @@ for s in $STEPS; do
              | tee "$OUT/regs.txt" | tail -40 ;;
     loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
              2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
-    zoology|fig2) [ -z "${SWEEP_GPUS:-}" ] && sweep_step $s ;;
+    zoology|fig2|pub_gla|pub_mamba2|pub_attention) [ -z "$bg" ] && sweep_step $s ;;
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
@@ -176,6 +210,7 @@ for s in $STEPS; do
   esac
 done
 [ -n "$bg" ] && wait $bg
+bundle_sweeps
 echo "=== tables"
 for f in ab check_gpu bench_pallas_a bench_pallas_b breakdown stages knockouts train_auto bench_loop regs profile_step; do
   [ -f "$OUT/$f.txt" ] && { echo "--- $f"; if [ $f = stages ] || [ $f = ab ] || [ $f = regs ] || [ $f = profile_step ] || [ $f = knockouts ]; then tail -60 "$OUT/$f.txt"; else

@@ -121,6 +121,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "zoology_mqar": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "attention"), d_models=(64, 128, 256, 512),
                          seq_lens=(512,), num_kv_pairs=(64,), lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
                          base=ZOOLOGY_BASE),
+    # H200: the published-variant baselines (README "Baseline mixers") at the zoology_mqar protocol, d 64 / 128:
+    # GLA as in its paper / FLA (no short convolution, key dim d/2), Mamba2's discretisation (dt-scaled input,
+    # no q/k norm), Zoology's MHA (q/k/v/o biases, learned absolute positions, no RoPE, one head)
+    "zoology_gla_published": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
+                                  lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                                  base=ZOOLOGY_BASE + ("use_short_conv=false", "gla_expand_k=0.5")),
+    "zoology_mamba2_published": dict(mixers=("mamba2",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
+                                     lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                                     base=ZOOLOGY_BASE + ("la_qk_l2norm=false", "mamba2_dt_input=true")),
+    "zoology_attention_zoo": dict(mixers=("attention",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
+                                  lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                                  base=ZOOLOGY_BASE + ("attn_bias=qkvo", "pos_embedding=learned", "rope_fraction=0",
+                                                       "num_heads=1")),
     # H200: Zoology fig. 2 cells, the same protocol at (L, pairs, batch) = (64, 4, 512), (128, 8, 512), (256, 16, 256)
     "zoology_fig2": dict(mixers=("attention", "gdn", "mamba2"), d_models=(64, 128), shapes=("64x4x512", "128x8x512",
                                                                                         "256x16x256"),

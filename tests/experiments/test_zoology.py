@@ -42,6 +42,20 @@ def test_zoology_presets_settings():
     assert rc.batch_size == 256 and rc.steps == 64 * (100_000 // 256) and rc.eval_every == 100_000 // 256
     assert len(S.validate(fig2)) == 18  # every run's settings build (abstractly)
 
+    # the published-variant presets: the same protocol, the variant's options, d 64 / 128
+    main = S.run_config(cfg, grid[0], cfg.lrs[0])
+    for name, mixer, opts in [("zoology_gla_published", "gla", dict(use_short_conv=False, gla_expand_k=0.5)),
+                              ("zoology_mamba2_published", "mamba2", dict(la_qk_l2norm=False, mamba2_dt_input=True)),
+                              ("zoology_attention_zoo", "attention", dict(attn_bias="qkvo", pos_embedding="learned",
+                                                                          rope_fraction=0.0, num_heads=1))]:
+        pc = S.apply_preset(S.SweepConfig(preset=name, out="/tmp/unused"))
+        pg = S.validate(pc)
+        assert [(c.mixer, c.d_model) for c in pg] == [(mixer, 64), (mixer, 128)]
+        rc = S.run_config(pc, pg[0], pc.lrs[0])
+        assert {k: getattr(rc, k) for k in opts} == opts, name
+        same = ("seq_len", "num_kv_pairs", "vocab_size", "batch_size", "train_examples", "steps", "b2", "weight_decay")
+        assert all(getattr(rc, k) == getattr(main, k) for k in same), name
+
 
 def test_sweep_field_errors():
     with pytest.raises(ValueError, match="SweepConfig.shapes"):
