@@ -489,9 +489,13 @@ def main(argv=None):
                     if cb.layout != "bthd":
                         do_b = jnp.moveaxis(do_b, 2, 1).reshape(cb.BH, -1, cb.V)
                     if any(wanted(f"{nm} [triton]") for nm in ("bwd WY (+dVl)", "bwd local grads")):
-                        for nm, ms, mb, gbs in bp._bwd_steps(prep, do_b, args.reps):
+                        print(f"  the Triton backward's kernels at its chunk {cb.C} (each printed as it is timed):",
+                              flush=True)
+
+                        def row(nm, ms, mb, gbs):
                             if wanted(f"{nm} [triton]"):
                                 print(f"  {nm + ' [triton]':<22} {ms:.3f} ms  [{mb:.0f} MB, {gbs:.0f} GB/s]", flush=True)
+                        bp._bwd_steps(prep, do_b, args.reps, on_row=row)
                     if wanted("bwd reverse K256 [hopper, unwired]"):
                         fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
                               F["h0"], F["fl"])

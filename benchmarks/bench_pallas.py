@@ -273,8 +273,8 @@ def _fwd_steps(prep, reps):
     return _time_steps(cfg, list(zip(names, fns)), reps)
 
 
-def _bwd_steps(prep, do_l, reps):
-    """Backward kernels at the backward chunking."""
+def _bwd_steps(prep, do_l, reps, on_row=None):
+    """Backward kernels at the backward chunking (``on_row(name, ms, mb, gbs)`` as each is timed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
     if cfg.mosaic_bwd:  # the Hopper (Mosaic GPU) backward
@@ -290,7 +290,7 @@ def _bwd_steps(prep, do_l, reps):
             ("bwd local grads [hopper]", lambda: HB.chunk_grads(cfg, q, k, v, do_l, beta, gc, eg, ekd, st["h"], rs["dh"],
                                                                 st["vn"], rs["dvn"], wy["t_hi"], wy["t_lo"])),
         ]
-        return _time_steps(cfg, steps, reps)
+        return _time_steps(cfg, steps, reps, on_row)
     wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q, do=do_l))()
     w, u, dvl, t = wy["w"], wy["u"], wy["dvl"], wy.get("t")
     st = jax.jit(lambda: forward_states(cfg, w, u, k, ekd, dec, h0, info))()
@@ -302,10 +302,10 @@ def _bwd_steps(prep, do_l, reps):
         ("bwd local grads", lambda: chunk_grads(cfg, q, k, v, do_l, beta, gc, gr, eg, ekd, st["h"], rs["dh"], st["vn"],
                                                 rs["dvn"], t)),
     ]
-    return _time_steps(cfg, steps, reps)
+    return _time_steps(cfg, steps, reps, on_row)
 
 
-def _time_steps(cfg, steps, reps):
+def _time_steps(cfg, steps, reps, on_row=None):
     rows = []
     for name, fn in steps:
         jf = jax.jit(fn)
@@ -314,6 +314,8 @@ def _time_steps(cfg, steps, reps):
         # bytes: inputs as closed over + outputs (state passes re-read K-wide inputs per V block: not counted)
         mb = (_nbytes(out) + _in_bytes(name, cfg)) / 1e6
         rows.append((name, ms, mb, mb / ms if ms > 0 else float("nan")))
+        if on_row is not None:  # as soon as it is timed (a step limit may cut the rest)
+            on_row(*rows[-1])
     return rows
 
 
