@@ -489,3 +489,64 @@ def test_grads_where_vn_cancels(wgs):
     ref = reference_grads(*ins, initial_state=jnp.asarray(S0, F32), do=jnp.asarray(do, F32), dS=jnp.asarray(dS, F32))
     errs = {n: _rel(a, ref[n]) for n, a in zip(("q", "k", "v", "g", "beta"), got)}
     assert errs["beta"] <= 7e-2 and errs["k"] <= 2e-2 and errs["v"] <= 2e-2 and errs["g"] <= 1e-2, errs
+
+
+@pytest.mark.parametrize("cu,group", [(None, 1), ((0, 1, 64, 150), 1), (None, 2)])
+def test_wide_backward_hopper_xla(cu, group):
+    """``KernelConfig(wide_backward="hopper_xla")`` at K = V = 256: the backward runs at the forward's
+    chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the local
+    gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) -- and every gradient is within the
+    suite's tolerances of float64 (T not a multiple of the chunk, an initial state, strong gates;
+    with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head). Measured
+    (bf16, this draw without cu_seqlens): rel. RMS dq 2.8e-3, dk 3.3e-3, dv 2.9e-3, dg 1.2e-3,
+    dbeta 5.3e-3, d h0 1.6e-3 (the Triton backward: 3.0e-3, 2.9e-3, 3.0e-3, 4.2e-3, 5.5e-3, 1.8e-3)."""
+    from test_hopper import _check, _run
+
+    from gdn_jax.ops.pallas import backward_kernels
+
+    T, N = 150, (len(cu) - 1 if cu else None)
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    Hk = 1
+    x = make_inputs(seed_of("wide-bwd", cu is None, group), 1, T, Hk * group, 256, 256, gates="strong", dtype=BF16,
+                    init=True, N=N)
+    if group > 1:  # one key head for both value heads
+        x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
+    cfg = dataclasses.replace(MOSAIC, wide_backward="hopper_xla")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
+    assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
+    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == ("hopper+xla", None)
+    _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
+
+
+def test_wide_backward_dispatch(monkeypatch):
+    """Where ``wide_backward="hopper_xla"`` applies: K > 128 with the Hopper forward at the same chunk
+    and both residual options on; None / "triton", ``save_states=False``, a Triton forward or K <= 128
+    keep the other backwards; on an sm_90 GPU (patched) the backward chunk at D = 256 becomes 64; a bad
+    value is refused."""
+    from gdn_jax.ops.pallas import platform as plat
+    from gdn_jax.ops.pallas.config import kernel_chunk
+
+    x = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 256, 256, dtype=BF16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    cb = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw)).calls[1]
+    assert cb(wide_backward="hopper_xla").mixed_bwd
+    for kw in ({}, dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
+               dict(wide_backward="hopper_xla", save_wy=False), dict(wide_backward="hopper_xla", gpu_kernels="triton")):
+        assert not cb(**kw).mixed_bwd, kw
+    x128 = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 128, 128, dtype=BF16)
+    c128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
+                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).calls[1]
+    assert c128.mosaic_bwd and not c128.mixed_bwd
+    monkeypatch.setattr(plat, "is_hopper", lambda: True)
+    assert kernel_chunk(KernelConfig(wide_backward="hopper_xla"), "gpu", "bwd", 64, 256, BF16) == 64
+    assert kernel_chunk(KernelConfig(wide_backward="hopper_xla", save_states=False), "gpu", "bwd", 64, 256, BF16) == 32
+    with pytest.raises(ValueError, match="wide_backward"):
+        KernelConfig(wide_backward="xla")
+
+
+def test_wide_backward_lowers_for_cuda():
+    """value_and_grad at K = V = 256 with ``wide_backward="hopper_xla"`` lowers for CUDA: the Hopper
+    forward (WY T-form, state pass) and reverse pass -- three Mosaic GPU kernels -- and no Triton kernel."""
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wide_backward="hopper_xla"), D=256)
+    assert text.count("custom_call @mosaic_gpu") == 3 and "triton" not in text

@@ -47,7 +47,8 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
-            "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t")}
+            "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t"),
+            "wide_backward": (None, "triton", "hopper_xla")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -101,6 +102,14 @@ class KernelConfig:
         cover, see ``hopper.covers`` / ``hopper_bwd.covers``; Triton for the rest); None:
         "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``,
         "mosaic" runs those kernels in Mosaic GPU's interpret mode (CPU).
+      wide_backward: the backward at head dims 129-256 where the forward runs the Hopper kernels
+        (K = 256 has no Mosaic GPU gradient kernel: its tiles do not fit in shared memory):
+        "triton" (every backward stage in Triton at its own chunk, 32 on GPU, recomputing the
+        forward's intermediates) or "hopper_xla" (at the forward's chunk, 64, on the forward's
+        saved residuals -- ``save_wy`` and ``save_states`` on -- the Mosaic GPU reverse pass
+        :func:`.hopper_bwd.reverse_states` and the local gradients as batched XLA matmuls,
+        :func:`.grads_xla.chunk_grads_xla`; bf16 inputs on sm_90 or Mosaic GPU's interpret
+        mode); None: "triton".
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
     Precision (the kernels accumulate in float32 in every case):
@@ -396,6 +405,7 @@ class KernelConfig:
     grad_warpgroups: int = 2
     grad_chunks_per_cta: Optional[int] = None
     gpu_kernels: Optional[str] = None
+    wide_backward: Optional[str] = None
     f32_inputs: str = "keep"
     f16_inputs: str = "keep"
 
@@ -502,6 +512,9 @@ class KernelCall:
     grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
     grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
     save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
+    # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
+    # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
+    mixed_bwd: bool = False
 
     @property
     def Tp(self) -> int:
@@ -526,11 +539,11 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
     if (direction == "bwd" and platform == "gpu" and _mosaic_wanted(config, platform)
             and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 64 <= head_dim <= 128 and chunk_size >= 64):
         return 64  # the Hopper backward's chunk (wgmma tiles are 64 rows)
-    if (direction == "fwd" and platform == "gpu" and _mosaic_wanted(config, platform)
-            and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16) and 128 < head_dim <= 256 and chunk_size >= 64
-            and config.fuse_output and config.mid_dtype in ("auto", "bf16")
-            and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)):
-        return 64  # the Hopper forward at K = 256 (hopper.covers takes the call)
+    if (platform == "gpu" and _mosaic_wanted(config, platform) and jnp.dtype(in_dt) == jnp.dtype(jnp.bfloat16)
+            and 128 < head_dim <= 256 and chunk_size >= 64 and config.fuse_output
+            and config.mid_dtype in ("auto", "bf16") and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)
+            and (direction == "fwd" or _wide_hopper(config))):
+        return 64  # the Hopper forward at K = 256 (hopper.covers takes the call), and its mixed backward
     if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
         direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
     for d, c in _MAX_CHUNK.get((platform, direction), ()):
@@ -628,6 +641,11 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
     return _with_mosaic(config, call)
 
 
+def _wide_hopper(config: KernelConfig) -> bool:
+    """Whether ``config.wide_backward`` asks for the mixed Hopper backward at K > 128."""
+    return config.wide_backward == "hopper_xla" and config.save_wy is not False and config.save_states is not False
+
+
 def _own_barriers(auto_barriers: Optional[bool]) -> Tuple[str, ...]:
     """The Hopper kernels compiled without Pallas' automatic barriers for ``KernelConfig.auto_barriers``
     (True: none; False: all that can be; None: the measured default)."""
@@ -662,4 +680,10 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
         call = dataclasses.replace(call, state_prod=False, rev_prod=False)
     call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
-    return dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
+    call = dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
+    # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
+    # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
+    # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
+    mixed = (not call.mosaic_bwd and call.K > 128 and call.mosaic_fwd and _wide_hopper(config)
+             and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
+    return dataclasses.replace(call, mixed_bwd=mixed)

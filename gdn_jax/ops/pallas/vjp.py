@@ -45,6 +45,7 @@ from . import hopper, hopper_bwd
 from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
+from .grads_xla import chunk_grads_xla
 from .state_bwd import merged_states, reverse_states
 from .state_fwd import forward_states, forward_states_and_output, output
 from .wy import wy_repr
@@ -116,7 +117,7 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
 
 def _hopper_both(calls) -> bool:
     cf, cb = calls
-    return bool(cf.mosaic_fwd and cb.mosaic_bwd and cf.C == cb.C and cf.n == cb.n)
+    return bool(cf.mosaic_fwd and (cb.mosaic_bwd or cb.mixed_bwd) and cf.C == cb.C and cf.n == cb.n)
 
 
 def saves_wy(calls) -> bool:
@@ -142,6 +143,8 @@ def backward(call: KernelCall, inputs, cts, saved=None):
     dfin = dfin.astype(F32)
     if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
         return _hopper_backward(call, inputs, do, dfin, saved or {})
+    if call.mixed_bwd:  # K > 128 on Hopper (KernelConfig.wide_backward="hopper_xla")
+        return _mixed_backward(call, inputs, do, dfin, saved)
     if saved:
         raise ValueError("backward(saved=...) needs the Hopper backward (KernelCall.mosaic_bwd)")
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
@@ -173,6 +176,20 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
                                    flags, aqk=saved["aqk"] if wy["dvl"] is None else None)
     gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
                                 rs["dvn"], wy["t_hi"], wy["t_lo"])
+    return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
+
+
+def _mixed_backward(call: KernelCall, inputs, do, dfin, saved):
+    """K > 128 on Hopper: the Mosaic GPU reverse pass (dVl = Aqk^T dO formed in it) and the local
+    gradients as XLA matmuls (:func:`.grads_xla.chunk_grads_xla`), both on the forward's saved Aqk,
+    T, W, h_n and Vn."""
+    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
+    if not saved or not {"aqk", "t_hi", "t_lo", "w", "h", "vn"} <= set(saved):
+        raise ValueError("backward: KernelCall.mixed_bwd needs the forward's residuals (save_wy and save_states)")
+    rs = hopper_bwd.reverse_states(call, q, k, saved["w"], None, do, e_gam, e_gam_end, e_gam_last, dfin, saved["h"],
+                                   flags, aqk=saved["aqk"])
+    gr = chunk_grads_xla(call, q, k, v, do, beta, gam, e_gam, e_gam_end, saved["h"], rs["dh"], saved["vn"],
+                         rs["dvn"], saved["t_hi"], saved["t_lo"])
     return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
 
 
@@ -351,4 +368,7 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
             fin = fin[:, :, :K0, :V0]
         return o, fin
 
-    return KernelInputs((mk(Cf), mk(Cb)), (q, k, v, beta_hm, g_hm, h0, flags_f, flags_b), valid, finish)
+    cf, cb = mk(Cf), mk(Cb)
+    if cb.mixed_bwd and not (cf.mosaic_fwd and cf.C == cb.C):  # needs the Hopper forward's residuals at its chunk
+        cb = dataclasses.replace(cb, mixed_bwd=False)
+    return KernelInputs((cf, cb), (q, k, v, beta_hm, g_hm, h0, flags_f, flags_b), valid, finish)
