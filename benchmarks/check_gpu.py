@@ -13,7 +13,8 @@ gradient, beta in (0, 2) without decay, grouped value heads, head dim 256 (with 
 ``cu_seqlens``); bf16 and float32 inputs. For each: rel.
 rms of o, the final state and every gradient, against the suite's tolerances (o, S 5e-3; dq, dk, dv,
 dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16, as the suite), and
-which forward kernels ran (``gdn_jax.ops.pallas.forward_kernels``: hopper / triton / interpret). Exit status 1 if any case fails.
+which kernels ran (``gdn_jax.ops.pallas.forward_kernels`` / ``backward_kernels``: hopper / hopper+xla / triton /
+interpret). ``--cases`` picks cases by name. Exit status 1 if any case fails.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from reference import reference, reference_grads, rel_rms, to_f64  # noqa: E402
 
 from gdn_jax.cli import parse_overrides  # noqa: E402
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
-from gdn_jax.ops.pallas import forward_kernels  # noqa: E402
+from gdn_jax.ops.pallas import backward_kernels, forward_kernels  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -53,6 +54,7 @@ CASES = [
     # D 256: the Hopper forward (fwd_form "t" by default there) with the Triton backward
     ("d256", 1, 200, 2, 1, 256, 256, "strong", True, None, False),
     ("d256-packed", 1, 230, 1, 1, 256, 256, "weak", True, (0, 100, 100, 101, 230), False),
+    ("d256-gva", 1, 160, 1, 2, 256, 256, "strong", True, None, False),
 ]
 
 
@@ -79,6 +81,7 @@ def run_case(case, dtype, config):
     argnums = (0, 1, 2, 3, 4) + ((5,) if S0 is not None else ())
     gr, (o, S) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, S0)
     fwd = forward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, kernel_config=config)[0]
+    fwd += "/" + backward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, kernel_config=config)[0]
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu)
     rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu, do=x["do"], dS=x["dS"])
@@ -98,6 +101,8 @@ def main(argv=None):
                     help="KernelConfig field=value items, one config per argument ('' or defaults = the defaults)")
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="CPU interpret mode, three cases")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="only the cases whose name contains one of these, e.g. --cases d256 gva")
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
@@ -108,6 +113,8 @@ def main(argv=None):
             kw.setdefault("platform", "interpret")
         configs.append((sp or "defaults", KernelConfig(**kw)))
     cases = CASES[:3] if (args.quick or not gpu) else CASES
+    if args.cases:
+        cases = [c for c in CASES if any(w in c[0] for w in args.cases)]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {len(cases)} cases x {args.dtypes} x "
           f"{[c for c, _ in configs]}", flush=True)
     rows, failed = [], 0
@@ -122,15 +129,15 @@ def main(argv=None):
                 failed += bool(bad)
                 rows.append((cname, dt, case[0], fwd, errs, bad))
                 worst = max((e for n, e in errs.items() if n not in ("o", "S")), default=float("nan"))
-                print(f"  {cname:<22} {dt:<9} {case[0]:<18} fwd {fwd:<9} o {errs.get('o', float('nan')):.1e}  "
+                print(f"  {cname:<22} {dt:<9} {case[0]:<18} fwd/bwd {fwd:<19} o {errs.get('o', float('nan')):.1e}  "
                       f"S {errs.get('S', float('nan')):.1e}  worst grad {worst:.1e}  "
                       f"{'FAIL ' + '; '.join(bad) if bad else 'ok'}", flush=True)
     print(f"\n{len(rows) - failed} of {len(rows)} cases within the suite's tolerances ({time.time() - t0:.0f} s)")
-    print(f"{'config':<22} {'dtype':<9} {'case':<18} {'fwd':<7} " + " ".join(f"{n:>8}" for n in
+    print(f"{'config':<22} {'dtype':<9} {'case':<18} {'fwd/bwd':<19} " + " ".join(f"{n:>8}" for n in
           ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinit")))
     for cname, dt, name, fwd, errs, bad in rows:
         vals = [errs.get(n, float("nan")) for n in ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")]
-        print(f"{cname:<22} {dt:<9} {name:<18} {fwd:<9} " + " ".join(f"{v:8.1e}" for v in vals)
+        print(f"{cname:<22} {dt:<9} {name:<18} {fwd:<19} " + " ".join(f"{v:8.1e}" for v in vals)
               + ("  FAIL" if bad else ""))
     return 1 if failed else 0
 
