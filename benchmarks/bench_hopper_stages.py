@@ -496,16 +496,24 @@ def main(argv=None):
                             if wanted(f"{nm} [triton]"):
                                 print(f"  {nm + ' [triton]':<22} {ms:.3f} ms  [{mb:.0f} MB, {gbs:.0f} GB/s]", flush=True)
                         bp._bwd_steps(prep, do_b, args.reps, on_row=row)
-                    if wanted("bwd reverse K256 [hopper, unwired]"):
+                    if wanted("bwd reverse K256 [hopper]") or wanted("bwd grads K256 [xla]"):
                         fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
                               F["h0"], F["fl"])
                         _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True))(*fa)
                         pad_f = cf.Tp - x["do"].shape[1]
                         R = dict(F, **sv, do=jnp.pad(x["do"], ((0, 0), (0, pad_f), (0, 0), (0, 0))),
                                  dfin=jnp.zeros(F["h0"].shape, jnp.float32))
-                        line("bwd reverse K256 [hopper, unwired]", lambda A: HB.reverse_states(
-                            cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
-                            A["fl"], aqk=A["aqk"]), R)
+                        rev = lambda A: HB.reverse_states(cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"],
+                                                          A["dec"], A["dfin"], A["h"], A["fl"], aqk=A["aqk"])
+                        if wanted("bwd reverse K256 [hopper]"):  # KernelConfig.wide_backward="hopper_xla"'s two stages
+                            line("bwd reverse K256 [hopper]", rev, R)
+                        if wanted("bwd grads K256 [xla]"):
+                            from gdn_jax.ops.pallas.grads_xla import chunk_grads_xla
+
+                            R.update({key: val for key, val in jax.jit(rev)(R).items() if key in ("dh", "dvn")})
+                            line("bwd grads K256 [xla]", lambda A: chunk_grads_xla(
+                                cf, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
+                                A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"]), R)
             whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)), ("wy separate", KC(wy_compact=False)),
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),

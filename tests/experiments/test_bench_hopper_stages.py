@@ -49,11 +49,13 @@ def test_bench_hopper_stages_interpret():
 
 def test_bench_hopper_stages_k256_backward_lines():
     """At K = 256 (the backward not on the Hopper kernels) the script prints the Triton backward's
-    stages and the unwired Hopper reverse pass on the Hopper forward's residuals."""
+    stages and the two stages of wide_backward="hopper_xla" (the Hopper reverse pass, the XLA local
+    gradients) on the Hopper forward's residuals."""
     text = _stages("1x70x1x256", "K256,[triton]")
     for name in ("bwd WY (+dVl) [triton]", "bwd reverse state pass [triton]", "bwd local grads [triton]"):
         assert re.search(re.escape(name) + r" +[0-9.]+ ms", text), (name, text)
-    assert re.search(r"bwd reverse K256 \[hopper, unwired\] +[0-9.]+ \(per call", text), text
+    assert re.search(r"bwd reverse K256 \[hopper\] +[0-9.]+ \(per call", text), text
+    assert re.search(r"bwd grads K256 \[xla\] +[0-9.]+ \(per call", text), text
 
 
 def test_summarize_timeline():
