@@ -46,6 +46,8 @@
 #   pub_gla / pub_mamba2 / pub_attention  the same for the published-variant baselines at the
 #              zoology_mqar protocol (README "Baseline mixers"; results/zoology_{gla,mamba2}_published,
 #              results/zoology_attention_zoo)
+#   sweep:<preset>  the same for any preset (results/<preset>), e.g. sweep:zoology_gla_noconv
+#              (its own flags: SWEEP_ARGS_sweep_<preset>, the step name with ':' as '_')
 #              Every sweep step's results, log and unfinished runs' checkpoints come back as
 #              $OUT/sweeps.tgz.part-*: `python benchmarks/unpack_sweeps.py <files_at>` merges them into
 #              results/ and .base/ (carry .base next call), then commit results/. SWEEP_ARGS adds
@@ -77,13 +79,14 @@ sweep_spec() {  # sweep step -> its preset (= its results folder; the published 
     pub_gla) echo zoology_gla_published ;;
     pub_mamba2) echo zoology_mamba2_published ;;
     pub_attention) echo zoology_attention_zoo ;;
+    sweep:*) echo "${1#sweep:}" ;;  # any preset of gdn_jax/sweep.py, e.g. sweep:zoology_gla_noconv
   esac
 }
 SWEEP_STEPS="zoology fig2 pub_gla pub_mamba2 pub_attention"
 sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see the header)
   local name args_var
   name=$(sweep_spec "$1")
-  args_var="SWEEP_ARGS_$1"; args_var=${!args_var-${SWEEP_ARGS:-}}
+  args_var="SWEEP_ARGS_${1//[^A-Za-z0-9_]/_}"; args_var=${!args_var-${SWEEP_ARGS:-}}
   # results (and unfinished runs' checkpoints) collect under /tmp; bundle_sweeps sends them back
   rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name" /tmp/sweep_logs
   [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
@@ -136,7 +139,7 @@ PYEOF
 # is set: then all at once, each worker with XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.15) of a GPU;
 # without SWEEP_GPUS the other steps then share the GPU with them)
 bg=""
-sweeps=$(for s in $STEPS; do case " $SWEEP_STEPS " in *" $s "*) echo $s ;; esac; done)
+sweeps=$(for s in $STEPS; do case " $SWEEP_STEPS " in *" $s "*) echo $s ;; *) case $s in sweep:*) echo $s ;; esac ;; esac; done)
 if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}" ]; }; then
   (
     [ -n "${SWEEP_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS
@@ -181,7 +184,7 @@ for s in $STEPS; do
              | tee "$OUT/regs.txt" | tail -40 ;;
     loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
              2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
-    zoology|fig2|pub_gla|pub_mamba2|pub_attention) [ -z "$bg" ] && sweep_step $s ;;
+    zoology|fig2|pub_gla|pub_mamba2|pub_attention|sweep:*) [ -z "$bg" ] && sweep_step $s ;;
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;

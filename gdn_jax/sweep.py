@@ -127,6 +127,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "zoology_gla_published": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
                                   lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
                                   base=ZOOLOGY_BASE + ("use_short_conv=false", "gla_expand_k=0.5")),
+    # which of the published GLA's two differences from ours moves MQAR at d 64 (issue #16): each alone
+    "zoology_gla_noconv": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
+                               lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                               base=ZOOLOGY_BASE + ("use_short_conv=false",)),
+    "zoology_gla_halfk": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
+                              lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
+                              base=ZOOLOGY_BASE + ("gla_expand_k=0.5",)),
     "zoology_mamba2_published": dict(mixers=("mamba2",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
                                      lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
                                      base=ZOOLOGY_BASE + ("la_qk_l2norm=false", "mamba2_dt_input=true")),

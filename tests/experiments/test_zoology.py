@@ -45,6 +45,8 @@ def test_zoology_presets_settings():
     # the published-variant presets: the same protocol, the variant's options, d 64 / 128
     main = S.run_config(cfg, grid[0], cfg.lrs[0])
     for name, mixer, opts in [("zoology_gla_published", "gla", dict(use_short_conv=False, gla_expand_k=0.5)),
+                              ("zoology_gla_noconv", "gla", dict(use_short_conv=False, gla_expand_k=None)),
+                              ("zoology_gla_halfk", "gla", dict(use_short_conv=True, gla_expand_k=0.5)),
                               ("zoology_mamba2_published", "mamba2", dict(la_qk_l2norm=False, mamba2_dt_input=True)),
                               ("zoology_attention_zoo", "attention", dict(attn_bias="qkvo", pos_embedding="learned",
                                                                           rope_fraction=0.0, num_heads=1))]:
