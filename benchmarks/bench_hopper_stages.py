@@ -219,7 +219,7 @@ def main(argv=None):
 
     def wanted(name):
         if t_only[0] and not ("T-form" in name or "K256" in name or "[triton]" in name
-                              or name in ("pallas", "fwd form t", "fwd form wu", "jla")):
+                              or name in ("pallas", "fwd form t", "fwd form wu", "wide hopper_xla", "jla")):
             return False
         return not only or any(name == o[1:] if o.startswith("=") else o in name for o in only)
 
@@ -520,6 +520,7 @@ def main(argv=None):
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      ("approx math", KC(approx_math=True)),
+                     *([("wide hopper_xla", KC(wide_backward="hopper_xla"))] if has("wide_backward") else []),
                      *([("own barriers", KC(auto_barriers=False)), ("auto barriers", KC(auto_barriers=True))]
                        if has("auto_barriers") else []),
                      ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),

@@ -6,17 +6,20 @@ chunk and head (q scaled, S = h_n the state entering the chunk, dS = dh_n the gr
 state leaving it, T = (I + A)^-1 from the forward's saved hi / lo pair)::
 
     dQg = dO S^T, dAqk = dO Vn^T, dKd = Vn dS^T          (contract over V)
-    dvb = T^T dVn, dA = -strict(dvb Vn^T), dX = -dvb S^T  (the direct dA; dX = T^T dW)
+    dvb = T^T dVn, dA = -strict(T^T dVn Vn^T), dX = -dvb S^T  (the direct dA; dX = T^T dW)
     dv = beta dvb, dbeta = rowsum(dvb v) + rowsum(dkb k), dkb = (dA * Gamma) k + e^gamma dX
     dk = e^{gamma_C - gamma} dKd + (dA * Gamma)^T (beta k) + beta dkb + (dAqk * Gamma_incl)^T q
     dq = (dAqk * Gamma_incl) k + e^gamma dQg
     d gamma: row / column sums of M = dA * A + strict(dAqk * Aqk)
 
-Every product has float32 accumulation; its operands are bf16 -- the inputs, h_n, dh_n, Vn, dVn
-as stored, and every float32 intermediate (T, dvb, dA * Gamma, ...) as a bf16 (hi, lo) pair, two
-products (~16 mantissa bits, as the Hopper kernels' "bf16x2" operands). Batched over every chunk
-of every head at once, so each stage is one large matmul (cuBLAS on GPU) and the [C, K] float32
-intermediates go through HBM: at B2 T8192 H8 D256 that is ~2-3 GB of traffic.
+Every product has float32 accumulation on bf16 operands: the inputs, h_n, dh_n, Vn, dVn as stored;
+T, T^T dVn and dVn Vn^T as bf16 (hi, lo) pairs (~16 mantissa bits); dA * Gamma and dAqk * Gamma
+rounded once to bf16 before their [C, C] x [C, K] products (as the Triton kernels' bf16
+intermediates). dA is formed as -strict(T^T (dVn Vn^T)), equal to -strict((T^T dVn) Vn^T). Batched
+over every chunk of every head, each stage one large matmul (cuBLAS on GPU), operands that share a
+right-hand side stacked so that it is read once (S: [dO; (T^T dVn) hi; lo] S^T; Vn: [dO; dVn] Vn^T;
+K: [dKK; dQK] K). The [C, K] float32 intermediates go through HBM: at B2 T8192 H8 D256 each is
+134 MB (first version, all products separate: 2.445 ms on an H200, results/hopper_h200/NOTE.md 26).
 """
 from __future__ import annotations
 
@@ -85,7 +88,6 @@ def chunk_grads_xla(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, 
     beta_c, gam_c, eg, ege = col(beta), col(gam), col(e_gam), col(e_gam_end)
     vn_c, dvn_c = vn.reshape(BH, n, C, V).astype(lo_dt), dvn.reshape(BH, n, C, V).astype(lo_dt)
     S, dS = h.astype(lo_dt), dh.astype(lo_dt)
-    T = t_hi.astype(F32) + t_lo.astype(F32)
 
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -94,30 +96,36 @@ def chunk_grads_xla(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, 
     Gs = jnp.where(strict, jnp.exp(jnp.where(strict, gdiff, 0.0)), 0.0)
     Gi = jnp.where(incl, jnp.exp(jnp.where(incl, gdiff, 0.0)), 0.0)
 
-    # the products over V (S, dS: [K, V] per chunk)
-    dQg = _mm("bncv,bnkv->bnck", doc, S)
-    dAqk = _mm("bncv,bndv->bncd", doc, vn_c)
-    dKd = _mm("bncv,bnkv->bnck", vn_c, dS)
-    dvb = _mm("bndc,bndv->bncv", T, dvn_c)  # T^T dVn
-    dAd = _mm("bncv,bndv->bncd", dvb, vn_c)
-    dX = -_mm("bncv,bnkv->bnck", dvb, S)
+    ein = lambda eq, a, b: jnp.einsum(eq, a, b, preferred_element_type=F32)
+    th, tl = t_hi.astype(lo_dt), t_lo.astype(lo_dt)
+    kf = kc.astype(F32)
+    # the products over V, each big operand read once. [dO; dVn] against Vn: dAqk = dO Vn^T and
+    # DV = dVn Vn^T in one product
+    G1 = ein("bnscv,bndv->bnscd", jnp.stack([doc, dvn_c], axis=2), vn_c)
+    dAqk, DV = G1[:, :, 0], G1[:, :, 1]
+    dvb = ein("bndc,bndv->bncv", th, dvn_c) + ein("bndc,bndv->bncv", tl, dvn_c)  # T^T dVn
     dv = dvb * beta_c
     dbeta = jnp.sum(dvb * vc.astype(F32), -1, keepdims=True)
+    # [dO; (T^T dVn) hi; lo] against S: dQg = dO S^T and dX = T^T dW = -(T^T dVn) S^T in one product
+    G2 = ein("bnscv,bnkv->bnsck", jnp.stack([doc, *_split(dvb)], axis=2), S)
+    dQg, dX = G2[:, :, 0], -(G2[:, :, 1] + G2[:, :, 2])
+    dKd = ein("bncv,bnkv->bnck", vn_c, dS)
 
-    # the WY / T path (A = strict((beta K) K^T * Gamma)) and the Q K^T path
-    kk = _mm("bnck,bndk->bncd", kc, kc)
-    A = beta_c * kk * Gs
-    dA = jnp.where(strict, -dAd, 0.0)
-    M = dA * A
+    # C x C: A = strict((beta K) K^T * Gamma), Aqk = Q K^T * Gamma_incl, dA = -strict(T^T (dVn Vn^T))
+    G3 = ein("bnsck,bndk->bnscd", jnp.stack([kc, qc], axis=2), kc)
+    A = beta_c * G3[:, :, 0] * Gs
+    Aqk = call.scale * G3[:, :, 1] * Gi
+    dA = -jnp.where(strict, _mm("bndc,bnde->bnce", th, DV) + _mm("bndc,bnde->bnce", tl, DV), 0.0)
+    M = dA * A + jnp.where(strict, dAqk * Aqk, 0.0)
     dKK = dA * Gs
-    kf = kc.astype(F32)
-    dkb = _mm("bncd,bndk->bnck", dKK, kc) + dX * eg
-    Aqk = call.scale * _mm("bnck,bndk->bncd", qc, kc) * Gi
-    M = M + jnp.where(strict, dAqk * Aqk, 0.0)
     dQK = dAqk * Gi
-    dk = (dKd * ege + _mm("bndc,bndk->bnck", dKK * beta_c, kc) + dkb * beta_c
-          + _mm("bndc,bndk->bnck", dQK * call.scale, qc))
-    dq = (_mm("bncd,bndk->bnck", dQK, kc) + dQg * eg) * call.scale
+    # the [C, C] x [C, K] products with single-bf16 [C, C] operands (as the Triton kernels' bf16
+    # intermediates): [dKK; dQK] K for dkb and dq, then dk's (dKK beta)^T K + (dQK scale)^T Q
+    G4 = ein("bnscd,bndk->bnsck", jnp.stack([dKK, dQK], axis=2).astype(lo_dt), kc)
+    dkb = G4[:, :, 0] + dX * eg
+    dq = (G4[:, :, 1] + dQg * eg) * call.scale
+    dk = (dKd * ege + dkb * beta_c + ein("bndc,bndk->bnck", (dKK * beta_c).astype(lo_dt), kc)
+          + ein("bndc,bndk->bnck", (dQK * call.scale).astype(lo_dt), qc))
     dbeta = dbeta + jnp.sum(dkb * kf, -1, keepdims=True)
     deg = jnp.sum(dX * kf * beta_c, -1, keepdims=True) + call.scale * jnp.sum(dQg * qc.astype(F32), -1, keepdims=True)
     de_gam_end = jnp.sum(dKd * kf, -1, keepdims=True)
