@@ -491,15 +491,20 @@ def test_grads_where_vn_cancels(wgs):
     assert errs["beta"] <= 7e-2 and errs["k"] <= 2e-2 and errs["v"] <= 2e-2 and errs["g"] <= 1e-2, errs
 
 
-@pytest.mark.parametrize("cu,group", [(None, 1), ((0, 1, 64, 150), 1), (None, 2)])
-def test_wide_backward_hopper_xla(cu, group):
-    """``KernelConfig(wide_backward="hopper_xla")`` at K = V = 256: the backward runs at the forward's
-    chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the local
-    gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) -- and every gradient is within the
-    suite's tolerances of float64 (T not a multiple of the chunk, an initial state, strong gates;
-    with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head). Measured
-    (bf16, this draw without cu_seqlens): rel. RMS dq 2.8e-3, dk 3.3e-3, dv 2.9e-3, dg 1.2e-3,
-    dbeta 5.3e-3, d h0 1.6e-3 (the Triton backward: 3.0e-3, 2.9e-3, 3.0e-3, 4.2e-3, 5.5e-3, 1.8e-3)."""
+@pytest.mark.parametrize("cu,group,wide", [(None, 1, "hopper_xla"), ((0, 1, 64, 150), 1, "hopper_xla"),
+                                           (None, 2, "hopper_xla"), (None, 1, "hopper"), ((0, 1, 64, 150), 1, "hopper"),
+                                           (None, 2, "hopper")])
+def test_wide_backward(cu, group, wide):
+    """``KernelConfig(wide_backward="hopper_xla" | "hopper")`` at K = V = 256: the backward runs at the
+    forward's chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the
+    local gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) or from the Hopper gradient kernel
+    on 128 x 128 key / value blocks, summed (``hopper_bwd.chunk_grads_blocks``) -- and every gradient
+    is within the suite's tolerances of float64 (T not a multiple of the chunk, an initial state,
+    strong gates; with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head).
+    Measured (bf16, the first draw), rel. RMS dq / dk / dv / dg / dbeta / d h0: hopper_xla 3.3e-3 /
+    3.3e-3 / 2.9e-3 / 1.2e-3 / 5.3e-3 / 1.6e-3, hopper 3.8e-3 / 4.1e-3 / 2.9e-3 / 1.2e-3 / 5.3e-3 /
+    1.6e-3 (its dq, dk are sums of two bf16-rounded value-block parts), the Triton backward 3.0e-3 /
+    2.9e-3 / 3.0e-3 / 4.2e-3 / 5.5e-3 / 1.8e-3."""
     from test_hopper import _check, _run
 
     from gdn_jax.ops.pallas import backward_kernels
@@ -511,10 +516,11 @@ def test_wide_backward_hopper_xla(cu, group):
                     init=True, N=N)
     if group > 1:  # one key head for both value heads
         x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
-    cfg = dataclasses.replace(MOSAIC, wide_backward="hopper_xla")
+    cfg = dataclasses.replace(MOSAIC, wide_backward=wide)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
     assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
+    assert cb.wide_grads == ("hopper" if wide == "hopper" else "xla")
     assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == ("hopper+xla", None)
     _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
 
@@ -530,7 +536,13 @@ def test_wide_backward_dispatch(monkeypatch):
     x = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 256, 256, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     cb = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw)).calls[1]
-    assert cb(wide_backward="hopper_xla").mixed_bwd
+    assert cb(wide_backward="hopper_xla").mixed_bwd and cb(wide_backward="hopper_xla").wide_grads == "xla"
+    assert cb(wide_backward="hopper").wide_grads == "hopper"
+    assert cb(wide_backward="hopper", grad_warpgroups=1).wide_grads == "xla"  # the blocks need the 2-WG kernel
+    from gdn_jax.ops.pallas import hopper_bwd
+
+    sub = hopper_bwd.block_call(cb(wide_backward="hopper"))
+    assert (sub.K, sub.V, sub.grad_blocks, sub.BH) == (128, 128, (2, 2), 4)
     for kw in ({}, dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
                dict(wide_backward="hopper_xla", save_wy=False), dict(wide_backward="hopper_xla", gpu_kernels="triton")):
         assert not cb(**kw).mixed_bwd, kw
@@ -545,8 +557,11 @@ def test_wide_backward_dispatch(monkeypatch):
         KernelConfig(wide_backward="xla")
 
 
-def test_wide_backward_lowers_for_cuda():
+@pytest.mark.parametrize("wide,n_kernels", [("hopper_xla", 3), ("hopper", 4)])
+def test_wide_backward_lowers_for_cuda(wide, n_kernels):
     """value_and_grad at K = V = 256 with ``wide_backward="hopper_xla"`` lowers for CUDA: the Hopper
-    forward (WY T-form, state pass) and reverse pass -- three Mosaic GPU kernels -- and no Triton kernel."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wide_backward="hopper_xla"), D=256)
-    assert text.count("custom_call @mosaic_gpu") == 3 and "triton" not in text
+    forward (WY T-form, state pass) and reverse pass -- three Mosaic GPU kernels -- and no Triton
+    kernel; with "hopper" also the gradient kernel on 128 x 128 blocks (TMA boxes inside the whole
+    q, k, v, h_n, dh_n, ... arrays)."""
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wide_backward=wide), D=256)
+    assert text.count("custom_call @mosaic_gpu") == n_kernels and "triton" not in text

@@ -48,7 +48,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
             "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t"),
-            "wide_backward": (None, "triton", "hopper_xla")}
+            "wide_backward": (None, "triton", "hopper_xla", "hopper")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
 _INTS = ("warps_wy", "warps_state", "warps_out")
@@ -109,7 +109,10 @@ class KernelConfig:
         saved residuals -- ``save_wy`` and ``save_states`` on -- the Mosaic GPU reverse pass
         :func:`.hopper_bwd.reverse_states` and the local gradients as batched XLA matmuls,
         :func:`.grads_xla.chunk_grads_xla`; bf16 inputs on sm_90 or Mosaic GPU's interpret
-        mode); None: "triton".
+        mode) or "hopper" (the same, with the local gradients from the Hopper gradient kernel run
+        on 128 x 128 (key block, value block) tiles of h_n and dh_n and summed:
+        :func:`.hopper_bwd.chunk_grads_blocks`; "hopper_xla" where no such split fits); None:
+        "triton".
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
     Precision (the kernels accumulate in float32 in every case):
@@ -515,6 +518,11 @@ class KernelCall:
     # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
     # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
     mixed_bwd: bool = False
+    # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
+    # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
+    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
+    grad_blocks: Tuple[int, int] = (1, 1)
+    wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
 
     @property
     def Tp(self) -> int:
@@ -642,8 +650,9 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
 
 
 def _wide_hopper(config: KernelConfig) -> bool:
-    """Whether ``config.wide_backward`` asks for the mixed Hopper backward at K > 128."""
-    return config.wide_backward == "hopper_xla" and config.save_wy is not False and config.save_states is not False
+    """Whether ``config.wide_backward`` asks for a Hopper backward at K > 128 ("hopper_xla", "hopper")."""
+    return (config.wide_backward in ("hopper_xla", "hopper") and config.save_wy is not False
+            and config.save_states is not False)
 
 
 def _own_barriers(auto_barriers: Optional[bool]) -> Tuple[str, ...]:
@@ -686,4 +695,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
     mixed = (not call.mosaic_bwd and call.K > 128 and call.mosaic_fwd and _wide_hopper(config)
              and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
-    return dataclasses.replace(call, mixed_bwd=mixed)
+    wide = "hopper" if config.wide_backward == "hopper" else "xla"
+    if mixed and wide == "hopper" and hopper_bwd.block_call(call) is None:
+        wide = "xla"  # no block split the Hopper gradient kernel takes: the XLA gradients
+    return dataclasses.replace(call, mixed_bwd=mixed, wide_grads=wide)

@@ -76,7 +76,7 @@ def grads_smem_bytes(call: KernelCall) -> int:
 def _grad_gates(call: KernelCall, beta, gam, e_gam, e_gam_end):
     """The gradient kernels' per-chunk gate rows [BH, n, 5, C] f32: beta, gamma (row use), gamma
     (column use), e^gamma, e^{gamma_C - gamma} (one register layout per row)."""
-    rs = lambda x: x.reshape(call.BH, call.n, call.C)
+    rs = lambda x: x.reshape(call.BH // (call.grad_blocks[0] * call.grad_blocks[1]), call.n, call.C)
     return jnp.stack([rs(beta), rs(gam), rs(gam), rs(e_gam), rs(e_gam_end)], axis=2).astype(F32)
 
 
@@ -86,8 +86,20 @@ def _grad_sources(call: KernelCall, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h
     TMA copies in their SMEM order: q, k, v, dO, gates, h, dh, Vn, dVn, T hi, T lo) of CTA (bh, c)."""
     H, G, C = call.H, call.group, call.C
     b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-    hk = lax.div(hh, _i32(G)) if G > 1 else hh
     rows = pl.ds(c * C, C)
+    nk, nv = call.grad_blocks
+    if (nk, nv) != (1, 1):  # chunk_grads_blocks: virtual head hh = (head, key block, value block)
+        K, V = call.K, call.V
+        head = lax.div(hh, _i32(nk * nv))
+        kb, vb = lax.rem(lax.div(hh, _i32(nv)), _i32(nk)), lax.rem(hh, _i32(nv))
+        bhr = b * _i32(H // (nk * nv)) + head  # the real batch x head row of the per-head arrays
+        hk = lax.div(head, _i32(G)) if G > 1 else head
+        ks, vs = pl.ds(kb * K, K), pl.ds(vb * V, V)
+        srcs = (q_ref.at[b, rows, hk, ks], k_ref.at[b, rows, hk, ks], v_ref.at[b, rows, head, vs],
+                do_ref.at[b, rows, head, vs], g_ref.at[bhr, c], h_ref.at[bhr, c, ks, vs], dh_ref.at[bhr, c, ks, vs],
+                vn_ref.at[bhr, rows, vs], dvn_ref.at[bhr, rows, vs], th_ref.at[bhr, c], tl_ref.at[bhr, c])
+        return b, hh, rows, srcs
+    hk = lax.div(hh, _i32(G)) if G > 1 else hh
     srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
             g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
             th_ref.at[bh, c], tl_ref.at[bh, c])
@@ -480,6 +492,9 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
+            if call.grad_blocks[0] > 1:  # chunk_grads_blocks: this term once per value block (key block 0)
+                kb = lax.rem(lax.div(hh, _i32(call.grad_blocks[1])), _i32(call.grad_blocks[0]))
+                dbeta = dbeta * jnp.where(kb == 0, 1.0, 0.0).astype(F32)
             _sync(call, "grads")  # every thread has read v before dv overwrites it (the same layout: insurance)
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
@@ -584,6 +599,51 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     return dict(dq=dq, dk=dk, dv=dv, dbeta=col(sc[:, :, 0] + sc[:, :, 5]), dgam=col(dgam),
                 dgam_row=dgam_row.reshape(BH, n, 1, C), de_gam=col(sc[:, :, 3] + sc[:, :, 6]),
                 de_gam_end=col(sc[:, :, 4]))
+
+
+def block_call(call: KernelCall) -> KernelCall | None:
+    """The sub-call :func:`chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
+    K > 128 (backward) call -- key and value dims cut into blocks of 128 (``grad_blocks`` = their
+    counts), one virtual head per (head, key block, value block) -- or None where that kernel does
+    not take the blocks (:func:`covers`) or the call asks for options it lacks there
+    (``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1)."""
+    nk, nv = max(1, call.K // 128), max(1, call.V // 128)
+    if call.grad_wgs != 2 or call.grad_per_cta != 1 or call.K % nk or call.V % nv:
+        return None
+    sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
+                              grad_blocks=(nk, nv), mixed_bwd=False)
+    return sub if covers(sub) is None else None
+
+
+def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
+    """:func:`chunk_grads` for K > 128 (``KernelConfig.wide_backward="hopper"``): the two-warpgroup
+    gradient kernel on every (key block, value block) pair of 128 columns (:func:`block_call`: q, k
+    and h_n, dh_n rows of its key block, v, dO, Vn, dVn and h_n, dh_n columns of its value block, all
+    by TMA from the whole arrays), and the blocks' outputs summed. Exact by linearity: every local
+    gradient is a sum of terms with one contraction over V (whose value-block parts add up) times
+    at most one over K (A, Q K^T, or a key block's own columns), so the blocks' partial dq, dk
+    (their key block's columns), d gamma, d e^gamma, d e^{gamma_C - gamma} and dbeta add up to the
+    whole; dv = beta T^T dVn is its value block's columns (the same in every key block: key block
+    0's is kept), and dbeta's K-free term sum(T^T dVn * v) is counted in key block 0 only. The
+    C x C work (Q K^T, the T phase) runs once per block pair. Arguments and results as
+    :func:`chunk_grads`."""
+    sub = block_call(call)
+    if sub is None:
+        raise ValueError(f"chunk_grads_blocks: the Hopper gradient kernel does not take K={call.K}, V={call.V} in "
+                         f"blocks of 128 with this call's options")
+    nk, nv = sub.grad_blocks
+    out = _chunk_grads_2wg(sub, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo)
+    B, Tp, H, n, C = call.BH // call.H, call.Tp, call.H, call.n, call.C
+    in_dt = jnp.dtype(call.in_dt)
+
+    def tokens(x, sum_v):  # [B, Tp, H * nk * nv, blk] -> [B, Tp, H, D]
+        x = x.reshape(B, Tp, H, nk, nv, x.shape[-1])
+        x = x.astype(F32).sum(4).astype(in_dt) if sum_v else x[:, :, :, 0]
+        return x.reshape(B, Tp, H, -1)
+
+    per_head = lambda x: x.reshape((call.BH, nk * nv) + x.shape[1:]).sum(1)
+    return dict(dq=tokens(out["dq"], True), dk=tokens(out["dk"], True), dv=tokens(out["dv"], False),
+                **{name: per_head(out[name]) for name in ("dbeta", "dgam", "dgam_row", "de_gam", "de_gam_end")})
 
 
 def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):

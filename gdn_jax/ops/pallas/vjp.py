@@ -181,15 +181,17 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
 
 def _mixed_backward(call: KernelCall, inputs, do, dfin, saved):
     """K > 128 on Hopper: the Mosaic GPU reverse pass (dVl = Aqk^T dO formed in it) and the local
-    gradients as XLA matmuls (:func:`.grads_xla.chunk_grads_xla`), both on the forward's saved Aqk,
-    T, W, h_n and Vn."""
+    gradients as XLA matmuls (:func:`.grads_xla.chunk_grads_xla`) or from the Hopper gradient kernel
+    on 128-column blocks (:func:`.hopper_bwd.chunk_grads_blocks`, ``wide_backward="hopper"``), both on
+    the forward's saved Aqk, T, W, h_n and Vn."""
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     if not saved or not {"aqk", "t_hi", "t_lo", "w", "h", "vn"} <= set(saved):
         raise ValueError("backward: KernelCall.mixed_bwd needs the forward's residuals (save_wy and save_states)")
     rs = hopper_bwd.reverse_states(call, q, k, saved["w"], None, do, e_gam, e_gam_end, e_gam_last, dfin, saved["h"],
                                    flags, aqk=saved["aqk"])
-    gr = chunk_grads_xla(call, q, k, v, do, beta, gam, e_gam, e_gam_end, saved["h"], rs["dh"], saved["vn"],
-                         rs["dvn"], saved["t_hi"], saved["t_lo"])
+    grads = hopper_bwd.chunk_grads_blocks if call.wide_grads == "hopper" else chunk_grads_xla
+    gr = grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, saved["h"], rs["dh"], saved["vn"], rs["dvn"],
+               saved["t_hi"], saved["t_lo"])
     return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
 
 
