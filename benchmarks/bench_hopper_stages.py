@@ -219,7 +219,7 @@ def main(argv=None):
 
     def wanted(name):
         if t_only[0] and not ("T-form" in name or "K256" in name or "[triton]" in name
-                              or name in ("pallas", "fwd form t", "fwd form wu", "wide hopper_xla", "jla")):
+                              or name in ("pallas", "fwd form t", "fwd form wu", "wide hopper_xla", "wide hopper", "jla")):
             return False
         return not only or any(name == o[1:] if o.startswith("=") else o in name for o in only)
 
@@ -496,7 +496,8 @@ def main(argv=None):
                             if wanted(f"{nm} [triton]"):
                                 print(f"  {nm + ' [triton]':<22} {ms:.3f} ms  [{mb:.0f} MB, {gbs:.0f} GB/s]", flush=True)
                         bp._bwd_steps(prep, do_b, args.reps, on_row=row)
-                    if wanted("bwd reverse K256 [hopper]") or wanted("bwd grads K256 [xla]"):
+                    if any(wanted(nm) for nm in ("bwd reverse K256 [hopper]", "bwd grads K256 [xla]",
+                                                 "bwd grads K256 [hopper blocks]")):
                         fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
                               F["h0"], F["fl"])
                         _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True))(*fa)
@@ -507,20 +508,25 @@ def main(argv=None):
                                                           A["dec"], A["dfin"], A["h"], A["fl"], aqk=A["aqk"])
                         if wanted("bwd reverse K256 [hopper]"):  # KernelConfig.wide_backward="hopper_xla"'s two stages
                             line("bwd reverse K256 [hopper]", rev, R)
-                        if wanted("bwd grads K256 [xla]"):
+                        if wanted("bwd grads K256 [xla]") or wanted("bwd grads K256 [hopper blocks]"):
                             from gdn_jax.ops.pallas.grads_xla import chunk_grads_xla
 
                             R.update({key: val for key, val in jax.jit(rev)(R).items() if key in ("dh", "dvn")})
-                            line("bwd grads K256 [xla]", lambda A: chunk_grads_xla(
-                                cf, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
-                                A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"]), R)
+                            ga = lambda A: (A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"],
+                                            A["h"], A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
+                            if wanted("bwd grads K256 [xla]"):  # KernelConfig.wide_backward="hopper_xla"
+                                line("bwd grads K256 [xla]", lambda A: chunk_grads_xla(cf, *ga(A)), R)
+                            if wanted("bwd grads K256 [hopper blocks]") and hasattr(HB, "chunk_grads_blocks"):
+                                line("bwd grads K256 [hopper blocks]",  # wide_backward="hopper"
+                                     lambda A: HB.chunk_grads_blocks(cf, *ga(A)), R)
             whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)), ("wy separate", KC(wy_compact=False)),
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      ("approx math", KC(approx_math=True)),
-                     *([("wide hopper_xla", KC(wide_backward="hopper_xla"))] if has("wide_backward") else []),
+                     *([("wide hopper_xla", KC(wide_backward="hopper_xla")), ("wide hopper", KC(wide_backward="hopper"))]
+                       if has("wide_backward") else []),
                      *([("own barriers", KC(auto_barriers=False)), ("auto barriers", KC(auto_barriers=True))]
                        if has("auto_barriers") else []),
                      ("wy 4 per CTA", KC(wy_chunks_per_cta=4)),

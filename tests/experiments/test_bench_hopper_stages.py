@@ -56,6 +56,7 @@ def test_bench_hopper_stages_k256_backward_lines():
         assert re.search(re.escape(name) + r" +[0-9.]+ ms", text), (name, text)
     assert re.search(r"bwd reverse K256 \[hopper\] +[0-9.]+ \(per call", text), text
     assert re.search(r"bwd grads K256 \[xla\] +[0-9.]+ \(per call", text), text
+    assert re.search(r"bwd grads K256 \[hopper blocks\] +[0-9.]+ \(per call", text), text
 
 
 def test_summarize_timeline():
