@@ -521,7 +521,8 @@ def test_wide_backward(cu, group, wide):
     cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
     assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
     assert cb.wide_grads == ("hopper" if wide == "hopper" else "xla")
-    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == ("hopper+xla", None)
+    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == (
+        "hopper-blocks" if wide == "hopper" else "hopper+xla", None)
     _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
 
 

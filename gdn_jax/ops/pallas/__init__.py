@@ -92,8 +92,9 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
 def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
                      kernel_config: Optional[KernelConfig] = None):
     """:func:`forward_kernels` for the backward: ``("hopper", None)`` for the Mosaic GPU kernels of
-    :mod:`.hopper_bwd`, ``("hopper+xla", None)`` for K > 128 with ``KernelConfig.wide_backward=
-    "hopper_xla"`` (the Mosaic GPU reverse pass and XLA local gradients), else ``(platform kernels,
+    :mod:`.hopper_bwd`, ``("hopper+xla", None)`` / ``("hopper-blocks", None)`` for K > 128 with
+    ``KernelConfig.wide_backward`` "hopper_xla" / "hopper" (the Mosaic GPU reverse pass and the local
+    gradients as XLA matmuls / from the Hopper gradient kernel on 128-column blocks), else ``(platform kernels,
     reason)`` (:func:`.hopper_bwd.covers`).
 
     Raises: as :func:`forward_kernels`."""
@@ -114,7 +115,7 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
     if call.mosaic_fwd if direction == "fwd" else call.mosaic_bwd:
         return "hopper", None
     if direction == "bwd" and call.mixed_bwd:
-        return "hopper+xla", None
+        return ("hopper-blocks" if call.wide_grads == "hopper" else "hopper+xla"), None
     name = "triton" if call.platform == "gpu" else call.platform
     asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
     covers = hopper.covers if direction == "fwd" else hopper_bwd.covers
