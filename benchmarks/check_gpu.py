@@ -12,7 +12,8 @@ a multiple of the chunk, ``cu_seqlens`` with an empty and a length-1 sequence, t
 gradient, beta in (0, 2) without decay, grouped value heads, head dim 256 (with and without
 ``cu_seqlens``); bf16 and float32 inputs. For each: rel.
 rms of o, the final state and every gradient, against the suite's tolerances (o, S 5e-3; dq, dk, dv,
-dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16, as the suite), and
+dS0 8e-3; dg, dbeta 2e-2; beta near 2 without decay: 1e-2 / 1.2e-2 for bf16; the "d256" draw's small dg
+3e-2 relative and 5e-4 absolute for bf16: all as the suite), and
 which kernels ran (``gdn_jax.ops.pallas.forward_kernels`` / ``backward_kernels``: hopper / hopper+xla / triton /
 interpret). ``--cases`` picks cases by name. Exit status 1 if any case fails.
 """
@@ -57,6 +58,13 @@ CASES = [
     ("d256-gva", 1, 160, 1, 2, 256, 256, "strong", True, None, False),
 ]
 
+# The "d256" draw is the one where dg itself is smallest (RMS 1.2e-2 against 0.03-0.25 on ten other
+# draws): the suite holds its dg to 3e-2 relative and 5e-4 absolute RMS error
+# (tests/ops/test_pallas.py::test_bf16_d256_strong_gates_small_dg; README, Precision): the bf16 Vn
+# floor, which each backward rounds differently (Triton on the GPU 1.0e-2, in interpret mode 2.4e-2;
+# the Hopper forward's saved Vn 2.9e-2 in both, results/hopper_h200/NOTE.md 26).
+EDGE_DG = {"d256": (3e-2, 5e-4)}
+
 
 def run_case(case, dtype, config):
     name, B, T, H, G, K, V, gates, init, cu, beta2 = case
@@ -91,6 +99,11 @@ def run_case(case, dtype, config):
     for n, val in zip(NAMES, gr):
         errs["d" + n] = rel_rms(to_f64(val), rg[n])
         tol["d" + n] = (1.2e-2 if loose else TOL_GATE) if n in ("g", "beta") else (1.2e-2 if loose else TOL_GRAD)
+    if name in EDGE_DG and dtype == BF16:  # the suite's tolerance for this draw's small dg (see EDGE_DG)
+        tol["dg"], abs_tol = EDGE_DG[name]
+        abs_err = float(np.sqrt(np.mean((to_f64(gr[3]) - np.asarray(rg["g"], np.float64)) ** 2)))
+        if not abs_err <= abs_tol:
+            tol["dg"] = 0.0  # fails: report it below
     bad = [f"{n} {e:.1e} > {tol[n]:g}" for n, e in errs.items() if not (np.isfinite(e) and e <= tol[n])]
     return errs, bad, fwd
 
