@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -263,3 +264,35 @@ def test_bench_loop_quick(capsys):
     for row, label in zip(table, labels):
         assert row.startswith("attention") and label in row
         assert float(row.split()[-3]) > 0  # steps/s
+
+
+def test_device_sweep_step_round_trip(tmp_path):
+    """The device workflow of the Zoology grids on the CPU: ``benchmarks/run_h200.sh``'s sweep step
+    (``STEPS=sweep:<preset>``, here the tiny ``cpu_zoology_smoke``) writes one bundled archive
+    (``sweeps.tgz.part-*``), and ``benchmarks/unpack_sweeps.py`` merges it into a checkout's
+    ``results/<preset>/`` with a rewritten summary (what each device call's results go through)."""
+    import shutil
+    import subprocess
+
+    work = tmp_path / "tree"
+    work.mkdir()
+    for name in ("gdn_jax", "experiments", "benchmarks"):
+        os.symlink(os.path.join(REPO, name), work / name)
+    out = tmp_path / "out"
+    env = dict(os.environ, STEPS="sweep:cpu_zoology_smoke", LIMIT_SWEEP="240", OUT=str(out), JAX_PLATFORMS="cpu",
+               SWEEP_ARGS_sweep_cpu_zoology_smoke="--mixers gdn --lrs 0.01 --shapes 16x2x16 --no-progress")
+    for d in ("/tmp/cpu_zoology_smoke", "/tmp/ckpt_cpu_zoology_smoke", "/tmp/sweep_logs"):
+        shutil.rmtree(d, ignore_errors=True)
+    r = subprocess.run(["bash", "benchmarks/run_h200.sh"], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    parts = sorted(p.name for p in out.iterdir() if p.name.startswith("sweeps.tgz.part-"))
+    assert parts, (r.stdout[-2000:], sorted(p.name for p in out.iterdir()))
+    u = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "unpack_sweeps.py"), str(out), "--root",
+                        str(work)], capture_output=True, text=True, timeout=300)
+    assert u.returncode == 0, u.stdout[-2000:] + u.stderr[-2000:]
+    res = work / "results" / "cpu_zoology_smoke"
+    runs = list((res / "runs").glob("*/lr*/results.json"))
+    assert [p.parent.parent.name for p in runs] == ["mqar_gdn_d16_L16_N2"], runs
+    summary = json.loads((res / "summary.json").read_text())
+    assert [c["mixer"] for c in summary["cells"]] == ["gdn"] and (res / "summary.md").exists()
