@@ -566,3 +566,17 @@ def test_wide_backward_lowers_for_cuda(wide, n_kernels):
     q, k, v, h_n, dh_n, ... arrays)."""
     text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wide_backward=wide), D=256)
     assert text.count("custom_call @mosaic_gpu") == n_kernels and "triton" not in text
+
+
+@pytest.mark.parametrize("K,V", [(128, 256), (256, 128)])
+def test_wide_backward_hopper_asymmetric(K, V):
+    """``wide_backward="hopper"`` where only one head dim exceeds 128 (the Hopper backward's gradient
+    kernel does not fit at K = 128, V = 256): the reverse pass and the gradient kernel on 128-column
+    blocks (1 x 2 or 2 x 1), every output within the suite's tolerances of float64."""
+    from test_hopper import _check, _run
+
+    x = make_inputs(seed_of("wide-asym", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
+    cfg = dataclasses.replace(MOSAIC, wide_backward="hopper")
+    cb = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg).calls[1]
+    assert cb.mixed_bwd and cb.wide_grads == "hopper" and HB.block_call(cb).grad_blocks == (K // 128, V // 128)
+    _check(x, _run(x, cfg))

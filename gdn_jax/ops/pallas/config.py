@@ -693,7 +693,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
     # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
     # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
-    mixed = (not call.mosaic_bwd and call.K > 128 and call.mosaic_fwd and _wide_hopper(config)
+    mixed = (not call.mosaic_bwd and max(call.K, call.V) > 128 and call.mosaic_fwd and _wide_hopper(config)
              and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
     wide = "hopper" if config.wide_backward == "hopper" else "xla"
     if mixed and wide == "hopper" and hopper_bwd.block_call(call) is None:
