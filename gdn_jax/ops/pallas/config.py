@@ -102,8 +102,8 @@ class KernelConfig:
         cover, see ``hopper.covers`` / ``hopper_bwd.covers``; Triton for the rest); None:
         "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``,
         "mosaic" runs those kernels in Mosaic GPU's interpret mode (CPU).
-      wide_backward: the backward at head dims 129-256 where the forward runs the Hopper kernels
-        (K = 256 has no Mosaic GPU gradient kernel: its tiles do not fit in shared memory):
+      wide_backward: the backward where max(K, V) is 129-256 and the forward runs the Hopper
+        kernels (the Mosaic GPU gradient kernel's tiles do not fit in shared memory there):
         "triton" (every backward stage in Triton at its own chunk, 32 on GPU, recomputing the
         forward's intermediates) or "hopper_xla" (at the forward's chunk, 64, on the forward's
         saved residuals -- ``save_wy`` and ``save_states`` on -- the Mosaic GPU reverse pass
