@@ -357,14 +357,17 @@ def test_cuda_lowering_value_and_grad(K, V, group, packed):
     assert "triton" not in text.lower().replace("mosaic_gpu", "")
 
 
-def test_x64_mode():
+@pytest.mark.parametrize("D,wide", [(64, None), (256, "hopper")])
+def test_x64_mode(D, wide):
     """Under ``jax_enable_x64`` (Python ints become int64) the Hopper kernels still build and agree
-    with the default mode (grid / loop indices stay int32)."""
-    x = make_inputs(seed_of("hopper-x64"), 1, 70, 1, 64, 64, dtype=BF16)
+    with the default mode (grid / loop indices stay int32); at D = 256 with ``wide_backward="hopper"``
+    (the gradient kernel's block indices) too."""
+    x = make_inputs(seed_of("hopper-x64", D), 1, 70, 1, D, D, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    cfg = dataclasses.replace(MOSAIC, wide_backward=wide)
 
     def loss(*a):
-        o, S = gated_delta_rule(*a, output_final_state=True, backend="pallas", kernel_config=MOSAIC)
+        o, S = gated_delta_rule(*a, output_final_state=True, backend="pallas", kernel_config=cfg)
         return jnp.sum(o.astype(F32)) + jnp.sum(S)
 
     ref = jax.grad(loss, argnums=(0, 1, 2))(*args)
