@@ -543,6 +543,8 @@ def test_wide_backward_dispatch(monkeypatch):
     assert cb(wide_backward="hopper_xla").mixed_bwd and cb(wide_backward="hopper_xla").wide_grads == "xla"
     assert cb(wide_backward="hopper").wide_grads == "hopper"
     assert cb(wide_backward="hopper", grad_warpgroups=1).wide_grads == "xla"  # the blocks need the 2-WG kernel
+    # and the direct dA: the chain's (I + A)^T needs the whole A, not a key block's (dk 2.7e-2 otherwise)
+    assert cb(wide_backward="hopper", grad_t_phase="chain").wide_grads == "xla"
     from gdn_jax.ops.pallas import hopper_bwd
 
     sub = hopper_bwd.block_call(cb(wide_backward="hopper"))

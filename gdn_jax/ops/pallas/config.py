@@ -111,8 +111,11 @@ class KernelConfig:
         :func:`.grads_xla.chunk_grads_xla`; bf16 inputs on sm_90 or Mosaic GPU's interpret
         mode) or "hopper" (the same, with the local gradients from the Hopper gradient kernel run
         on 128 x 128 (key block, value block) tiles of h_n and dh_n and summed:
-        :func:`.hopper_bwd.chunk_grads_blocks`; "hopper_xla" where no such split fits); None:
-        "triton".
+        :func:`.hopper_bwd.chunk_grads_blocks`; "hopper_xla" where the blocks do not fit or
+        with ``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1 or ``grad_t_phase="chain"``);
+        None: "triton". Either Hopper option also moves the backward's chunk to 64 on sm_90: a
+        call whose forward then runs at another chunk (an explicit ``fwd_chunk``) keeps the Triton
+        backward, at chunk 64.
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
       (None: 8 for head dims >= 128, else 4), num_stages (None: 2).
     Precision (the kernels accumulate in float32 in every case):

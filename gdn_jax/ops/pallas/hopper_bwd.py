@@ -606,9 +606,14 @@ def block_call(call: KernelCall) -> KernelCall | None:
     K > 128 (backward) call -- key and value dims cut into blocks of 128 (``grad_blocks`` = their
     counts), one virtual head per (head, key block, value block) -- or None where that kernel does
     not take the blocks (:func:`covers`) or the call asks for options it lacks there
-    (``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1)."""
+    (``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1, ``grad_t_phase="chain"`` with several key
+    blocks: the chain's dT (dVn Vn^T)(I + A)^T needs the whole A, not a key block's part)."""
     nk, nv = max(1, call.K // 128), max(1, call.V // 128)
     if call.grad_wgs != 2 or call.grad_per_cta != 1 or call.K % nk or call.V % nv:
+        return None
+    if nk > 1 and call.grad_tp != "direct":
+        # grad_t_phase="chain" forms dA through (I + A)^T with A from the CTA's own key block: not a
+        # sum over key blocks (review of 2026-12-04: dk 2.7e-2 against float64 at K = 256)
         return None
     sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
                               grad_blocks=(nk, nv), mixed_bwd=False)
@@ -621,7 +626,8 @@ def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_en
     and h_n, dh_n rows of its key block, v, dO, Vn, dVn and h_n, dh_n columns of its value block, all
     by TMA from the whole arrays), and the blocks' outputs summed. Exact by linearity: every local
     gradient is a sum of terms with one contraction over V (whose value-block parts add up) times
-    at most one over K (A, Q K^T, or a key block's own columns), so the blocks' partial dq, dk
+    at most one over K (A, Q K^T, or a key block's own columns; with ``grad_t_phase="direct"``, dA
+    = -strict((T^T dVn) Vn^T) has none), so the blocks' partial dq, dk
     (their key block's columns), d gamma, d e^gamma, d e^{gamma_C - gamma} and dbeta add up to the
     whole; dv = beta T^T dVn is its value block's columns (the same in every key block: key block
     0's is kept), and dbeta's K-free term sum(T^T dVn * v) is counted in key block 0 only. The
