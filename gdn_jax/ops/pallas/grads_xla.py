@@ -66,7 +66,7 @@ def chunk_grads_xla(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, 
     """
     if call.layout != "bthd":
         raise ValueError(f"chunk_grads_xla: the token layout [B, T, H, D] only (got layout {call.layout!r})")
-    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
+    C, V, BH, H, G, n, Tp = call.C, call.V, call.BH, call.H, call.group, call.n, call.Tp
     B = BH // H
     in_dt = jnp.dtype(call.in_dt)
     lo_dt = BF16 if in_dt == jnp.dtype(F32) else in_dt  # the operands' 16-bit dtype

@@ -639,7 +639,7 @@ def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_en
                          f"blocks of 128 with this call's options")
     nk, nv = sub.grad_blocks
     out = _chunk_grads_2wg(sub, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo)
-    B, Tp, H, n, C = call.BH // call.H, call.Tp, call.H, call.n, call.C
+    B, Tp, H = call.BH // call.H, call.Tp, call.H
     in_dt = jnp.dtype(call.in_dt)
 
     def tokens(x, sum_v):  # [B, Tp, H * nk * nv, blk] -> [B, Tp, H, D]
