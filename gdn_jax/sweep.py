@@ -85,6 +85,14 @@ ZOOLOGY_BASE = ("vocab_size=8192", "num_heads=2", "batch_size=128", "data_mode=f
                 "grad_clip=0", "min_lr_ratio=0", "lr_per_epoch=true", "target_accuracy=0.99",
                 "random_non_queries=false", "backend=auto", "log_every=100")
 
+
+
+def _zoology_variant(mixer: str, *settings: str) -> Dict[str, Any]:
+    """A preset of one mixer at Zoology's MQAR protocol (L 512, 64 pairs, d 64 / 128) with extra run settings."""
+    return dict(mixers=(mixer,), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,), lrs=ZOOLOGY_LRS, epochs=64,
+                workers_per_device=2, base=ZOOLOGY_BASE + settings)
+
+
 # Presets: sweep fields + base run settings. The H200 ones are the reduced protocols of the README.
 PRESETS: Dict[str, Dict[str, Any]] = {
     # CI smoke test: every mixer on one task for a few steps (tests/experiments/test_sweep.py runs each task)
@@ -124,23 +132,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # H200: the published-variant baselines (README "Baseline mixers") at the zoology_mqar protocol, d 64 / 128:
     # GLA as in its paper / FLA (no short convolution, key dim d/2), Mamba2's discretisation (dt-scaled input,
     # no q/k norm), Zoology's MHA (q/k/v/o biases, learned absolute positions, no RoPE, one head)
-    "zoology_gla_published": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
-                                  lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
-                                  base=ZOOLOGY_BASE + ("use_short_conv=false", "gla_expand_k=0.5")),
+    "zoology_gla_published": _zoology_variant("gla", "use_short_conv=false", "gla_expand_k=0.5"),
+    "zoology_mamba2_published": _zoology_variant("mamba2", "la_qk_l2norm=false", "mamba2_dt_input=true"),
+    "zoology_attention_zoo": _zoology_variant("attention", "attn_bias=qkvo", "pos_embedding=learned",
+                                              "rope_fraction=0", "num_heads=1"),
     # which of the published GLA's two differences from ours moves MQAR at d 64 (issue #16): each alone
-    "zoology_gla_noconv": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
-                               lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
-                               base=ZOOLOGY_BASE + ("use_short_conv=false",)),
-    "zoology_gla_halfk": dict(mixers=("gla",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
-                              lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
-                              base=ZOOLOGY_BASE + ("gla_expand_k=0.5",)),
-    "zoology_mamba2_published": dict(mixers=("mamba2",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
-                                     lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
-                                     base=ZOOLOGY_BASE + ("la_qk_l2norm=false", "mamba2_dt_input=true")),
-    "zoology_attention_zoo": dict(mixers=("attention",), d_models=(64, 128), seq_lens=(512,), num_kv_pairs=(64,),
-                                  lrs=ZOOLOGY_LRS, epochs=64, workers_per_device=2,
-                                  base=ZOOLOGY_BASE + ("attn_bias=qkvo", "pos_embedding=learned", "rope_fraction=0",
-                                                       "num_heads=1")),
+    "zoology_gla_noconv": _zoology_variant("gla", "use_short_conv=false"),
+    "zoology_gla_halfk": _zoology_variant("gla", "gla_expand_k=0.5"),
     # H200: Zoology fig. 2 cells, the same protocol at (L, pairs, batch) = (64, 4, 512), (128, 8, 512), (256, 16, 256)
     "zoology_fig2": dict(mixers=("attention", "gdn", "mamba2"), d_models=(64, 128), shapes=("64x4x512", "128x8x512",
                                                                                         "256x16x256"),

@@ -27,14 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import KernelCall
+from .hopper import _split  # float32 -> (hi, lo) bf16 pair
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def _split(x):
-    """float32 x -> (hi, lo) bf16 with hi + lo = x to ~16 mantissa bits."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
 
 
 def _mm(eq, a, b):
