@@ -562,8 +562,8 @@ def test_fwd_form_t_k256(packed, form):
 @pytest.mark.parametrize("form", [None, "wu"])
 def test_fwd_form_t_k256_lowers_for_cuda(form):
     """value_and_grad at K = V = 256 (``fwd_form`` None takes "t"): the Hopper forward (chunk 64, one q tile)
-    and the Triton backward lower for CUDA together."""
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form)  # None: "t" at K = 256
+    and the Triton backward (``wide_backward="triton"``) lower for CUDA together."""
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, wide_backward="triton")  # None: "t" at K = 256
     text = cuda_lowering(cfg, D=256, triton=True)
     assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
 

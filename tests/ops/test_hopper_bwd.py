@@ -177,8 +177,8 @@ def test_backward_coverage():
 
 
 def test_gpu_backward_chunk_on_hopper(monkeypatch):
-    """On an sm_90 GPU (patched) the default backward chunk is the Hopper kernels' 64, Triton's 32
-    elsewhere."""
+    """On an sm_90 GPU (patched) the default backward chunk is the Hopper kernels' 64 (at D = 256 the
+    mixed backward's, ``wide_backward`` None), Triton's 32 elsewhere."""
     from gdn_jax.ops.pallas import platform as plat
     from gdn_jax.ops.pallas.config import kernel_chunk
 
@@ -186,7 +186,8 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, BF16) == 64
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, jnp.float16) == 32
-    assert kernel_chunk(cfg, "gpu", "bwd", 64, 256, BF16) == 32
+    assert kernel_chunk(cfg, "gpu", "bwd", 64, 256, BF16) == 64  # wide_backward None: "hopper", at the forward's chunk
+    assert kernel_chunk(KernelConfig(wide_backward="triton"), "gpu", "bwd", 64, 256, BF16) == 32
     # the Hopper forward takes K = 256 (either form) at chunk 64; Triton's forward cap stays 32
     assert kernel_chunk(cfg, "gpu", "fwd", 64, 256, BF16) == 64
     assert kernel_chunk(KernelConfig(fwd_form="wu"), "gpu", "fwd", 64, 256, BF16) == 64
@@ -494,16 +495,18 @@ def test_grads_where_vn_cancels(wgs):
     assert errs["beta"] <= 7e-2 and errs["k"] <= 2e-2 and errs["v"] <= 2e-2 and errs["g"] <= 1e-2, errs
 
 
-@pytest.mark.parametrize("cu,group,wide", [(None, 1, "hopper_xla"), ((0, 1, 64, 150), 1, "hopper_xla"),
-                                           (None, 2, "hopper_xla"), (None, 1, "hopper"), ((0, 1, 64, 150), 1, "hopper"),
-                                           (None, 2, "hopper")])
-def test_wide_backward(cu, group, wide):
+@pytest.mark.parametrize("cu,group,wide,form", [(None, 1, "hopper_xla", None), ((0, 1, 64, 150), 1, "hopper_xla", None),
+                                                (None, 2, "hopper_xla", None), (None, 1, "hopper", None),
+                                                ((0, 1, 64, 150), 1, "hopper", None), (None, 2, "hopper", None),
+                                                (None, 1, None, "wu")])
+def test_wide_backward(cu, group, wide, form):
     """``KernelConfig(wide_backward="hopper_xla" | "hopper")`` at K = V = 256: the backward runs at the
     forward's chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the
     local gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) or from the Hopper gradient kernel
     on 128 x 128 key / value blocks, summed (``hopper_bwd.chunk_grads_blocks``) -- and every gradient
     is within the suite's tolerances of float64 (T not a multiple of the chunk, an initial state,
-    strong gates; with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head).
+    strong gates; with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head;
+    the default (None: "hopper") after the forward's "wu" form, whose residuals are the same arrays).
     Measured (bf16, the first draw), rel. RMS dq / dk / dv / dg / dbeta / d h0: hopper_xla 3.3e-3 /
     3.3e-3 / 2.9e-3 / 1.2e-3 / 5.3e-3 / 1.6e-3, hopper 3.8e-3 / 4.1e-3 / 2.9e-3 / 1.2e-3 / 5.3e-3 /
     1.6e-3 (its dq, dk are sums of two bf16-rounded value-block parts), the Triton backward 3.0e-3 /
@@ -519,19 +522,19 @@ def test_wide_backward(cu, group, wide):
                     init=True, N=N)
     if group > 1:  # one key head for both value heads
         x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
-    cfg = dataclasses.replace(MOSAIC, wide_backward=wide)
+    cfg = dataclasses.replace(MOSAIC, wide_backward=wide, fwd_form=form)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
     assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
-    assert cb.wide_grads == ("hopper" if wide == "hopper" else "xla")
+    assert cb.wide_grads == ("xla" if wide == "hopper_xla" else "hopper") and cf.fwd_form == (form or "t")
     assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == (
-        "hopper-blocks" if wide == "hopper" else "hopper+xla", None)
+        "hopper+xla" if wide == "hopper_xla" else "hopper-blocks", None)
     _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
 
 
 def test_wide_backward_dispatch(monkeypatch):
-    """Where ``wide_backward="hopper_xla"`` applies: K > 128 with the Hopper forward at the same chunk
-    and both residual options on; None / "triton", ``save_states=False``, a Triton forward or K <= 128
+    """Where ``wide_backward="hopper_xla"`` / "hopper" (and None, which means "hopper") applies: K > 128
+    with the Hopper forward at the same chunk and both residual options on; "triton", ``save_states=False``, a Triton forward or K <= 128
     keep the other backwards; on an sm_90 GPU (patched) the backward chunk at D = 256 becomes 64; a bad
     value is refused."""
     from gdn_jax.ops.pallas import platform as plat
@@ -549,7 +552,8 @@ def test_wide_backward_dispatch(monkeypatch):
 
     sub = hopper_bwd.block_call(cb(wide_backward="hopper"))
     assert (sub.K, sub.V, sub.grad_blocks, sub.BH) == (128, 128, (2, 2), 4)
-    for kw in ({}, dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
+    assert cb().mixed_bwd and cb().wide_grads == "hopper"  # None: "hopper"
+    for kw in (dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
                dict(wide_backward="hopper_xla", save_wy=False), dict(wide_backward="hopper_xla", gpu_kernels="triton")):
         assert not cb(**kw).mixed_bwd, kw
     x128 = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 128, 128, dtype=BF16)
@@ -559,11 +563,13 @@ def test_wide_backward_dispatch(monkeypatch):
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla"), "gpu", "bwd", 64, 256, BF16) == 64
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla", save_states=False), "gpu", "bwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(), "gpu", "bwd", 64, 256, BF16) == 64
+    assert kernel_chunk(KernelConfig(wide_backward="triton"), "gpu", "bwd", 64, 256, BF16) == 32
     with pytest.raises(ValueError, match="wide_backward"):
         KernelConfig(wide_backward="xla")
 
 
-@pytest.mark.parametrize("wide,n_kernels", [("hopper_xla", 3), ("hopper", 4)])
+@pytest.mark.parametrize("wide,n_kernels", [("hopper_xla", 3), ("hopper", 4), (None, 4)])
 def test_wide_backward_lowers_for_cuda(wide, n_kernels):
     """value_and_grad at K = V = 256 with ``wide_backward="hopper_xla"`` lowers for CUDA: the Hopper
     forward (WY T-form, state pass) and reverse pass -- three Mosaic GPU kernels -- and no Triton

@@ -113,7 +113,9 @@ class KernelConfig:
         on 128 x 128 (key block, value block) tiles of h_n and dh_n and summed:
         :func:`.hopper_bwd.chunk_grads_blocks`; "hopper_xla" where the blocks do not fit or
         with ``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1 or ``grad_t_phase="chain"``);
-        None: "triton". Either Hopper option also moves the backward's chunk to 64 on sm_90: a
+        None: "hopper" (measured on the H200 at 2x8192x8x256, fwd+bwd ms: "triton" 3.92,
+        "hopper_xla" 3.72, "hopper" 1.99, jax-linear-attention 2.23;
+        results/hopper_h200/bench_pallas_b_wide_hopper_4ea63e2.txt). Either Hopper option also moves the backward's chunk to 64 on sm_90: a
         call whose forward then runs at another chunk (an explicit ``fwd_chunk``) keeps the Triton
         backward, at chunk 64.
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
@@ -653,8 +655,8 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
 
 
 def _wide_hopper(config: KernelConfig) -> bool:
-    """Whether ``config.wide_backward`` asks for a Hopper backward at K > 128 ("hopper_xla", "hopper")."""
-    return (config.wide_backward in ("hopper_xla", "hopper") and config.save_wy is not False
+    """Whether ``config.wide_backward`` asks for a Hopper backward at K > 128 (None, "hopper_xla", "hopper")."""
+    return (config.wide_backward in (None, "hopper_xla", "hopper") and config.save_wy is not False
             and config.save_states is not False)
 
 
@@ -698,7 +700,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
     mixed = (not call.mosaic_bwd and max(call.K, call.V) > 128 and call.mosaic_fwd and _wide_hopper(config)
              and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
-    wide = "hopper" if config.wide_backward == "hopper" else "xla"
+    wide = "xla" if config.wide_backward == "hopper_xla" else "hopper"
     if mixed and wide == "hopper" and hopper_bwd.block_call(call) is None:
         wide = "xla"  # no block split the Hopper gradient kernel takes: the XLA gradients
     return dataclasses.replace(call, mixed_bwd=mixed, wide_grads=wide)
