@@ -760,3 +760,47 @@ def test_state_two_warpgroups_lower_for_cuda(form):
     cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, state_warpgroups=2, save_states=False)
     text = cuda_lowering(cfg)
     assert text.count("custom_call @mosaic_gpu") >= 5
+
+
+@pytest.mark.parametrize("save_states,group,packed", [(True, 1, False), (False, 2, True)])
+def test_fwd_form_transition(save_states, group, packed):
+    """``KernelConfig(fwd_form="transition")`` at K = V = 64 (gdn_jax.ops.pallas.hopper_transition):
+    the state chain as S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W, the outputs one step late,
+    three TMA slots. Strong gates with an initial state and ``save_states``, then grouped value heads
+    with ``cu_seqlens`` (an empty and a length-1 sequence). It takes effect (o differs from "wu"'s),
+    stays at the kernels' bf16 rounding of "wu" (rel_rms <= 4e-3) and o, S and every gradient are
+    within the suite's tolerances of float64."""
+    T, N = 200, (4 if packed else None)
+    cu = jnp.asarray([0, 70, 70, 71, T], jnp.int32) if packed else None
+    seed = seed_of("hopper-fwd-form-transition", save_states, group)
+    x = make_inputs(seed, 1, T, 2, 64, 64, gates="strong", dtype=BF16, init=True, N=N)
+    if group > 1:
+        y = make_inputs(seed + 1, 1, T, 2 * group, 64, 64, gates="strong", dtype=BF16, init=True, N=N)
+        x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
+    base = dataclasses.replace(MOSAIC, save_states=save_states)
+    cfg = dataclasses.replace(base, fwd_form="transition")
+    assert _mosaic_taken(x, cfg, cu_seqlens=cu)
+    ref = _run(x, base, cu_seqlens=cu)
+    got = _run(x, cfg, cu_seqlens=cu)
+    rel = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                                     / np.mean(np.asarray(b, np.float64) ** 2)))
+    errs = [rel(got[0], ref[0]), rel(got[1], ref[1])] + [rel(got[2][n], ref[2][n]) for n in got[2]]
+    assert errs[0] > 0 and max(errs) <= 4e-3, errs
+    _check(x, got, cu_seqlens=cu)
+
+
+def test_fwd_form_transition_covers_and_lowers():
+    """The transition pass refuses K = 128 (three slots of M = 32 KB each do not fit shared memory)
+    and lowers for CUDA at K = 64 (value_and_grad: its state pass is one more Mosaic GPU kernel)."""
+    from gdn_jax.ops.pallas import forward_kernels
+
+    x = make_inputs(1, 1, 128, 2, 128, 128, dtype=BF16)
+    kern, why = forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
+                                kernel_config=dataclasses.replace(MOSAIC, fwd_form="transition"))[:2]
+    assert "transition" in str(why), (kern, why)
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form="transition")
+    sds = [jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)] * 3
+    sds += [jax.ShapeDtypeStruct((1, 256, 2), F32), jax.ShapeDtypeStruct((1, 256, 2), BF16)]
+    fn = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 2

@@ -47,7 +47,7 @@ _CHOICES = {"mid_dtype": ("auto", "f32", "bf16"), "u_dtype": ("f32", "mid"), "st
             "gpu_f32_mm": (None, "tf32", "tf32x3", "ieee"), "platform": (None,) + PLATFORMS,
             "gpu_kernels": (None, "triton", "mosaic"), "f32_inputs": ("keep", "bf16"), "f16_inputs": ("keep", "bf16"),
             "wy_inverse": ("dense", "blocked"), "wy_precision": ("bf16x3", "bf16_blocks", "bf16"),
-            "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t"),
+            "grad_precision": ("bf16x3", "bf16"), "grad_t_phase": ("chain", "direct"), "fwd_form": (None, "wu", "t", "transition"),
             "wide_backward": (None, "triton", "hopper_xla", "hopper")}
 _OPTIONAL_INTS = ("fwd_chunk", "bwd_chunk", "bv_state", "bv_out", "bv_grad", "bk_grad", "warps_grad", "num_stages",
                   "grad_chunks_per_cta", "wy_chunks_per_cta")
@@ -209,6 +209,11 @@ class KernelConfig:
         2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370;
         0.408 vs 0.367 in the next call, results/hopper_h200/stages_d256_d15482b.txt).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
+        "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64; built
+        2026-12-04, NOT yet run on a GPU): the state pass of
+        :mod:`gdn_jax.ops.pallas.hopper_transition`, one dependent wgmma group per chunk on the S
+        chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed before the pass), the
+        outputs off the chain (results/hopper_h200/NOTE.md item 28).
       approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
         ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
         below float32's normal range flush to 0) instead of libdevice's expf. The WY and gradient

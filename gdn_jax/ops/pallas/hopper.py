@@ -283,7 +283,13 @@ def covers(call: KernelCall) -> str | None:
     if producer(call) and call.V % (call.bv_mosaic * call.state_wgs):
         return (f"state_warpgroups={call.state_wgs} x value block {call.bv_mosaic} does not divide V={call.V} "
                 f"(KernelConfig.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
-    if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
+    if call.fwd_form == "transition":
+        from . import hopper_transition
+
+        why = hopper_transition.covers(call)
+        if why is not None:
+            return why
+    elif smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
         fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
         return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
                 f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"

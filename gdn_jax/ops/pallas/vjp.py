@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import packing as _packing
 from .._common import prepare
-from . import hopper, hopper_bwd
+from . import hopper, hopper_bwd, hopper_transition
 from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
@@ -87,6 +87,11 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         out = hopper.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                                wy["aqk"], save_states=save_states, v=v,
                                                t=(wy["t_hi"], wy["t_lo"]), beta=beta)
+    elif call.mosaic_fwd and call.fwd_form == "transition":  # Hopper, one wgmma group per chunk on the chain
+        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
+        kt, m = hopper_transition.transition_inputs(call, k, wy["w"], e_gam_end)
+        out = hopper_transition.forward_states_transition(call, wy["w"], wy["u"], kt, m, e_gam_end, e_gam_last, h0,
+                                                          flags, q, e_gam, wy["aqk"], save_states=save_states)
     elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
         out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
