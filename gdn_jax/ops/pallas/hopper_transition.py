@@ -178,7 +178,10 @@ def forward_states_transition(call: KernelCall, w, u, kt, m, e_gam_end, e_gam_la
             return S_new, qs * bcast(e_o, qs.shape)
 
         S, o0 = lax.fori_loop(_i32(0), _i32(n), step, (S0, zeros((C, bv))))
-        (o,) = _mmas([(o0, r["a_s"].at[(n - 1) % D], vn_s)], interp)
+        # the last chunk's slot as a traced index: JAX 0.11.2's Mosaic GPU lowering rejects a constant
+        # ref index inside an initialised accumulator's run_state ("must be represented by ir.Values")
+        last_slot = lax.rem(lax.axis_index("vb") * 0 + _i32(n - 1), _i32(D))
+        (o,) = _mmas([(o0, r["a_s"].at[last_slot], vn_s)], interp)
         store_o(o, n - 1)
         if not call.packed:
             store_state(S, 0)
