@@ -373,28 +373,22 @@ def main(argv=None):
                     same = bit_equal(lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw),
                                      lambda A, kw=kw: state_pass(cf1, A, **kw), F)
                     print(f"    {label}: outputs equal to the one-warpgroup pass: {same}", flush=True)
-            # KernelConfig.fwd_form="transition" (K = 64): the state chain with M = -K~^T W formed before
-            # the pass (in XLA: "fwd transition inputs [xla]"), one wgmma group per chunk; against the pass above
+            # KernelConfig.fwd_form="transition" (K = 64): the state chain as one wgmma group per chunk
+            # (S' = e^{gamma_C} S + K~^T U + M S, M formed a chunk ahead in the pass); against the pass above
             ctr = dataclasses.replace(cf, fwd_form="transition", state_prod=False)
-            if (any(wanted(lb) for lb in ("fwd transition inputs [xla]", "fwd state transition",
-                                          "fwd state transition + h, Vn"))
+            if (any(wanted(lb) for lb in ("fwd state transition", "fwd state transition + h, Vn"))
                     and wu and importlib.util.find_spec("gdn_jax.ops.pallas.hopper_transition")
                     and HF.covers(ctr) is None):
                 from gdn_jax.ops.pallas import hopper_transition as HT
 
-                tin = lambda A: HT.transition_inputs(ctr, A["k"], A["w"], A["ekd"])
-                if wanted("fwd transition inputs [xla]"):
-                    line("fwd transition inputs [xla]", tin, F)
-                Ftr = dict(F, **dict(zip(("kt", "m"), jax.jit(tin)(F))))
-
                 def state_tr(A, **kw):
-                    return HT.forward_states_transition(ctr, A["w"], A["u"], A["kt"], A["m"], A["ekd"], A["dec"],
-                                                        A["h0"], A["fl"], A["q"], A["eg"], A["aqk"], **kw)
+                    return HT.forward_states_transition(ctr, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+                                                        A["fl"], A["q"], A["eg"], A["aqk"], **kw)
 
                 for label, kw in (("fwd state transition", {}), ("fwd state transition + h, Vn", dict(save_states=True))):
                     if wanted(label):
-                        line(label, lambda A, kw=kw: state_tr(A, **kw), Ftr)
-                a, b_ = jax.jit(state_tr)(Ftr), jax.jit(lambda A: state_pass(cf, A))(F)
+                        line(label, lambda A, kw=kw: state_tr(A, **kw), F)
+                a, b_ = jax.jit(state_tr)(F), jax.jit(lambda A: state_pass(cf, A))(F)
                 rel = {key: float(jnp.sqrt(jnp.mean((a[key].astype(jnp.float32) - b_[key].astype(jnp.float32)) ** 2)
                                            / jnp.mean(b_[key].astype(jnp.float32) ** 2))) for key in ("o", "final")}
                 print(f"    transition vs default pass rel_rms: o {rel['o']:.1e}  final {rel['final']:.1e}", flush=True)

@@ -212,8 +212,8 @@ class KernelConfig:
         "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64; built
         2026-12-04, NOT yet run on a GPU): the state pass of
         :mod:`gdn_jax.ops.pallas.hopper_transition`, one dependent wgmma group per chunk on the S
-        chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed before the pass), the
-        outputs off the chain (results/hopper_h200/NOTE.md item 28).
+        chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed a chunk ahead in the pass),
+        the outputs off the chain (results/hopper_h200/NOTE.md item 28).
       approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
         ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
         below float32's normal range flush to 0) instead of libdevice's expf. The WY and gradient

@@ -89,8 +89,7 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
                                                t=(wy["t_hi"], wy["t_lo"]), beta=beta)
     elif call.mosaic_fwd and call.fwd_form == "transition":  # Hopper, one wgmma group per chunk on the chain
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
-        kt, m = hopper_transition.transition_inputs(call, k, wy["w"], e_gam_end)
-        out = hopper_transition.forward_states_transition(call, wy["w"], wy["u"], kt, m, e_gam_end, e_gam_last, h0,
+        out = hopper_transition.forward_states_transition(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0,
                                                           flags, q, e_gam, wy["aqk"], save_states=save_states)
     elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
