@@ -69,9 +69,8 @@ _NO_OUT = [("                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s 
             "                (ws,) = _mmas([((C, bv), x_s, s_s)], interp, between=prev)\n                qs = ws"),
            ("            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_end, _T(k_s.at[slot]), vs_s)], interp)",
             "            (S,) = _mmas([(S * g_end, _T(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
-_NO_O_STORE = [("            o_s[...] = o.astype(o_s.dtype)\n            plgpu.commit_smem()\n"
-                "            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
-                "            pass")]
+_NO_O_STORE = [("            tile_out(o, o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
+                "            plgpu.wait_smem_to_gmem(0, wait_read_only=True)")]  # the store's wait stays
 _NO_WAIT = [("            wait_slot(slot)\n            if one_q:", "            if one_q:")]
 _NO_FETCH = [("            if fetch is not None:\n                pl.when(i + 1 < n)(lambda: fetch(i + 1, 1 - slot))\n",
               "")] + _NO_WAIT

@@ -179,6 +179,26 @@ def _split(x, lo=True):
     return hi, (x - hi.astype(F32)).astype(BF16) if lo else None
 
 
+def tile_in(src, tile, bar, interp):
+    """A GMEM block into the staging ``tile`` by TMA (once the tile's last TMA store has read it),
+    then into registers in the wgmma layout: the state passes' initial-state loads."""
+    plgpu = _plgpu()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.copy_gmem_to_smem(src, tile, bar)
+    plgpu.barrier_wait(bar)
+    return _load(tile, plgpu.Layout.WGMMA, interp)
+
+
+def tile_out(x, tile, dst):
+    """Registers ``x`` through the staging ``tile`` to ``dst`` by TMA (the store waits until the tile's
+    last TMA store has read it, and is committed before the copy): o and final-state stores."""
+    plgpu = _plgpu()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    tile[...] = x.astype(tile.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile, dst)
+
+
 def _i32(x):
     """A Python int as an int32 scalar: grid and loop indices are int32, and lax.div / rem want
     equal dtypes (a bare Python int becomes int64 under ``jax_enable_x64``)."""
@@ -464,17 +484,8 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         def fetch_w(i):  # single_q, "wu": the one W tile
             plgpu.copy_gmem_to_smem(r["w_ref"].at[bh, pl.ds(i * C, C)], w_s, r["w_bar"])
 
-        def load_state(seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
-            plgpu.copy_gmem_to_smem(h0_ref.at[bh, seq, :, vsl], f_s, h0_bar)
-            plgpu.barrier_wait(h0_bar)
-            return _load(f_s, plgpu.Layout.WGMMA, interp)
-
-        def store_state(S, seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            f_s[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(f_s, fin_ref.at[bh, seq, :, vsl])
+        load_state = lambda seq: tile_in(h0_ref.at[bh, seq, :, vsl], f_s, h0_bar, interp)
+        store_state = lambda S, seq: tile_out(S, f_s, fin_ref.at[bh, seq, :, vsl])
 
         if fetch is not None:
             fetch(0, 0)
@@ -493,10 +504,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         late = call.late_o and not rec  # KernelConfig.late_o_store: chunk i-1's o leaves during step i's wgmmas
 
         def store_o(o, j):  # o of chunk j through o_s by TMA
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_s[...] = o.astype(o_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
+            tile_out(o, o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
 
         def step(i, carry):
             S, o_prev = carry if late else (carry, None)

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _sync, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
-                     _wait_slot, chunk_last_row, scaled_t, write_w_u)
+                     _wait_slot, chunk_last_row, scaled_t, tile_in, tile_out, write_w_u)
 
 SMEM_BYTES = 227 * 1024
 
@@ -820,17 +820,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
             for x in which:
                 plgpu.copy_gmem_to_smem(srcs[x], (q_s, k_s, w_s)[x], single_bars[x])
 
-        def load_state(seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.copy_gmem_to_smem(df_ref.at[bh, seq, :, vsl], f_s, f_bar)
-            plgpu.barrier_wait(f_bar)
-            return _load(f_s, WG, interp)
-
-        def store_state(dS, seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            f_s[...] = dS
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(f_s, dh0_ref.at[bh, seq, :, vsl])
+        load_state = lambda seq: tile_in(df_ref.at[bh, seq, :, vsl], f_s, f_bar, interp)
+        store_state = lambda dS, seq: tile_out(dS, f_s, dh0_ref.at[bh, seq, :, vsl])
 
         def consume():
             if not prod:  # (with the producer warpgroup, it fetches every chunk)

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from .config import KernelCall
 from .hopper import (BF16, F32, SMEM_BYTES, _T, _i32, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem,
-                     chunk_last_row)
+                     chunk_last_row, tile_in, tile_out)
 
 SLOTS = 3
 
@@ -105,23 +105,9 @@ def forward_states_transition(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             kk = _load(r["k_s"].at[slot], plgpu.Layout.WGMMA, interp).astype(F32)
             kt_s[par] = (kk * bcast(_load(g_s.at[slot, 1], row, interp), (C, K))).astype(BF16)
 
-        def load_state(seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f_s may still feed a final-state store
-            plgpu.copy_gmem_to_smem(r["h0_ref"].at[bh, seq, :, vsl], f_s, r["h0_bar"].at[0])
-            plgpu.barrier_wait(r["h0_bar"].at[0])
-            return _load(f_s, plgpu.Layout.WGMMA, interp)
-
-        def store_state(S, seq):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            f_s[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(f_s, r["fin_ref"].at[bh, seq, :, vsl])
-
-        def store_o(o, j):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_s[...] = o.astype(o_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, r["o_ref"].at[b, pl.ds(j * C, C), h, vsl])
+        load_state = lambda seq: tile_in(r["h0_ref"].at[bh, seq, :, vsl], f_s, r["h0_bar"].at[0], interp)
+        store_state = lambda S, seq: tile_out(S, f_s, r["fin_ref"].at[bh, seq, :, vsl])
+        store_o = lambda o, j: tile_out(o, o_s, r["o_ref"].at[b, pl.ds(j * C, C), h, vsl])
 
         def zeros(shape):
             z = jnp.zeros(shape, F32)
