@@ -87,14 +87,13 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         out = hopper.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                                wy["aqk"], save_states=save_states, v=v,
                                                t=(wy["t_hi"], wy["t_lo"]), beta=beta)
-    elif call.mosaic_fwd and call.fwd_form == "transition":  # Hopper, one wgmma group per chunk on the chain
-        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
-        out = hopper_transition.forward_states_transition(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0,
-                                                          flags, q, e_gam, wy["aqk"], save_states=save_states)
     elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
         wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
-        out = hopper.forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
-                                               wy["aqk"], save_states=save_states)
+        # fwd_form "transition": the state pass with one wgmma group per chunk on its chain
+        state_pass = (hopper_transition.forward_states_transition if call.fwd_form == "transition"
+                      else hopper.forward_states_and_output)
+        out = state_pass(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam, wy["aqk"],
+                         save_states=save_states)
     if call.mosaic_fwd:
         o, fin = out["o"], out["final"]
         if save_wy:
