@@ -99,7 +99,7 @@ def run_case(case, dtype, config):
     for n, val in zip(NAMES, gr):
         errs["d" + n] = rel_rms(to_f64(val), rg[n])
         tol["d" + n] = (1.2e-2 if loose else TOL_GATE) if n in ("g", "beta") else (1.2e-2 if loose else TOL_GRAD)
-    if name in EDGE_DG and dtype == BF16:  # the suite's tolerance for this draw's small dg (see EDGE_DG)
+    if name in EDGE_DG and dtype == BF16 and K == 256:  # the suite's tolerance for this draw's small dg (see EDGE_DG)
         tol["dg"], abs_tol = EDGE_DG[name]
         abs_err = float(np.sqrt(np.mean((to_f64(gr[3]) - np.asarray(rg["g"], np.float64)) ** 2)))
         if not abs_err <= abs_tol:
@@ -116,6 +116,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="CPU interpret mode, three cases")
     ap.add_argument("--cases", nargs="*", default=None,
                     help="only the cases whose name contains one of these, e.g. --cases d256 gva")
+    ap.add_argument("--key_dim", type=int, default=None,
+                    help="run every case with this key head dim K (names get '@k<K>'), e.g. 64 for kernels that "
+                         "cover K = 64 only (KernelConfig(fwd_form='transition'))")
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
@@ -128,6 +131,8 @@ def main(argv=None):
     cases = CASES[:3] if (args.quick or not gpu) else CASES
     if args.cases:
         cases = [c for c in CASES if any(w in c[0] for w in args.cases)]
+    if args.key_dim:
+        cases = [(f"{c[0]}@k{args.key_dim}", *c[1:5], args.key_dim, *c[6:]) for c in cases]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {len(cases)} cases x {args.dtypes} x "
           f"{[c for c, _ in configs]}", flush=True)
     rows, failed = [], 0

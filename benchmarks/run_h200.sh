@@ -10,6 +10,7 @@
 #
 # Steps (LIMIT_<STEP> seconds bounds each, so that a slow one cannot eat the others'):
 #   check      benchmarks/check_gpu.py, the suite's float64 cases on the GPU (CHECK_ARGS adds flags)
+#   check2     a second check_gpu.py run (CHECK2_ARGS, LIMIT_CHECK2; output check_gpu2.txt)
 #   bench_a/_b benchmarks/bench_pallas.py, shapes 0-2 / 3-4 with FLA and jax-linear-attention live
 #              (bench = both; BENCH_SHAPES_A / _B replace the shapes, BENCH_FLAGS adds flags, e.g.
 #              BENCH_SHAPES_A=0 BENCH_FLAGS=--no-chunk: one shape in ~2 min); LIMIT_BENCH
@@ -156,6 +157,7 @@ fi
 for s in $STEPS; do
   case $s in
     check) timeout "${LIMIT_CHECK:-240}" python benchmarks/check_gpu.py ${CHECK_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/check_gpu.txt" | tail -3 ;;
+    check2) timeout "${LIMIT_CHECK2:-240}" python benchmarks/check_gpu.py ${CHECK2_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/check_gpu2.txt" | tail -3 ;;
     bench|bench_a) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes ${BENCH_SHAPES_A:-0,1,2} --reps 20 --no-breakdown ${BENCH_FLAGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/bench_pallas_a.txt" | tail -3 ;;&
     bench|bench_b) timeout "${LIMIT_BENCH:-330}" python benchmarks/bench_pallas.py --shapes ${BENCH_SHAPES_B:-3,4} --reps 20 --no-breakdown ${BENCH_FLAGS:-} \
