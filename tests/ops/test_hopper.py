@@ -802,3 +802,18 @@ def test_fwd_form_transition_covers_and_lowers():
     fn = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
     text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
     assert text.count("custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("H,form,want", [(64, None, "t"), (8, None, "wu"), (64, "wu", "wu")])
+def test_fwd_form_default_at_k128(H, form, want):
+    """``fwd_form`` None at K = 128 takes "t" with >= 128 state-pass CTAs (config.t_form_default:
+    H 64 x V / 64 = 128 here), "wu" with fewer; an explicit "wu" is kept."""
+    from gdn_jax.ops.pallas import to_kernel_inputs
+    from gdn_jax.ops.pallas.config import T_FORM_MIN_CTAS, t_form_default
+
+    x = jnp.zeros((1, 64, H, 128), jnp.bfloat16)
+    gz = jnp.zeros((1, 64, H), jnp.float32)
+    cfg = dataclasses.replace(MOSAIC, fwd_form=form)
+    cf = to_kernel_inputs(x, x, x, gz, gz, chunk_size=64, config=cfg).calls[0]
+    assert cf.mosaic_fwd and cf.fwd_form == want
+    assert t_form_default(cf) == (cf.BH * (cf.V // cf.bv_mosaic) >= T_FORM_MIN_CTAS)

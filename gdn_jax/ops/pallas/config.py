@@ -200,7 +200,8 @@ class KernelConfig:
         state pass keeps one q tile ("t") or one q and one W tile ("wu", built 2026-12-03, not yet
         run on a GPU: one dependent wgmma less per chunk than "t", for W and U's HBM traffic),
         refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.single_q`). None
-        (default): "t" where K > 128, else "wu". Measured on one H200 (2026-12-03, code 1d1c827,
+        (default): "t" where K > 128 and at K = 128 with at least 128 state-pass CTAs
+        (:func:`t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (2026-12-03, code 1d1c827,
         results/hopper_h200/stages_1d1c827.txt, bench_d256_1d1c827.txt, pipelined ms):
         4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
         pass 0.131 / + h, Vn 0.170 vs
@@ -210,10 +211,13 @@ class KernelConfig:
         0.408 vs 0.367 in the next call, results/hopper_h200/stages_d256_d15482b.txt).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
         "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64; built
-        2026-12-04, NOT yet run on a GPU): the state pass of
+        2026-12-04): the state pass of
         :mod:`gdn_jax.ops.pallas.hopper_transition`, one dependent wgmma group per chunk on the S
         chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed a chunk ahead in the pass),
-        the outputs off the chain (results/hopper_h200/NOTE.md item 28).
+        the outputs off the chain (results/hopper_h200/NOTE.md item 28). On one H200 (session 32,
+        results/hopper_h200/stages_transition_85f7bca_s32.txt) correct (GPU check 10 of 10 at
+        K = 64) but slower: 2x8192x16x64 state pass 0.255 vs 0.157 ms (~1.75x the wgmma work per
+        chunk on one warpgroup), so it stays opt-in.
       approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
         ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
         below float32's normal range flush to 0) instead of libdevice's expf. The WY and gradient
@@ -673,6 +677,21 @@ def _own_barriers(auto_barriers: Optional[bool]) -> Tuple[str, ...]:
     return () if auto_barriers else OWN_BARRIER_KERNELS
 
 
+# KernelConfig.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
+T_FORM_MIN_CTAS = 128
+
+
+def t_form_default(call: KernelCall) -> bool:
+    """Whether ``KernelConfig.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
+    set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
+    (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
+    CTA's chain is the bound and "wu" wins. Measured on one H200 (2026-12-04, code f1a7d50,
+    results/hopper_h200/stages_tform_f1a7d50.txt, pipelined ms, "wu" vs "t"): 4x4096x16x128
+    (128 CTAs) fwd 0.259 vs 0.215, fwd+bwd 0.967 vs 0.925; 1x16384x16x128 (64 CTAs) 0.443 vs
+    0.435, 1.494 vs 1.576; 2x8192x16x64 (64 CTAs) 0.242 vs 0.253, 0.732 vs 0.764."""
+    return call.K == 128 and call.BH * (call.V // call.bv_mosaic) >= T_FORM_MIN_CTAS
+
+
 def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
     """Whether ``config.gpu_kernels`` asks for the Hopper kernels on ``platform`` (None: on an sm_90
     GPU with a JAX whose Mosaic GPU API they use: checked on 0.10.2 (lowering) and 0.11.2)."""
@@ -699,6 +718,11 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
         call = dataclasses.replace(call, state_prod=False, rev_prod=False)
     call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
+    if config.fwd_form is None and t_form_default(call):  # K = 128 with many state-pass CTAs: "t"
+        t = dataclasses.replace(call, fwd_form="t")
+        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper.block_for(t))
+        if hopper.covers(t) is None:
+            call = t
     call = dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
     # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
     # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
