@@ -5,6 +5,12 @@ Run it whenever the kernels change and commit its output (``results/<name>/check
     python benchmarks/check_gpu.py                     # on the GPU: default kernels and Triton-only
     python benchmarks/check_gpu.py --configs gpu_kernels=triton "gpu_kernels=mosaic,bv_state=32"
     python benchmarks/check_gpu.py --quick             # CPU: interpret mode, a few cases (smoke test)
+    python benchmarks/check_gpu.py --quick --configs "gpu_kernels=mosaic,fwd_form=t"   # CPU, the Hopper kernels
+
+On CPU the Hopper (Mosaic GPU) kernels run in interpret mode only with ``gpu_kernels=mosaic`` in the
+config (without it the Triton kernels' interpret twins run and Hopper-only options such as
+``fwd_form`` are unused: the fwd/bwd column says which kernels ran). Imports ``tests/conftest.py``:
+needs the test extra (pytest).
 
 Cases (``tests/conftest.make_inputs``; compared with ``tests/reference.py`` in float64 on the same
 rounded inputs): strong and weak gates, FLA's strong-gate grid row (gates -16 .. -35 per token), T not
