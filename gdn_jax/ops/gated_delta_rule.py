@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import chunk as _chunk
 from . import scan as _scan
@@ -176,13 +177,23 @@ def gated_delta_rule(
       unless ``output_final_state``.
 
     Raises:
-      TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size.
+      TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size, a
+        non-bool use_qk_l2norm / output_final_state / mask_nonfinite.
       ValueError: wrong ranks or mismatched B/T/H/K/V (the message names the argument and gives the
         shape received and expected), chunk_size <= 0, cu_seqlens with B != 1 or not from 0 to T
         or decreasing, initial_state of the wrong shape, unknown backend, a kernel_config with
         a backend other than pallas / auto.
       NotImplementedError: an explicit backend that does not take the call's gate forms.
     """
+    for name, flag in (("use_qk_l2norm", use_qk_l2norm), ("output_final_state", output_final_state),
+                       ("mask_nonfinite", mask_nonfinite)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
+    # backend sees the same dtypes
+    q, k, v, g, beta = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v, g, beta))
+    if isinstance(initial_state, np.ndarray):
+        initial_state = jnp.asarray(initial_state)
     forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
     _check_kernel_config(kernel_config, backend)
     K, V = q.shape[-1], v.shape[-1]

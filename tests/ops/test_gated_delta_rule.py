@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, Inputs, check_close, make_inputs
+from conftest import (BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, Inputs, check_close, make_inputs,
+                      seed_of)
 from reference import reference, reference_boxed, reference_grads, rel_rms, to_f64
 
 try:
@@ -597,6 +598,8 @@ VALIDATION = [
                                                            initial_state=jnp.zeros((3, _H, _K, _V), F32)),
      ValueError, "initial_state"),
     ("backend-unknown", _set(backend=lambda _: "nope"), ValueError, "backend"),
+    ("use_qk_l2norm-str", _set(use_qk_l2norm=lambda _: "yes"), TypeError, "use_qk_l2norm"),
+    ("mask_nonfinite-int", _set(mask_nonfinite=lambda _: 1), TypeError, "mask_nonfinite"),
 ]
 
 
@@ -608,3 +611,24 @@ def test_validation_errors(backend, mod, exc, match):
     mod(a, kwargs)
     with pytest.raises(exc, match=match):
         _op()(a["q"], a["k"], a["v"], a["g"], a["beta"], **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+def test_numpy_float64_inputs_as_jax_takes_them(backend):
+    """NumPy float64 inputs with x64 off are float32 to JAX: every backend (pallas included) takes
+    them as such and agrees with the same call on jnp float32 arrays."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 on: float64 stays float64")
+    r = np.random.default_rng(seed_of("numpy-f64", backend))
+    shapes = dict(q=(1, 40, 2, 16), k=(1, 40, 2, 16), v=(1, 40, 2, 16), g=(1, 40, 2), beta=(1, 40, 2))
+    as_np = {n: r.normal(size=s) for n, s in shapes.items()}  # float64
+    as_np["k"] /= np.linalg.norm(as_np["k"], axis=-1, keepdims=True)
+    as_np["g"] = -np.abs(as_np["g"]) / 4
+    as_np["beta"] = 1 / (1 + np.exp(-as_np["beta"]))
+    a = {n: jnp.asarray(x, jnp.float32) for n, x in as_np.items()}
+    kw = dict(backend=backend, chunk_size=16, output_final_state=True)
+    o, S = _op()(*(as_np[n] for n in ("q", "k", "v", "g", "beta")), **kw)
+    o2, S2 = _op()(*(a[n] for n in ("q", "k", "v", "g", "beta")), **kw)
+    assert o.dtype == jnp.float32 and S.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(S), np.asarray(S2), rtol=1e-5, atol=1e-6)
