@@ -10,6 +10,7 @@ steps on one fixed batch (synchronised)::
     python benchmarks/bench_train_step.py --mixers gla --d_models 128 --env XLA_FLAGS=--xla_gpu_autotune_level=0
     python benchmarks/bench_train_step.py --quick                           # tiny CPU smoke test
     python benchmarks/bench_train_step.py --mixers gdn --backend pallas --kernel_config f32_inputs=bf16
+    python benchmarks/bench_train_step.py --mixers gdn attention --d_models 64 --population 1 2 4   # P runs vmapped
 
 ``--kernel_config`` takes ``field=value`` items of :class:`gdn_jax.ops.KernelConfig` (several
 ``--kernel_config`` groups, ``;``-separated, give one row each: ``"f32_inputs=bf16;gpu_f32_mm=tf32,gpu_f32_inv=tf32"``).
@@ -38,6 +39,10 @@ def main(argv=None):
     ap.add_argument("--kernel_config", default="", help="KernelConfig field=value items (',' within one, ';' between rows)")
     ap.add_argument("--env", nargs="*", default=[], help="KEY=VALUE switches set before tracing")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--population", nargs="+", type=int, default=[1],
+                    help="also time P independent runs trained together: the step vmapped over P stacked train "
+                         "states on the same batch (one row per P; 'run-steps/s' = P x steps/s). Says whether a "
+                         "sweep could train several learning rates of a cell in one process faster than one by one")
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps (jax.profiler) and print the device's top kernels by time")
     args = ap.parse_args(argv)
@@ -53,6 +58,7 @@ def main(argv=None):
     import dataclasses
 
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from gdn_jax import training as T
@@ -65,8 +71,11 @@ def main(argv=None):
           f"vocab {args.vocab_size}, batch {args.batch_size}, backend {args.backend}, env {args.env or '-'}", flush=True)
     kcs = [None] if not args.kernel_config else [
         KernelConfig(**parse_overrides(KernelConfig, [x for x in grp.split(",") if x])) for grp in args.kernel_config.split(";")]
+    if any(p < 1 for p in args.population):
+        ap.error(f"--population takes sizes >= 1, got {args.population}")
     rows = []
-    for d, m, kc in [(d, m, kc) for d in args.d_models for m in args.mixers for kc in kcs]:
+    for d, m, kc, P in [(d, m, kc, P) for d in args.d_models for m in args.mixers for kc in kcs
+                        for P in args.population]:
         if True:
             cfg = RecallConfig(mixer=m, d_model=d, num_heads=args.num_heads, seq_len=args.seq_len,
                                num_kv_pairs=args.num_kv_pairs, vocab_size=args.vocab_size,
@@ -79,6 +88,12 @@ def main(argv=None):
             graphdef, state = T.create_train_state(model_fn(), tx, seed=0, mesh=mesh)
             step = T.make_train_step(graphdef, tx, mesh, loss_fn=T.make_lm_loss(max_labels(task)))
             batch = T.shard_batch(loader.batch(0), mesh)
+            if P > 1:  # P runs in one step: the train state stacked on a leading axis, the batch shared
+                state = jax.tree.map(lambda *x: jnp.stack(x), *[T.create_train_state(model_fn(), tx, seed=i)[1]
+                                                                 for i in range(P)])
+                state = jax.device_put(state, T.replicated(mesh))  # as the step returns it: no second compile
+                one = T.make_train_step(graphdef, tx, None, loss_fn=T.make_lm_loss(max_labels(task)))
+                step = jax.jit(jax.vmap(one, in_axes=(0, None)))
             t0 = time.perf_counter()
             state, met = step(state, batch)
             jax.block_until_ready(met)
@@ -90,14 +105,15 @@ def main(argv=None):
             ms = (time.perf_counter() - t0) / args.reps * 1e3
             tag = "-" if kc is None else ",".join(f"{f.name}={getattr(kc, f.name)}" for f in dataclasses.fields(kc)
                                                   if getattr(kc, f.name) != f.default)
-            rows.append((m, d, ms, compile_s, tag))
+            tag += f" pop {P}" if P > 1 else ""
+            rows.append((m, d, ms, compile_s, tag, P))
             if args.profile:
                 print(top_kernels(lambda st: step(st, batch), state, args.profile), flush=True)
-            print(f"  {m:<10} d {d:<4} {tag}  {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  first step {compile_s:5.1f} s",
-                  flush=True)
-    print("\nmixer       d     ms/step  steps/s  first-step s  kernel_config")
-    for m, d, ms, c, tag in rows:
-        print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {c:13.1f}  {tag}")
+            print(f"  {m:<10} d {d:<4} {tag}  {ms:8.2f} ms/step  {1e3 / ms:7.1f} steps/s  "
+                  f"{P * 1e3 / ms:7.1f} run-steps/s  first step {compile_s:5.1f} s", flush=True)
+    print("\nmixer       d     ms/step  steps/s  run-steps/s  first-step s  kernel_config")
+    for m, d, ms, c, tag, P in rows:
+        print(f"{m:<10} {d:<5} {ms:8.2f} {1e3 / ms:8.1f} {P * 1e3 / ms:12.1f} {c:13.1f}  {tag}")
 
 
 def top_kernels(step, state, n, top=12):

@@ -200,13 +200,19 @@ def test_divergence_is_reported(tmp_path):
 
 
 def test_bench_train_step_runs():
-    """benchmarks/bench_train_step.py --quick prints a table row per mixer."""
+    """benchmarks/bench_train_step.py --quick prints a table row per mixer and population size
+    (``--population 2``: two runs vmapped in one step, run-steps/s = 2 x steps/s)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_train_step.py"), "--quick",
-                        "--mixers", "gdn", "gla"], env=env, capture_output=True, text=True, timeout=300)
+                        "--mixers", "gdn", "gla", "--population", "1", "2"], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    table = p.stdout.split("first-step s")[-1].split("\n")[1:]  # the rows below the header line
-    assert [r.split()[0] for r in table if r.strip()] == ["gdn", "gla"]
+    table = [r.split() for r in p.stdout.split("first-step s")[-1].split("\n")[1:] if r.strip()]
+    assert [r[0] for r in table] == ["gdn", "gdn", "gla", "gla"]
+    assert [r[-1] for r in table] == ["-", "2", "-", "2"]  # "pop 2" ends the population rows
+    for r in table:
+        P = 2 if r[-1] == "2" else 1
+        assert abs(float(r[4]) - P * float(r[3])) <= 0.11 * P, r  # run-steps/s = P x steps/s (rounded)
 
 
 def test_bench_pallas_runs():
