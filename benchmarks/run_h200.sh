@@ -57,7 +57,7 @@
 #              SWEEP_ARGS_zoology="--mixers gla --d_models 64 --workers_per_device 2". With
 #              SWEEP_GPUS (e.g. 1,2,3) they run in the background on those GPUs, one after the
 #              other (SWEEP_CONCURRENT=1: all at once), while the other steps run on KERNEL_GPU
-#              (default 0). The checkpoints that come back are capped at CKPT_MB (default 45) MB
+#              (default 0); SWEEP_MPS=1 runs them under CUDA MPS (see below). The checkpoints that come back are capped at CKPT_MB (default 45) MB
 #              over all sweeps, the runs furthest along first.
 #
 # Wheels of the black-box comparisons (jax-linear-attention, fla-core) are installed from
@@ -140,6 +140,20 @@ PYEOF
 # (several sweep steps run one after the other there, as without SWEEP_GPUS, unless SWEEP_CONCURRENT
 # is set: then all at once, each worker with XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.15) of a GPU;
 # without SWEEP_GPUS the other steps then share the GPU with them)
+# SWEEP_MPS=1: run the concurrent sweep workers under CUDA MPS (one daemon for this call, stopped at
+# the end), so that several small runs' kernels share the GPU at once instead of time-slicing; if a
+# CUDA client cannot start under it, the daemon is stopped and the workers run without it
+if [ -n "${SWEEP_MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  if nvidia-cuda-mps-control -d && JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 \
+       python -c "import jax.numpy as jnp; print('MPS client ok:', float(jnp.ones(4).sum()))"; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo "MPS unavailable: the workers run without it"; echo quit | nvidia-cuda-mps-control 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
 bg=""
 sweeps=$(for s in $STEPS; do case " $SWEEP_STEPS " in *" $s "*) echo $s ;; *) case $s in sweep:*) echo $s ;; esac ;; esac; done)
 if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}" ]; }; then
