@@ -6,7 +6,8 @@ cap, another filler) and appear as extra lines and as "(extra: ...)" in the tabl
 (read off the DeltaNet paper's MQAR figure, Yang et al. 2024; attention from Zoology, Arora et al.
 2023; README "Published settings on the H200") are accuracy in percent at d_model 64 / 128 / 256 / 512.
 A cell whose best run trained its whole step / epoch budget without reaching the target is marked
-``‡`` (``hit_budget`` in the sweep's summary; runs of ``--preset zoology_mqar`` report epochs)::
+``‡`` (``hit_budget`` in the sweep's summary; runs of ``--preset zoology_mqar`` report epochs), a cell
+with learning rates still to run ``(partial)`` (its ``unfinished`` list)::
 
     python experiments/mqar_compare.py results/mqar_h200_v2 \\
         --extra "300 s=results/mqar_h200_long/gla" "300 s=results/mqar_h200_long/d64" \\
@@ -54,7 +55,9 @@ def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
         raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; compare one at a time")
     base = parse_overrides(RecallConfig, (s.get("sweep") or {}).get("base", []))  # the sweep's --base
     vocab = base.get("vocab_size", RecallConfig.vocab_size)
-    return (*lengths.pop(), vocab), {(c["mixer"], int(c["d_model"])): c for c in s["cells"]}
+    pending = set(s.get("unfinished") or [])  # cells with learning rates still to run
+    cells = {(c["mixer"], int(c["d_model"])): dict(c, partial=c.get("cell") in pending) for c in s["cells"]}
+    return (*lengths.pop(), vocab), cells
 
 
 def _pct(c: dict) -> str:
@@ -62,10 +65,12 @@ def _pct(c: dict) -> str:
 
 
 def _run(c: dict) -> str:
-    """accuracy (steps or epochs[, capped: stopped by the time limit], lr)[ ‡: hit the step/epoch budget]"""
+    """accuracy (steps or epochs[, capped: stopped by the time limit], lr)[ ‡: hit the step/epoch budget]
+    [ (partial): the cell has learning rates still to run]"""
     capped = ", capped" if c.get("stopped_by_time") else ""
     amount = f"{c['epochs']:g} ep" if c.get("epochs") is not None else f"{c['steps']} steps"
-    return f"{_pct(c)} ({amount}{capped}, lr {c['lr']:.3g})" + (" ‡" if c.get("hit_budget") else "")
+    return (f"{_pct(c)} ({amount}{capped}, lr {c['lr']:.3g})" + (" ‡" if c.get("hit_budget") else "")
+            + (" (partial)" if c.get("partial") else ""))
 
 
 def table(main: Dict, extras: List[Tuple[str, Dict]], published: bool = True) -> str:
@@ -163,7 +168,8 @@ def main(argv=None):
     L, N, V = setting
     with open(args.out + ".md", "w") as f:
         f.write(f"MQAR, L = {L}, {N} pairs, vocab {V}: best test accuracy % (steps or epochs [capped = stopped by "
-                f"the time limit], lr; ‡ = hit the step/epoch budget without reaching 0.99)"
+                f"the time limit], lr; ‡ = hit the step/epoch budget without reaching 0.99; (partial) = "
+                f"learning rates still to run)"
                 + (" ours / published" if published else "") + "\n\n" + md + "\n")
     plot(main_, extras, args.out + ".png", published=published, title=f"MQAR L={L}, {N} pairs, vocab {V}")
     print(md)

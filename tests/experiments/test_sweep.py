@@ -274,6 +274,17 @@ def test_mqar_compare_on_committed_results(tmp_path):
     assert "L = 512, 64 pairs, vocab 8192" in md and "| deltanet |" in md and "/ 100" in md
     assert "92.3 (2948 steps, capped, lr 0.003); 300 s: 99.2 (7000 steps, lr 0.003) / 95" in md
     assert os.path.getsize(out + ".png") > 10_000
+    assert "(partial)" not in md.split("\n\n", 1)[1]  # the table (the header explains the mark)
+    # a cell with learning rates still to run (the summary's "unfinished") is marked, the others not
+    with open(os.path.join(res, "mqar_h200_v2", "summary.json")) as f:
+        s = json.load(f)
+    gla64 = next(c["cell"] for c in s["cells"] if c["mixer"] == "gla" and int(c["d_model"]) == 64)
+    os.makedirs(tmp_path / "pending")
+    with open(tmp_path / "pending" / "summary.json", "w") as f:
+        json.dump(dict(s, unfinished=[gla64]), f)
+    mc.main([str(tmp_path / "pending"), "--out", out])
+    rows = {ln.split("|")[1].strip(): ln for ln in open(out + ".md").read().splitlines() if ln.startswith("| ")}
+    assert rows["gla"].split("|")[2].count("(partial)") == 1 and "(partial)" not in rows["gdn"], rows
     # another setting: no published column; mixing settings, bad folders and arguments are refused
     mc.main([os.path.join(res, "sweep_cpu_mqar"), "--out", out])
     md = open(out + ".md").read()
