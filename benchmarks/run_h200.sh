@@ -24,7 +24,8 @@
 #              the working tree and a copy of another commit's gdn_jax/, e.g. `mkdir -p .base/old &&
 #              git archive HEAD~1 gdn_jax | tar x -C .base/old`, carried in .base), each tree's gdn_jax
 #              first on the path, with ptxas' register / spill lines of its kernels (A/B of a kernel
-#              change in one call; LIMIT_AB bounds each tree's run)
+#              change in one call; LIMIT_AB bounds each tree's run). AB_BENCH runs another benchmark
+#              per tree instead, e.g. AB_BENCH="bench_train_step.py --mixers mamba2 gla --d_models 64"
 #   regs       ptxas' register / spill / shared-memory report of every Hopper kernel
 #   ncu        Nsight Compute's speed-of-light, occupancy, warp-state, scheduler sections and the
 #              per-reason stall ratios for each Hopper kernel run once (NCU_ARGS: bench_hopper_stages
@@ -188,6 +189,10 @@ for s in $STEPS; do
           # the benchmarks put their checkout's root first on sys.path: each tree runs from a copy
           # of this checkout's benchmarks/ beside that tree's gdn_jax/
           rm -rf /tmp/ab_tree && mkdir -p /tmp/ab_tree && cp -r benchmarks "$tree/gdn_jax" /tmp/ab_tree/
+          if [ -n "${AB_BENCH:-}" ]; then  # another benchmark than the Hopper stages, e.g. the train step
+            (cd /tmp/ab_tree && timeout "${LIMIT_AB:-200}" python benchmarks/$AB_BENCH 2>&1 | grep -v -i warning) \
+              | tee -a "$OUT/ab.txt" | tail -12; continue
+          fi
           (cd /tmp/ab_tree && MOSAIC_GPU_DUMP_PTXAS=1 timeout "${LIMIT_AB:-200}" python \
              benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0 --reps 20 --no-jla} \
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 \

@@ -18,7 +18,10 @@ Chunked form (C tokens per chunk, gamma_i = sum_{j<=i} g_j within the chunk)::
 
 No triangular inverse is needed (there is no delta-rule write). The decay mask is masked before
 the exponential; per-key-channel decay uses ``chunk.decay_gram_channel``'s overflow-free
-16-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``.
+16-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``, except up to
+``PARALLEL_MAX_CHUNKS`` chunks without ``cu_seqlens`` (T <= 1024 at chunk_size 64): there every
+chunk's entering state is one masked decay matrix times the chunks' contributions
+(:func:`_parallel_states`), so a short sequence's forward and backward have no sequential loop.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ._common import acc_dtype, check_inputs, clamp_log_decay, finish_outputs, n
 from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
+PARALLEL_MAX_CHUNKS = 16  # chunk backend: up to this many chunks (and no cu_seqlens) no scan across chunks
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -66,6 +70,11 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
     qg, kd = qc * eg, kc * ekd
     o_intra = _chunk.mm(Aqk, vc)  # [B,H,n,C,V]
     kv = _chunk.mm(jnp.swapaxes(kd, -1, -2), vc)  # [B,H,n,K,V]
+    n = kv.shape[2]
+    if cu_seqlens is None and n <= PARALLEL_MAX_CHUNKS:
+        lc = gam[..., -1, :] if g_pc else gam[..., -1][..., None]  # log decay of each whole chunk
+        S_in, fin = _parallel_states(kv, lc, initial_state, g_pc=g_pc)
+        return _chunk.from_chunks(_chunk.mm(qg, S_in) + o_intra, T, packing), fin, valid
     tm = lambda x: jnp.moveaxis(x, 2, 0)
     xs = tuple(map(tm, (qg, kv, dec)))
 
@@ -76,6 +85,40 @@ def _chunk_forward(q, k, v, g, initial_state, cu_seqlens, *, chunk_size: int, g_
     fin, o_inter = scan_with_resets(chunk_step, xs, initial_state, state_shape=(B, H, K, V), dtype=dt,
                                     resets=chunk_resets(packing), n_seq=n_seq(cu_seqlens))
     return _chunk.from_chunks(jnp.moveaxis(o_inter, 0, 2) + o_intra, T, packing), fin, valid
+
+
+def _parallel_states(kv, lc, initial_state, *, g_pc: bool):
+    """The states entering every chunk and the final state, all at once (no scan across chunks).
+
+    With ``S_{c+1} = exp(lc_c) S_c + kv_c`` (the scan's step; kv_c the chunk's contribution at its
+    end), ``S_{c+1} = sum_{d <= c} exp(sum_{d < j <= c} lc_j) kv_d + exp(sum_{j <= c} lc_j) S_0``.
+    The exponents are masked cumulative sums of same-sign terms (no difference of two large
+    cumsums, so no cancellation when early chunks decay strongly) taken before the exponential
+    (the masked-out ones are never exponentiated). Cost ``n^2 K V`` per batch element and head
+    (the scan: ``n K V``), so the chunk backend uses it up to ``PARALLEL_MAX_CHUNKS`` chunks.
+
+    Args: kv ``[B,H,n,K,V]``; lc ``[B,H,n,1]`` (per head) or ``[B,H,n,K]`` (per key channel) log
+    decay of each whole chunk; initial_state ``[B,H,K,V]`` or None. Returns ``(S_in [B,H,n,K,V],
+    final [B,H,K,V])``.
+    """
+    n = kv.shape[2]
+    d_idx = jnp.arange(n)
+    upper = d_idx[None, :] > d_idx[:, None]  # [d, j]: j > d
+    Y = jnp.cumsum(jnp.where(upper[..., None], lc[:, :, None, :, :], 0.0), axis=3)  # [B,H,d,j,K]: sum_{d<j'<=j}
+    Y = jnp.swapaxes(Y, 2, 3)  # [B,H,c,d,K]: sum_{d<j<=c}
+    keep = (d_idx[:, None] >= d_idx[None, :])[..., None]  # [c, d]: d <= c
+    M = jnp.where(keep, jnp.exp(jnp.where(keep, Y, 0.0)), 0.0)
+    if g_pc:
+        S_out = jnp.einsum("bhcdk,bhdkv->bhckv", M, kv, precision=_HI)
+    else:
+        S_out = jnp.einsum("bhcd,bhdkv->bhckv", M[..., 0], kv, precision=_HI)
+    if initial_state is not None:
+        S_out = S_out + jnp.exp(jnp.cumsum(lc, axis=2))[..., None] * initial_state[:, :, None].astype(kv.dtype)
+        S0 = initial_state.astype(kv.dtype)[:, :, None]
+    else:
+        S0 = jnp.zeros_like(kv[:, :, :1])
+    S_in = jnp.concatenate([S0, S_out[:, :, :-1]], axis=2)
+    return S_in, S_out[:, :, -1]
 
 
 def gated_linear_attention(
@@ -114,7 +157,8 @@ def gated_linear_attention(
       use_qk_l2norm: L2-normalise q and k over the last axis (before the scale).
       chunk_size: tokens per chunk for ``backend="chunk"``.
       backend: ``"scan"`` (token-by-token ``lax.scan``), ``"chunk"`` (chunked matmuls plus a
-        ``lax.scan`` over chunks), ``"auto"`` (= ``"chunk"``).
+        ``lax.scan`` over chunks; up to ``PARALLEL_MAX_CHUNKS`` = 16 chunks without cu_seqlens, the
+        chunks' states all at once instead, see the module docstring), ``"auto"`` (= ``"chunk"``).
       mask_nonfinite: as :func:`gdn_jax.ops.gated_delta_rule` (a non-finite k, v or g at t
         then poisons only t and later; default off).
 

@@ -7,6 +7,7 @@ import pytest
 from conftest import make_inputs
 from reference import rel_rms
 from gdn_jax.ops import gated_linear_attention
+from gdn_jax.ops import linear_attention as LA
 
 B, T, H, K, V, C = 2, 37, 2, 8, 6, 16
 
@@ -63,10 +64,20 @@ def _loss(f, w_o, w_s):
     return L
 
 
+@pytest.fixture
+def state_pass(request, monkeypatch):
+    """"parallel" (the chunk backend's default at a few chunks) or "scan" (forced across chunks by
+    ``PARALLEL_MAX_CHUNKS = 0``, the path of long sequences)."""
+    if request.param == "scan":
+        monkeypatch.setattr(LA, "PARALLEL_MAX_CHUNKS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("form", ["none", "head", "channel"])
-@pytest.mark.parametrize("backend", ["scan", "chunk"])
+@pytest.mark.parametrize("backend,state_pass", [("scan", "scan"), ("chunk", "parallel"), ("chunk", "scan")],
+                         indirect=["state_pass"])
 @pytest.mark.parametrize("dtype,strong", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, False)])
-def test_forward_and_grads(form, backend, dtype, strong):
+def test_forward_and_grads(form, backend, state_pass, dtype, strong):
     q, k, v, g, S0 = inputs(form, dtype, strong)
     w_o = jax.random.normal(jax.random.PRNGKey(7), (B, T, H, V))
     w_s = jax.random.normal(jax.random.PRNGKey(8), (B, H, K, V))
@@ -159,3 +170,31 @@ def test_traced_malformed_cu_seqlens_gives_nan():
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
     o, S = f(jnp.array([0, 12, 8], jnp.int32))
     assert np.all(np.isnan(o)) and np.all(np.isnan(S))
+
+@pytest.mark.parametrize("form", ["head", "channel"])
+def test_parallel_state_pass_no_cancellation(form, monkeypatch):
+    """Strong decay in the first chunks (-40 per token), mild after: the parallel state pass sums
+    same-sign log decays (no difference of two large cumulative sums), so float32 stays within
+    1e-5 of the float64 reference and of the scan across chunks, in o, the final state and grads."""
+    t = 6 * C
+    q, k, v, g, S0 = inputs(form, t=t, seed=11)
+    g = jnp.where(jnp.arange(t)[None, :, None] < 2 * C, -40.0, 0.02 * g[..., 0] if form == "channel" else 0.02 * g)
+    g = jnp.broadcast_to(g[..., None], q.shape) * jnp.linspace(0.5, 1.0, K) if form == "channel" else g
+    op = lambda *x: gated_linear_attention(*x[:4], initial_state=x[4], output_final_state=True, chunk_size=C,
+                                           backend="chunk")
+    assert t // C <= LA.PARALLEL_MAX_CHUNKS
+    w_o = jax.random.normal(jax.random.PRNGKey(1), (B, t, H, V))
+    w_s = jax.random.normal(jax.random.PRNGKey(2), (B, H, K, V))
+    got = jax.jit(op)(q, k, v, g, S0), jax.grad(_loss(op, w_o, w_s), argnums=(0, 1, 2, 3))(q, k, v, g, S0)
+    monkeypatch.setattr(LA, "PARALLEL_MAX_CHUNKS", 0)
+    scan = jax.jit(op)(q, k, v, g, S0), jax.grad(_loss(op, w_o, w_s), argnums=(0, 1, 2, 3))(q, k, v, g, S0)
+    with jax.enable_x64(True):
+        a = tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, g, S0))
+        ro, rS = ref(*a)
+        rg = jax.grad(_loss(lambda *x: ref(*x), jnp.asarray(np.asarray(w_o, np.float64)),
+                            jnp.asarray(np.asarray(w_s, np.float64))), argnums=(0, 1, 2, 3))(*a)
+    for (o, S), grads in (got, scan):
+        assert rel_rms(o, np.asarray(ro)) < 1e-5 and rel_rms(S, np.asarray(rS)) < 1e-5
+        for x, r in zip(grads, rg):
+            assert rel_rms(np.asarray(x), np.asarray(r)) < 1e-4
+    assert rel_rms(got[0][0], scan[0][0]) < 1e-6 and rel_rms(got[0][1], scan[0][1]) < 1e-6
