@@ -228,7 +228,9 @@ def nonfinite_guard(q, k, v, g, beta, cu_seqlens, *, g_pc: bool, b_pc: bool):
 
     The chunked backends mix the tokens of a chunk through matmuls, where a zero weight times a
     NaN is still NaN, so one NaN at position t would reach every output and gradient of its chunk
-    and, through the backward state pass, every earlier chunk. Contract (all backends, per batch
+    and, through the backward state pass, every earlier chunk (and, in ``gated_linear_attention``'s
+    parallel state pass of at most 16 chunks, the forward outputs of every chunk after the first:
+    its chunk-by-chunk decay matrix multiplies later chunks by exact zeros). Contract (all backends, per batch
     element, head and packed sequence): a token whose k, v, g or beta holds a NaN or +inf (g = -inf
     is a valid full reset) poisons the outputs at and after it and the final state; a NaN/inf in
     q_t poisons o_t only (q never enters the state). Outputs before the token, and the gradients of

@@ -160,7 +160,9 @@ def gated_linear_attention(
         ``lax.scan`` over chunks; up to ``PARALLEL_MAX_CHUNKS`` = 16 chunks without cu_seqlens, the
         chunks' states all at once instead, see the module docstring), ``"auto"`` (= ``"chunk"``).
       mask_nonfinite: as :func:`gdn_jax.ops.gated_delta_rule` (a non-finite k, v or g at t
-        then poisons only t and later; default off).
+        then poisons only t and later; default off: then the chunk form lets it make earlier
+        outputs NaN too — those of its own chunk and, in the parallel state pass, those of every
+        chunk after the first).
 
     Returns:
       ``(o, final_state)``: o ``[B, T, H, V]`` in ``v.dtype``; final_state ``[B, H, K, V]``

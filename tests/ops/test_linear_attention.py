@@ -198,3 +198,18 @@ def test_parallel_state_pass_no_cancellation(form, monkeypatch):
         for x, r in zip(grads, rg):
             assert rel_rms(np.asarray(x), np.asarray(r)) < 1e-4
     assert rel_rms(got[0][0], scan[0][0]) < 1e-6 and rel_rms(got[0][1], scan[0][1]) < 1e-6
+
+
+@pytest.mark.parametrize("state_pass", ["parallel", "scan"], indirect=True)
+def test_unguarded_nonfinite_is_never_silent(state_pass):
+    """mask_nonfinite=False (default): a NaN in v at t makes o at t and after NaN, never finite
+    garbage; earlier outputs are finite or NaN (the chunk form may leak it backward: documented),
+    and the parallel state pass and the scan agree wherever both are finite."""
+    q, k, v, g, S0 = inputs("channel", t=5 * C + 3, seed=12)
+    t = 2 * C + 5
+    o = gated_linear_attention(q, k, v.at[:, t].set(jnp.nan), g, initial_state=S0, chunk_size=C, backend="chunk")[0]
+    o = np.asarray(o)
+    assert np.all(np.isnan(o[:, t:])) and np.all(np.isfinite(o[:, :C]))  # chunk 0 reads only S0 and itself
+    o_clean = np.asarray(gated_linear_attention(q, k, v, g, initial_state=S0, chunk_size=C, backend="chunk")[0])
+    fin = np.isfinite(o[:, :t])
+    np.testing.assert_allclose(o[:, :t][fin], o_clean[:, :t][fin], rtol=1e-5, atol=1e-6)
