@@ -142,7 +142,8 @@ PYEOF
 # those GPUs (the sweep spreads its workers over them) while the other steps run on KERNEL_GPU
 # (default 0) -- a multi-GPU machine costs the same device time per minute as one GPU
 # (several sweep steps run one after the other there, as without SWEEP_GPUS, unless SWEEP_CONCURRENT
-# is set: then all at once, each worker with XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.15) of a GPU;
+# is set: then all at once, each worker with XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.15) of a GPU --
+# more than six workers in all need it lower, e.g. 0.12 for seven: XLA preallocates that share;
 # without SWEEP_GPUS the other steps then share the GPU with them)
 # SWEEP_MPS=1: run the concurrent sweep workers under CUDA MPS (one daemon for this call, stopped at
 # the end), so that several small runs' kernels share the GPU at once instead of time-slicing; if a
