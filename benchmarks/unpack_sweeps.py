@@ -8,7 +8,8 @@ its runs go to ``results/<name>/runs/`` (a run folder that came back replaces th
 worker logs to ``results/<name>/``, its unfinished runs' checkpoints replace ``.base/ckpt_<name>/``
 (carry ``.base`` in the next call to resume them), the device's ``locks/`` and its (restricted)
 ``sweep_config.json`` are dropped when a local one exists, and ``summarize`` of the whole preset
-rewrites ``summary.md`` / ``.json`` / ``.csv``, ``runs.csv`` and the plot. Prints each sweep's log tail.
+rewrites ``summary.md`` / ``.json`` / ``.csv``, ``runs.csv`` and the plot. Prints each sweep's log tail
+and, per unfinished run, its step and best test accuracy so far (from its checkpoint).
 """
 from __future__ import annotations
 
@@ -63,6 +64,31 @@ def main(argv=None) -> None:
             print(open(os.path.join(dst, "summary.md")).read())
             left = sorted(os.path.relpath(d, ckpt) for d in glob.glob(os.path.join(ckpt, "*", "lr*")))
             print(f"unfinished (checkpoints in .base/ckpt_{name}): {', '.join(left) or 'none'}")
+            for row in in_flight(ckpt):
+                print("  " + row)
+
+
+def in_flight(ckpt: str):
+    """One line per unfinished run under the checkpoint folder ``ckpt`` (``<cell>/lr<lr>/<step>/``):
+    its latest checkpointed step, best and last test accuracy so far and training wall time, read
+    from the checkpoint's metadata (the run's history, as ``recall.run`` saves it)."""
+    import json
+
+    rows = []
+    for d in sorted(glob.glob(os.path.join(ckpt, "*", "lr*"))):
+        steps = sorted((int(x) for x in os.listdir(d) if x.isdigit()), reverse=True)
+        meta = os.path.join(d, str(steps[0]), "meta", "metadata") if steps else None
+        if meta is None or not os.path.isfile(meta):
+            rows.append(f"{os.path.relpath(d, ckpt)}: no readable checkpoint")
+            continue
+        with open(meta) as f:
+            m = json.load(f)
+        ev = (m.get("history") or {}).get("evals") or []
+        acc = [e["test_accuracy"] for e in ev]
+        rows.append(f"{os.path.relpath(d, ckpt)}: step {steps[0]}, best test acc "
+                    + (f"{max(acc):.4f}, last {acc[-1]:.4f}" if acc else "- (no evaluation yet)")
+                    + f", wall {float(m.get('wall_s', 0.0)):.0f} s")
+    return rows
 
 
 if __name__ == "__main__":

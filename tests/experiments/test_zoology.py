@@ -2,6 +2,7 @@
 checkpoints and resumes), the per-epoch cosine, the device-resident fixed set, the published-baseline
 options, and the attention-fillers experiment (tiny). Each test is a few seconds of tiny shapes."""
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -109,17 +110,25 @@ def test_zoology_smoke_budget_resume_and_table(tmp_path):
     """A time budget stops the sweep inside a run (checkpoint, no results.json); the same command
     continues it; the table marks the epoch budget."""
     kw = dict(preset="cpu_zoology_smoke", out=str(tmp_path), progress=False, mixers=("attention",), lrs=(1e-2,),
-              shapes=("16x2x16",))
-    explicit = ["out", "progress", "mixers", "lrs", "shapes"]
+              shapes=("16x2x16",), ckpt_root=str(tmp_path / "ckpt"))
+    explicit = ["out", "progress", "mixers", "lrs", "shapes", "ckpt_root"]
     run_dir = tmp_path / "runs" / "mqar_attention_d16_L16_N2" / "lr0.01"
+    ckpt_dir = tmp_path / "ckpt" / "mqar_attention_d16_L16_N2" / "lr0.01"
     # a budget already spent starts nothing
     late = S.apply_preset(S.SweepConfig(**kw, deadline=0.0), explicit=explicit + ["deadline"])
     assert S.out_of_budget(late) and S.run_cell(late, S.cells(late)[0]) is False and not run_dir.exists()
     # a session that runs out inside a run (session_time_s is what the budget sets per run): checkpoint, stop
     cut = dict(kw, base=("session_time_s=0.001",))
     s1 = S.run_sweep(S.apply_preset(S.SweepConfig(**cut), explicit=explicit))
-    assert not (run_dir / "results.json").exists() and os.listdir(run_dir / "ckpt")
+    assert not (run_dir / "results.json").exists() and os.listdir(ckpt_dir)
     assert s1["cells"] == [] and s1["not_started"] == ["mqar_attention_d16_L16_N2"]
+    # benchmarks/unpack_sweeps.py's progress line of an unfinished run, read from its checkpoint
+    spec = importlib.util.spec_from_file_location("unpack_sweeps", os.path.join(REPO, "benchmarks", "unpack_sweeps.py"))
+    us = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(us)
+    (row,) = us.in_flight(str(tmp_path / "ckpt"))
+    step = max(int(x) for x in os.listdir(ckpt_dir) if x.isdigit())
+    assert row.startswith(f"mqar_attention_d16_L16_N2/lr0.01: step {step}, best test acc ") and row.endswith(" s"), row
     s2 = S.run_sweep(S.apply_preset(S.SweepConfig(**kw), explicit=explicit))
     r = json.load(open(run_dir / "results.json"))
     assert r["resumed_from"] is not None and r["resumed_from"] >= 1
