@@ -22,7 +22,8 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
 At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
 ``summary.json`` (the best learning rate of each cell) and ``accuracy_vs_dmodel.png`` (test accuracy,
 or scaled accuracy for state tracking, against d_model: one panel per (seq_len, num_kv_pairs), one
-line per mixer).
+line per mixer) and, with several learning rates, ``accuracy_vs_lr.png`` (every run against its
+learning rate, one panel per (seq_len, num_kv_pairs, d_model)).
 
 Mixer names are those of :data:`gdn_jax.models.MIXERS` plus ``"hybrid"``: GDN layers with every 4th
 layer Qwen3-Next gated attention (3:1), at ``max(num_layers, 4)`` layers.
@@ -571,7 +572,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
 
 def summarize(cfg: SweepConfig) -> Dict[str, Any]:
     """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
-    learning rate per cell) and ``accuracy_vs_dmodel.png``. Returns the summary (its ``metric``: the
+    learning rate per cell), ``accuracy_vs_dmodel.png`` and, with several learning rates,
+    ``accuracy_vs_lr.png`` (every run; :func:`plot_lrs`). Returns the summary (its ``metric``: the
     task's headline metric, ``best_test_accuracy`` or, for state tracking, ``best_scaled_accuracy``)."""
     from gdn_jax.data import TASK_CONFIGS
 
@@ -617,6 +619,8 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
         json.dump(summary, f, indent=1)
     if best:
         plot(best, os.path.join(cfg.out, "accuracy_vs_dmodel.png"), scaled=scaled)
+    if len({r["lr"] for r in rows}) > 1:
+        plot_lrs(rows, os.path.join(cfg.out, "accuracy_vs_lr.png"), scaled=scaled)
     with open(os.path.join(cfg.out, "summary.md"), "w") as f:
         f.write(markdown_table(cfg, best, pending, metric))
     return summary
@@ -667,6 +671,51 @@ def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequen
                            + (" (partial)" if c.name in pending else "") + (" diverged" if b.get("diverged") else ""))
             out.append(f"| {lab} | " + " | ".join(row) + " |\n")
     return "".join(out)
+
+
+def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:
+    """Every finished run's accuracy against its learning rate: one panel per (seq_len, kv pairs,
+    d_model), one line per mixer; a filled marker where the run reached the target, an open one
+    where it trained its whole step / epoch budget without (``‡``), a cross where it was cut short
+    by its time limit. Shows how the cell's best in ``summary.csv`` was picked (Zoology's sweeps
+    report the best learning rate per cell)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "best_scaled_accuracy" if scaled else "best_test_accuracy"
+    panels = sorted({(r["seq_len"], r["num_kv_pairs"], r["d_model"]) for r in rows})
+    ncol = min(4, len(panels))
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 3.2 * nrow), squeeze=False)
+    labels = sorted({r["mixer"] + (" β∈(0,2)" if r["neg_eigval"] else "") for r in rows})
+    colors = {lab: f"C{i}" for i, lab in enumerate(labels)}
+    for ax, (L, n, d) in zip(axes.flat, panels):
+        sel = [r for r in rows if (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (L, n, d)]
+        for lab in labels:
+            pts = sorted(((r["lr"], r[key], r) for r in sel
+                          if r["mixer"] + (" β∈(0,2)" if r["neg_eigval"] else "") == lab), key=lambda p: p[0])
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=colors[lab], label=lab)
+            for lr, acc, r in pts:
+                cut = r["stopped_by_time"] and not r["reached_target"]
+                ax.plot([lr], [acc], "x" if cut else "o", color=colors[lab],
+                        markerfacecolor=colors[lab] if r["reached_target"] else "none")
+        ax.set(title=f"L={L}, {n} pairs, d={d}" if n else f"L={L}, d={d}", xlabel="learning rate",
+               ylabel="scaled accuracy" if scaled else "test accuracy", ylim=(-0.05 if scaled else 0, 1.02))
+        ax.set_xscale("log")
+        ax.set_xlim(min(r["lr"] for r in rows) / 1.6, max(r["lr"] for r in rows) * 1.6)  # the same grid in every panel
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("best test accuracy per run (filled: reached the target; open: whole budget; x: time limit)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:

@@ -50,6 +50,7 @@ def test_every_mixer_trains(task, tmp_path):
             assert r["config"]["hybrid_every"] == 4 and r["config"]["num_layers"] == 4
     for name in ("runs.csv", "summary.csv", "summary.json", "accuracy_vs_dmodel.png"):
         assert os.path.getsize(tmp_path / name) > 0
+    assert not (tmp_path / "accuracy_vs_lr.png").exists()  # one learning rate: no lr figure
     if task == "state_tracking":
         assert all(c["best_scaled_accuracy"] is not None for c in summary["cells"])
 
@@ -71,6 +72,7 @@ def test_resume_best_lr_and_neg_eigval(tmp_path):
         runs = [json.load(open(tmp_path / "runs" / c["cell"] / f"lr{lr:g}" / "results.json")) for lr in cfg.lrs]
         assert c["best_scaled_accuracy"] == max(r["best_scaled_accuracy"] for r in runs)
         assert c["lrs_tried"] == [1e-4, 1e-2]
+    assert os.path.getsize(tmp_path / "accuracy_vs_lr.png") > 10_000  # two learning rates: the lr figure
     # a second sweep over the same folder trains nothing
     mtimes = {p: os.path.getmtime(p) for p in (tmp_path / "runs").rglob("results.json")}
     S.run_sweep(cfg)
