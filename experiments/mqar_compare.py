@@ -111,11 +111,9 @@ def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str, published: bool 
         axes[0].plot(ds, [main[(m, d)]["best_test_accuracy"] for d in ds], "o-", color=colors[m], label=m)
         for j, (label, ex) in enumerate(extras):
             eds = sorted(d for mm, d in ex if mm == m)
-            if eds:
-                pts = {d: main[(m, d)]["best_test_accuracy"] for d in ds}
-                pts.update({d: ex[(m, d)]["best_test_accuracy"] for d in eds})
-                axes[0].plot(sorted(pts), [pts[d] for d in sorted(pts)], "s--", color=colors[m], alpha=0.6,
-                             label=f"{m} ({label})")
+            if eds:  # only the cells this setting ran (not the main sweep's other widths)
+                axes[0].plot(eds, [ex[(m, d)]["best_test_accuracy"] for d in eds], "s--", color=colors[m],
+                             alpha=0.6, label=f"{m} ({label})")
         if published and m in PUBLISHED:
             pds = sorted(PUBLISHED[m])
             axes[1].plot(pds, [PUBLISHED[m][d][0] / 100 for d in pds], "o-", color=colors[m], label=m)
