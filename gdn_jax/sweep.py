@@ -177,6 +177,11 @@ def apply_preset(cfg: SweepConfig, explicit: Iterable[str] = ()) -> SweepConfig:
 _TASK_AXES = ("seq_len", "num_kv_pairs")  # the grid's task axes; a task uses those its config has
 
 
+def _line_label(mixer: str, neg_eigval: bool) -> str:
+    """A plot line's label: the mixer, with the beta range where it was swept."""
+    return mixer + (" β∈(0,2)" if neg_eigval else "")
+
+
 def _task_axes(task: str) -> Tuple[str, ...]:
     """The grid's task axes (``seq_len``, ``num_kv_pairs``) that ``task``'s config has as fields."""
     from gdn_jax.data import TASK_CONFIGS
@@ -209,7 +214,7 @@ class Cell:
     @property
     def label(self) -> str:
         """Line label in plots: the mixer, with the beta range where it was swept."""
-        return self.mixer + (" β∈(0,2)" if self.neg_eigval else "")
+        return _line_label(self.mixer, self.neg_eigval)
 
 
 _NEG_OK = ("gdn", "deltanet", "hybrid")
@@ -689,13 +694,13 @@ def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> 
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 3.2 * nrow), squeeze=False)
-    labels = sorted({r["mixer"] + (" β∈(0,2)" if r["neg_eigval"] else "") for r in rows})
+    labels = sorted({_line_label(r["mixer"], r["neg_eigval"]) for r in rows})
     colors = {lab: f"C{i}" for i, lab in enumerate(labels)}
     for ax, (L, n, d) in zip(axes.flat, panels):
         sel = [r for r in rows if (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (L, n, d)]
         for lab in labels:
             pts = sorted(((r["lr"], r[key], r) for r in sel
-                          if r["mixer"] + (" β∈(0,2)" if r["neg_eigval"] else "") == lab), key=lambda p: p[0])
+                          if _line_label(r["mixer"], r["neg_eigval"]) == lab), key=lambda p: p[0])
             if not pts:
                 continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=colors[lab], label=lab)
@@ -732,9 +737,9 @@ def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (L, n) in zip(axes[0], panels):
         sel = [b for b in best if (b["seq_len"], b["num_kv_pairs"]) == (L, n)]
-        for label in sorted({b["mixer"] + (" β∈(0,2)" if b["neg_eigval"] else "") for b in sel}):
+        for label in sorted({_line_label(b["mixer"], b["neg_eigval"]) for b in sel}):
             pts = sorted((b["d_model"], b[key]) for b in sel
-                         if b["mixer"] + (" β∈(0,2)" if b["neg_eigval"] else "") == label)
+                         if _line_label(b["mixer"], b["neg_eigval"]) == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         task = sel[0]["task"]
         axes = _task_axes(task)

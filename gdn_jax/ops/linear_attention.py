@@ -113,8 +113,8 @@ def _parallel_states(kv, lc, initial_state, *, g_pc: bool):
     else:
         S_out = jnp.einsum("bhcd,bhdkv->bhckv", M[..., 0], kv, precision=_HI)
     if initial_state is not None:
-        S_out = S_out + jnp.exp(jnp.cumsum(lc, axis=2))[..., None] * initial_state[:, :, None].astype(kv.dtype)
-        S0 = initial_state.astype(kv.dtype)[:, :, None]
+        S0 = initial_state.astype(kv.dtype)[:, :, None]  # [B,H,1,K,V]
+        S_out = S_out + jnp.exp(jnp.cumsum(lc, axis=2))[..., None] * S0
     else:
         S0 = jnp.zeros_like(kv[:, :, :1])
     S_in = jnp.concatenate([S0, S_out[:, :, :-1]], axis=2)
