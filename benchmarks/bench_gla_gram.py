@@ -6,9 +6,12 @@ library's einsum over a materialised [s, s, K] decay tensor is what makes the ``
 
     python benchmarks/bench_gla_gram.py                 # B 128, T 512, H 2, K = V = 64, float32
     python benchmarks/bench_gla_gram.py --shape 2x128x2x16 --reps 2    # CPU smoke test
+    python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 16 8 4   # d 64's heads, sub-block sizes
 
 Variants (the same values; each checked against the library's to 1e-5 relative):
-  library   the library's (einsum "ic,jc,ijc->ij" with precision HIGHEST, block diagonal by einsum)
+  library   the library's (einsum "ic,jc,ijc->ij" with precision HIGHEST, block diagonal by einsum;
+            its default sub-block size, sqrt(chunk_size) = 8 since 2026-12-04, 16 before)
+  sub s     the library's with sub-block size s (``--subs``)
   fused     the diagonal blocks as an elementwise product and a reduction over K (one fusion, no
             [s, s, K] operand of a dot), the block diagonal by broadcasting
 One line per variant: ms per fwd+bwd call (pipelined) and the ratio to the library's.
@@ -23,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fused_gram(a, b, gc, sub: int = 16):
+def fused_gram(a, b, gc, sub=None):
     """``decay_gram_channel`` with its diagonal sub-blocks as one elementwise-product reduction."""
     import jax.numpy as jnp
     from gdn_jax.ops import chunk as C_
@@ -31,6 +34,7 @@ def fused_gram(a, b, gc, sub: int = 16):
     if not isinstance(a, tuple):
         return fused_gram((a,), b, gc, sub)[0]
     C, K = gc.shape[-2:]
+    sub = C_.default_sub_block(C) if sub is None else sub
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
     lead = gc.shape[:-2]
@@ -63,6 +67,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="128x512x2x64", help="BxTxHxD (K = V = D)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--subs", type=int, nargs="*", default=[], help="sub-block sizes to time beside the default")
     args = ap.parse_args(argv)
 
     import jax
@@ -93,7 +98,12 @@ def main(argv=None):
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; B, T, H, D = {B, T, H, D}, float32", flush=True)
     ref = None
     base_ms = None
-    for name, gram in (("library", C_.decay_gram_channel), ("fused", fused_gram)):
+    import functools
+
+    variants = [("library", C_.decay_gram_channel)]
+    variants += [(f"sub {s}", functools.partial(C_.decay_gram_channel, sub=s)) for s in args.subs]
+    variants += [("fused", fused_gram)]
+    for name, gram in variants:
         fn = make(gram)
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(q, k, v, g))

@@ -213,3 +213,35 @@ def test_unguarded_nonfinite_is_never_silent(state_pass):
     o_clean = np.asarray(gated_linear_attention(q, k, v, g, initial_state=S0, chunk_size=C, backend="chunk")[0])
     fin = np.isfinite(o[:, :t])
     np.testing.assert_allclose(o[:, :t][fin], o_clean[:, :t][fin], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("C,sub", [(64, None), (64, 16), (64, 4), (32, None), (16, 16)])
+def test_decay_gram_channel_sub_blocks_match_float64(C, sub):
+    """The per-key-channel decay Gram at any sub-block size (None: sqrt(C), the default) equals the
+    direct float64 sum M_ij = sum_c a_ic b_jc exp(g_ic - g_jc) (i >= j), with decays strong enough
+    (down to -8 per token) that the unfactored exp(-g_jc) would overflow float32; value and grads."""
+    from gdn_jax.ops import chunk as CH
+
+    assert CH.default_sub_block(64) == 8 and CH.default_sub_block(128) == 16 and CH.default_sub_block(16) == 4
+    rng = np.random.default_rng(C + (sub or 0))
+    Kc = 8
+    a, b = (rng.standard_normal((2, C, Kc)).astype(np.float32) for _ in range(2))
+    g = -rng.exponential(1.0, (2, C, Kc)).astype(np.float32) * (rng.random((2, C, Kc)) < 0.3) * 8
+    gc = np.cumsum(g, axis=1)
+    w = rng.standard_normal((2, C, C)).astype(np.float32)
+
+    def f(a, b, gc):
+        return jnp.sum(CH.decay_gram_channel(a, b, gc, sub=sub) * w)
+
+    got, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(*map(jnp.asarray, (a, b, gc)))
+    with jax.enable_x64(True):
+        def f64(a, b, gc):
+            d = gc[:, :, None, :] - gc[:, None, :, :]
+            low = np.tril(np.ones((C, C), bool))[None, :, :, None]
+            e = jnp.exp(jnp.where(low, d, -jnp.inf))
+            return jnp.sum(jnp.einsum("nic,njc,nijc->nij", a, b, e) * w.astype(np.float64))
+        want, wgrads = jax.value_and_grad(f64, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (a, b, gc)))
+        assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+        for x, y in zip(grads, wgrads):
+            assert np.isfinite(np.asarray(x)).all()
+            assert rel_rms(x, y) <= 1e-5
