@@ -40,6 +40,7 @@
 #   knock      benchmarks/bench_knockouts.py (KNOCK_ARGS, default "--kernel state": the forward state
 #              pass with parts of its chunk step removed, each timed; several runs separated by ';')
 #   gla        benchmarks/bench_gla_gram.py, the GLA chunk form's decay Gram: library vs fused variant
+#              (GLA_ARGS adds its flags, e.g. "--shape 128x512x2x32 --subs 16 4": other sub-block sizes)
 #   fillers    experiments/attention_fillers.py (FILLERS_ARGS adds its flags); json + png come back
 #   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto (TRAIN_ARGS replaces
 #              the mixers / widths, e.g. "--mixers gdn attention --d_models 64 --population 1 2 4")
@@ -233,7 +234,7 @@ for s in $STEPS; do
           IFS=';' read -ra knock_runs <<< "${KNOCK_ARGS:---kernel state}"
           timeout "${LIMIT_KNOCK:-200}" bash -c 'for a in "$@"; do python benchmarks/bench_knockouts.py $a; done' _ \
              "${knock_runs[@]}" 2>&1 | grep -v -i warning | tee "$OUT/knockouts.txt" | tail -3 ;;
-    gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -3 ;;
+    gla) timeout "${LIMIT_GLA:-90}" python benchmarks/bench_gla_gram.py ${GLA_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/gla_gram.txt" | tail -6 ;;
     train) timeout "${LIMIT_TRAIN:-120}" python benchmarks/bench_train_step.py ${TRAIN_ARGS:---mixers gdn deltanet --d_models 128 256} \
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac

@@ -51,7 +51,13 @@ def test_zoology_presets_settings():
                               ("zoology_gla_halfk", "gla", dict(use_short_conv=True, gla_expand_k=0.5)),
                               ("zoology_mamba2_published", "mamba2", dict(la_qk_l2norm=False, mamba2_dt_input=True)),
                               ("zoology_attention_zoo", "attention", dict(attn_bias="qkvo", pos_embedding="learned",
-                                                                          rope_fraction=0.0, num_heads=1))]:
+                                                                          rope_fraction=0.0, num_heads=1)),
+                              ("zoology_attention_abspos", "attention", dict(attn_bias="", pos_embedding="learned",
+                                                                             rope_fraction=0.0, num_heads=2)),
+                              ("zoology_attention_bias", "attention", dict(attn_bias="qkvo", pos_embedding="none",
+                                                                           rope_fraction=None, num_heads=2)),
+                              ("zoology_attention_1head", "attention", dict(attn_bias="", pos_embedding="none",
+                                                                            rope_fraction=None, num_heads=1))]:
         pc = S.apply_preset(S.SweepConfig(preset=name, out="/tmp/unused"))
         pg = S.validate(pc)
         assert [(c.mixer, c.d_model) for c in pg] == [(mixer, 64), (mixer, 128)]
