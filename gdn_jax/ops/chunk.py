@@ -13,7 +13,7 @@ cumulative log decay gamma_i = sum_{j<=i} g_j (per head, or per key channel)::
 
 Per-key-channel decay (Kimi Delta Attention) cannot factor
 (K e^gamma)(K e^-gamma)^T without overflow, so the Gram matrices are built in
-sqrt(C)-token sub-blocks (8 at C = 64): a diagonal sub-block as a masked [s, s, K] exponential,
+16-token sub-blocks: a diagonal sub-block as a masked [16, 16, K] exponential,
 an off-diagonal one through the sub-block boundary r, exp(gamma_i - gamma_r) *
 exp(gamma_r - gamma_j), both factors <= 1 when g <= 0.
 
@@ -26,9 +26,6 @@ sequence's initial state at its first chunk and read out after its last one.
 Per-value-channel beta is declined (``NotImplementedError``): use ``backend="scan"``.
 """
 from __future__ import annotations
-
-import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,20 +68,12 @@ def reverse_exclusive_cumsum(g, axis):
     return jnp.moveaxis(out, -1, axis)
 
 
-def default_sub_block(C: int) -> int:
-    """The sub-block size of :func:`decay_gram_channel` for chunk size ``C``: the power of two
-    nearest sqrt(C) (8 at C = 64, 16 at C = 128, 4 at C = 16 / 32), which minimises the
-    materialised decay factors, ``C s K`` for the diagonal sub-blocks plus ``C^2 K / s`` for the
-    off-diagonal ones."""
-    s = 1 << max(0, round(math.log2(max(C, 1)) / 2))
-    return s if C % s == 0 else C
-
-
-def decay_gram_channel(a, b, gc, sub: Optional[int] = None):
+def decay_gram_channel(a, b, gc, sub: int = 16):
     """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
 
-    ``sub`` is the sub-block size (None: :func:`default_sub_block`, sqrt(C); 16 before
-    2026-12-04 — the values agree to float32 rounding at any ``sub``).
+    ``sub`` is the sub-block size (any size gives the same values to float32 rounding). 8 at C = 64
+    moves less data than 16 (CPU fwd+bwd of gla's op 1.26x faster, 2026-12-04) but is not yet timed
+    on a GPU (``benchmarks/bench_gla_gram.py --subs 8 4``), so the default stays 16.
 
     ``a`` may be a tuple of arrays (e.g. ``(beta K, Q)`` against the same ``b = K``): the decay
     factors are then computed once and a tuple of Grams is returned. Overflow-free for g <= 0: see
@@ -95,7 +84,6 @@ def decay_gram_channel(a, b, gc, sub: Optional[int] = None):
     if not isinstance(a, tuple):
         return decay_gram_channel((a,), b, gc, sub=sub)[0]
     C, K = gc.shape[-2:]
-    sub = default_sub_block(C) if sub is None else int(sub)
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
     lead = gc.shape[:-2]
