@@ -40,7 +40,7 @@
 #   knock      benchmarks/bench_knockouts.py (KNOCK_ARGS, default "--kernel state": the forward state
 #              pass with parts of its chunk step removed, each timed; several runs separated by ';')
 #   gla        benchmarks/bench_gla_gram.py, the GLA chunk form's decay Gram: library vs fused variant
-#              (GLA_ARGS adds its flags, e.g. "--shape 128x512x2x32 --subs 16 4": other sub-block sizes)
+#              (GLA_ARGS adds its flags, e.g. "--shape 128x512x2x32 --subs 8 4": other sub-block sizes)
 #   fillers    experiments/attention_fillers.py (FILLERS_ARGS adds its flags); json + png come back
 #   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto (TRAIN_ARGS replaces
 #              the mixers / widths, e.g. "--mixers gdn attention --d_models 64 --population 1 2 4")
