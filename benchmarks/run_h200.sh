@@ -162,7 +162,7 @@ if [ -n "${SWEEP_MPS:-}" ]; then
 fi
 bg=""
 sweeps=$(for s in $STEPS; do case " $SWEEP_STEPS " in *" $s "*) echo $s ;; *) case $s in sweep:*) echo $s ;; esac ;; esac; done)
-if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}" ]; }; then
+launch_sweeps() {  # the sweep steps in the background (SWEEP_GPUS or SWEEP_CONCURRENT), pid in $bg
   (
     [ -n "${SWEEP_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$SWEEP_GPUS
     if [ -n "${SWEEP_CONCURRENT:-}" ]; then
@@ -174,6 +174,13 @@ if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}
     fi
   ) & bg=$!
   [ -n "${SWEEP_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=${KERNEL_GPU:-0}
+}
+# SWEEP_AFTER=1 (with SWEEP_CONCURRENT, no SWEEP_GPUS): the other steps run first, alone on the GPU
+# (a benchmark timed beside the sweeps' workers is not a measurement), then the sweeps start
+bg_sweeps=""
+if [ -n "$sweeps" ] && { [ -n "${SWEEP_GPUS:-}" ] || [ -n "${SWEEP_CONCURRENT:-}" ]; }; then
+  bg_sweeps=1
+  if [ -z "${SWEEP_AFTER:-}" ] || [ -n "${SWEEP_GPUS:-}" ]; then launch_sweeps; fi
 fi
 for s in $STEPS; do
   case $s in
@@ -211,7 +218,7 @@ for s in $STEPS; do
              | tee "$OUT/regs.txt" | tail -40 ;;
     loop) timeout "${LIMIT_LOOP:-250}" python benchmarks/bench_loop.py --trace 200 \
              2>&1 | grep -v -i warning | tee "$OUT/bench_loop.txt" | tail -3 ;;
-    zoology|fig2|pub_gla|pub_mamba2|pub_attention|sweep:*) [ -z "$bg" ] && sweep_step $s ;;
+    zoology|fig2|pub_gla|pub_mamba2|pub_attention|sweep:*) [ -z "$bg_sweeps" ] && sweep_step $s ;;
     profile) # the MQAR training step's top device kernels (jax.profiler), gdn and attention at d 128
           timeout "${LIMIT_PROFILE:-120}" python benchmarks/bench_train_step.py ${PROFILE_ARGS:---mixers gdn attention --d_models 128} \
              --reps 20 --profile 10 2>&1 | grep -v -i warning | tee "$OUT/profile_step.txt" | tail -40 ;;
@@ -239,6 +246,7 @@ for s in $STEPS; do
              --backend auto --reps 10 2>&1 | grep -v -i warning | tee "$OUT/train_auto.txt" | tail -3 ;;
   esac
 done
+[ -n "$bg_sweeps" ] && [ -z "$bg" ] && launch_sweeps
 [ -n "$bg" ] && wait $bg
 bundle_sweeps
 echo "=== tables"
