@@ -1,19 +1,21 @@
 """The per-key-channel decay Gram of the GLA chunk form (``gdn_jax.ops.chunk.decay_gram_channel``),
 timed inside ``gated_linear_attention``'s forward+backward at the Zoology MQAR shape, against
-alternative formulations of its diagonal 16 x 16 sub-blocks -- to find out on a GPU whether the
+the previous formulation of its diagonal 16 x 16 sub-blocks -- to find out on a GPU whether the
 library's einsum over a materialised [s, s, K] decay tensor is what makes the ``gla`` training step
 ~4x slower than gdn's (issue #16: the GLA cells dominate the grid's GPU time).
 
     python benchmarks/bench_gla_gram.py                 # B 128, T 512, H 2, K = V = 64, float32
     python benchmarks/bench_gla_gram.py --shape 2x128x2x16 --reps 2    # CPU smoke test
-    python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 8 4   # d 64's heads, other sub-block sizes
+    python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 16 4  # d 64's heads, other sub-block sizes
 
 Variants (the same values; each checked against the library's to 1e-5 relative):
-  library   the library's (einsum "ic,jc,ijc->ij" with precision HIGHEST, block diagonal by einsum;
-            its default sub-block size, 16)
+  library   the library's (diagonal sub-blocks as one elementwise product reduced over K, the block
+            diagonal by broadcasting; its default sub-block size, 8)
   sub s     the library's with sub-block size s (``--subs``)
-  fused     the diagonal blocks as an elementwise product and a reduction over K (one fusion, no
-            [s, s, K] operand of a dot), the block diagonal by broadcasting
+  einsum    the library's up to 4fe6ab4: the diagonal sub-blocks as an einsum "ic,jc,ijc->ij"
+            (precision HIGHEST) against the materialised [s, s, K] decay tensor, the block diagonal
+            by an einsum with the identity (4fe6ab4 on an H200 at 128x512x2x32: 1.887 ms; this form
+            as "fused" 1.579, the einsum at sub 8 / 4: 1.751 / 1.863)
 One line per variant: ms per fwd+bwd call (pipelined) and the ratio to the library's.
 """
 from __future__ import annotations
@@ -26,13 +28,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fused_gram(a, b, gc, sub: int = 16):
-    """``decay_gram_channel`` with its diagonal sub-blocks as one elementwise-product reduction."""
+def einsum_gram(a, b, gc, sub: int = 16):
+    """``decay_gram_channel`` as it was up to 4fe6ab4: the diagonal sub-blocks as an einsum against
+    the materialised [s, s, K] decay tensor (precision HIGHEST), the block diagonal by an einsum
+    with the identity."""
     import jax.numpy as jnp
     from gdn_jax.ops import chunk as C_
 
     if not isinstance(a, tuple):
-        return fused_gram((a,), b, gc, sub)[0]
+        return einsum_gram((a,), b, gc, sub)[0]
     C, K = gc.shape[-2:]
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
@@ -53,8 +57,8 @@ def fused_gram(a, b, gc, sub: int = 16):
     out = []
     for ai in a:
         ab = ai.reshape(lead + (nb, s, K))
-        diag = jnp.sum(ab[..., :, None, :] * bb[..., None, :, :] * e, axis=-1)
-        full = (diag[..., :, :, None, :] * eye[:, None, :, None]).reshape(lead + (C, C))
+        diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=C_._HI)
+        full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
         if nb > 1:
             off = jnp.einsum("...rik,...rjk->...rij", ab * ea, b_s, precision=C_._HI)
             full = full + off.reshape(lead + (C, C))
@@ -101,7 +105,7 @@ def main(argv=None):
 
     variants = [("library", C_.decay_gram_channel)]
     variants += [(f"sub {s}", functools.partial(C_.decay_gram_channel, sub=s)) for s in args.subs]
-    variants += [("fused", fused_gram)]
+    variants += [("einsum", einsum_gram)]
     for name, gram in variants:
         fn = make(gram)
         t0 = time.perf_counter()
