@@ -6,11 +6,11 @@ library's einsum over a materialised [s, s, K] decay tensor is what makes the ``
 
     python benchmarks/bench_gla_gram.py                 # B 128, T 512, H 2, K = V = 64, float32
     python benchmarks/bench_gla_gram.py --shape 2x128x2x16 --reps 2    # CPU smoke test
-    python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 16 4  # d 64's heads, other sub-block sizes
+    python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 8 4   # d 64's heads, other sub-block sizes
 
 Variants (the same values; each checked against the library's to 1e-5 relative):
   library   the library's (diagonal sub-blocks as one elementwise product reduced over K, the block
-            diagonal by broadcasting; its default sub-block size, 8)
+            diagonal by broadcasting; its default sub-block size, 16)
   sub s     the library's with sub-block size s (``--subs``)
   einsum    the library's up to 4fe6ab4: the diagonal sub-blocks as an einsum "ic,jc,ijc->ij"
             (precision HIGHEST) against the materialised [s, s, K] decay tensor, the block diagonal

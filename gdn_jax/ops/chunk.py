@@ -13,7 +13,7 @@ cumulative log decay gamma_i = sum_{j<=i} g_j (per head, or per key channel)::
 
 Per-key-channel decay (Kimi Delta Attention) cannot factor
 (K e^gamma)(K e^-gamma)^T without overflow, so the Gram matrices are built in
-8-token sub-blocks: a diagonal sub-block as a masked [8, 8, K] exponential,
+16-token sub-blocks: a diagonal sub-block as a masked [16, 16, K] exponential,
 an off-diagonal one through the sub-block boundary r, exp(gamma_i - gamma_r) *
 exp(gamma_r - gamma_j), both factors <= 1 when g <= 0.
 
@@ -68,14 +68,16 @@ def reverse_exclusive_cumsum(g, axis):
     return jnp.moveaxis(out, -1, axis)
 
 
-def decay_gram_channel(a, b, gc, sub: int = 8):
+def decay_gram_channel(a, b, gc, sub: int = 16):
     """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
 
     ``sub`` is the sub-block size (any size gives the same values to float32 rounding; the decay
-    factors take C s K + C^2 K / s numbers, least at s = sqrt(C): 8 for the default C = 64). The
-    diagonal sub-blocks are an elementwise product reduced over K, not an einsum against the
-    [s, s, K] decay tensor: on an H200 that made gla's fwd+bwd at d 64's training shape 1.19x faster
-    at s = 16 (``benchmarks/bench_gla_gram.py``; results/bench_train_step_h200/gla_gram_*.txt).
+    factors take C s K + C^2 K / s numbers, least at s = sqrt(C), 8 at C = 64: on an H200 the
+    earlier einsum form ran gla's fwd+bwd 1.08x faster at 8 than at 16, this form is not yet timed
+    there at 8, so the default stays 16). The diagonal sub-blocks are an elementwise product reduced
+    over K, not an einsum against the [s, s, K] decay tensor: on an H200 that makes gla's fwd+bwd at
+    d 64's training shape 1.19x faster (1.887 -> 1.579 ms, ``benchmarks/bench_gla_gram.py``;
+    results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt, its "fused" line).
 
     ``a`` may be a tuple of arrays (e.g. ``(beta K, Q)`` against the same ``b = K``): the decay
     factors are then computed once and a tuple of Grams is returned. Overflow-free for g <= 0: see
