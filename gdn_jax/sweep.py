@@ -69,6 +69,11 @@ class SweepConfig:
     epochs: Optional[int] = None  # data_mode=fixed: steps = epochs x (train_examples // batch), eval once per epoch
     base: Tuple[str, ...] = ()
     skip_lrs_after_target: bool = True
+    # workers claim single (cell, learning rate) runs, not whole cells: a cell's rates train at once
+    # (a cell at four rates no longer runs four runs one after the other). With skip_lrs_after_target
+    # a rate not yet started is skipped once another one reached the target; rates already running
+    # finish (that compute is spent; use it where no rate is expected to reach the target early)
+    lrs_in_parallel: bool = False
     out: str = "runs/sweep"
     ckpt_root: Optional[str] = None  # checkpoints under <ckpt_root>/<cell>/lr<lr> (default: inside each run's out)
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
@@ -417,14 +422,12 @@ def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
 
 
 def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
-    """All of the cell's runs are finished (or skipped after one reached the target)."""
-    for lr in cfg.lrs:
-        r = _load(_results_path(cfg, cell, lr))
-        if r is None:
-            return False
-        if cfg.skip_lrs_after_target and r.get("reached_target"):
-            return True
-    return True
+    """All of the cell's runs are finished, or (``skip_lrs_after_target``) one of them reached the
+    target: the rates not yet run are skipped."""
+    results = [_load(_results_path(cfg, cell, lr)) for lr in cfg.lrs]
+    if cfg.skip_lrs_after_target and any(r is not None and r.get("reached_target") for r in results):
+        return True
+    return all(r is not None for r in results)
 
 
 def out_of_budget(cfg: SweepConfig) -> bool:
@@ -432,17 +435,20 @@ def out_of_budget(cfg: SweepConfig) -> bool:
     return cfg.deadline is not None and time.time() >= cfg.deadline
 
 
-def run_cell(cfg: SweepConfig, cell: Cell) -> bool:
-    """Train ``cell`` at each learning rate (skipping finished runs) and write their results. A run
-    that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on. Returns
+def run_cell(cfg: SweepConfig, cell: Cell, lrs: Optional[Sequence[float]] = None) -> bool:
+    """Train ``cell`` at each learning rate (``lrs``, default ``cfg.lrs``; skipping finished runs, and
+    with ``skip_lrs_after_target`` every rate after one reached the target) and write their results.
+    A run that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on. Returns
     False when the time budget ran out (the run in progress is checkpointed, unfinished)."""
     import traceback
 
     from gdn_jax.recall import run
 
-    for lr in cfg.lrs:
+    for lr in (cfg.lrs if lrs is None else lrs):
         r = _load(_results_path(cfg, cell, lr))
         if r is None:
+            if cell_done(cfg, cell):  # another worker's rate of this cell reached the target
+                break
             if out_of_budget(cfg):
                 return False
             rc = run_config(cfg, cell, lr)
@@ -464,8 +470,8 @@ def run_cell(cfg: SweepConfig, cell: Cell) -> bool:
     return True
 
 
-def _claim(cfg: SweepConfig, cell: Cell) -> bool:
-    path = os.path.join(cfg.out, "locks", cell.name + ".lock")
+def _claim(cfg: SweepConfig, name: str) -> bool:
+    path = os.path.join(cfg.out, "locks", name + ".lock")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
@@ -480,11 +486,24 @@ def _worker(cfg: SweepConfig) -> None:
         if out_of_budget(cfg):
             print(f"[worker {cfg.worker_index}] time budget spent; stopping", flush=True)
             return
-        if not cell_done(cfg, cell) and _claim(cfg, cell):
-            print(f"[worker {cfg.worker_index}] {cell.name}", flush=True)
-            if not run_cell(cfg, cell):
-                print(f"[worker {cfg.worker_index}] time budget spent in {cell.name}; stopping", flush=True)
+        if not cfg.lrs_in_parallel:
+            if not cell_done(cfg, cell) and _claim(cfg, cell.name):
+                print(f"[worker {cfg.worker_index}] {cell.name}", flush=True)
+                if not run_cell(cfg, cell):
+                    print(f"[worker {cfg.worker_index}] time budget spent in {cell.name}; stopping", flush=True)
+                    return
+            continue
+        for lr in cfg.lrs:  # one (cell, learning rate) run at a time
+            if out_of_budget(cfg):
+                print(f"[worker {cfg.worker_index}] time budget spent; stopping", flush=True)
                 return
+            if cell_done(cfg, cell):
+                break
+            if _load(_results_path(cfg, cell, lr)) is None and _claim(cfg, f"{cell.name}_lr{lr:g}"):
+                print(f"[worker {cfg.worker_index}] {cell.name} lr {lr:g}", flush=True)
+                if not run_cell(cfg, cell, lrs=(lr,)):
+                    print(f"[worker {cfg.worker_index}] time budget spent in {cell.name} lr {lr:g}; stopping", flush=True)
+                    return
 
 
 def _accelerators() -> Tuple[int, str]:

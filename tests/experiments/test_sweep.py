@@ -95,6 +95,47 @@ def test_workers_split_cells(tmp_path):
     assert sorted(claimed) == sorted(c["cell"] for c in summary["cells"])  # each cell trained exactly once
 
 
+def test_workers_split_learning_rates(tmp_path):
+    """``--lrs_in_parallel``: workers claim (cell, learning rate) runs, so one cell's two rates train
+    in two processes at once (each run once); without it one worker takes the whole cell."""
+    argv = ["--preset", "cpu_smoke", "--mixers", "linear", "--d_models", "8", "--lrs", "0.001", "0.003",
+            "--out", str(tmp_path), "--workers_per_device", "2", "--no-progress", "--lrs_in_parallel"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"))
+    p = subprocess.run([sys.executable, SCRIPT, *argv], cwd=str(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    logs = [open(tmp_path / f"worker{i}.log").read() for i in range(2)]
+    claims = [[line.split(None, 2)[2] for line in log.splitlines() if line.startswith("[worker")] for log in logs]
+    (cell,) = [c["cell"] for c in json.load(open(tmp_path / "summary.json"))["cells"]]
+    assert sorted(c for cl in claims for c in cl) == [f"{cell} lr 0.001", f"{cell} lr 0.003"]
+    assert all(len(cl) == 1 for cl in claims)  # one rate each: the cell's two runs in two workers
+    for lr in ("0.001", "0.003"):
+        assert (tmp_path / "runs" / cell / f"lr{lr}" / "results.json").exists()
+
+
+def test_rates_skipped_once_one_reached_the_target(tmp_path, monkeypatch):
+    """With skip_lrs_after_target, a rate of the cell that reached the target (whichever rate, e.g.
+    one that a parallel worker finished first) makes the cell done: its unstarted rates are not run;
+    without the skip every rate runs."""
+    import gdn_jax.recall as R
+
+    cfg = S.apply_preset(S.SweepConfig(preset="cpu_smoke", mixers=("linear",), d_models=(8,), lrs=(1e-3, 3e-3),
+                                       out=str(tmp_path), progress=False),
+                         explicit=["mixers", "d_models", "lrs", "out", "progress"])
+    cell = S.cells(cfg)[0]
+    later = S._results_path(cfg, cell, 3e-3)
+    os.makedirs(os.path.dirname(later))
+    with open(later, "w") as f:
+        json.dump({"reached_target": True}, f)
+    trained = []
+    monkeypatch.setattr(R, "run", lambda rc: trained.append(rc.lr) or ({"reached_target": False, "ckpt_dir": ""},))
+    assert S.cell_done(cfg, cell)
+    assert S.run_cell(cfg, cell) and trained == []
+    cfg = dataclasses.replace(cfg, skip_lrs_after_target=False)
+    assert not S.cell_done(cfg, cell)
+    assert S.run_cell(cfg, cell) and trained == [1e-3]
+
+
 def test_visible_device_ids():
     """Workers go to the sweep's own visible devices (CUDA_VISIBLE_DEVICES=1,2,3 keeps device 0
     for other work), else to 0 .. n - 1; a list that disagrees with JAX's count is an error."""
