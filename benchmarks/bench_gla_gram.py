@@ -1,6 +1,6 @@
 """The per-key-channel decay Gram of the GLA chunk form (``gdn_jax.ops.chunk.decay_gram_channel``),
 timed inside ``gated_linear_attention``'s forward+backward at the Zoology MQAR shape, against
-the previous formulation of its diagonal 16 x 16 sub-blocks -- to find out on a GPU whether the
+other formulations of its diagonal sub-blocks -- to find out on a GPU whether the
 library's einsum over a materialised [s, s, K] decay tensor is what makes the ``gla`` training step
 ~4x slower than gdn's (issue #16: the GLA cells dominate the grid's GPU time).
 
@@ -9,13 +9,14 @@ library's einsum over a materialised [s, s, K] decay tensor is what makes the ``
     python benchmarks/bench_gla_gram.py --shape 128x512x2x32 --subs 8 4   # d 64's heads, other sub-block sizes
 
 Variants (the same values; each checked against the library's to 1e-5 relative):
-  library   the library's (diagonal sub-blocks as one elementwise product reduced over K, the block
-            diagonal by broadcasting; its default sub-block size, 16)
+  library   the library's (the diagonal sub-blocks as an einsum "ic,jc,ijc->ij", precision HIGHEST,
+            against the materialised [s, s, K] decay tensor, the block diagonal by an einsum with I;
+            its default sub-block size, 8 since session 35)
   sub s     the library's with sub-block size s (``--subs``)
-  einsum    the library's up to 4fe6ab4: the diagonal sub-blocks as an einsum "ic,jc,ijc->ij"
-            (precision HIGHEST) against the materialised [s, s, K] decay tensor, the block diagonal
-            by an einsum with the identity (4fe6ab4 on an H200 at 128x512x2x32: 1.887 ms; this form
-            as "fused" 1.579, the einsum at sub 8 / 4: 1.751 / 1.863)
+  <form> s  ``form_gram``'s formulations of the diagonal blocks (``--forms``), at the default and
+            each ``--subs`` size. Measured on an H200 at 128x512x2x32 (4fe6ab4, library sub 16):
+            library 1.887 ms, sub 8 1.751, sub 4 1.863, fused 16 1.579
+            (results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt, where "fused" is fused 16)
 One line per variant: ms per fwd+bwd call (pipelined) and the ratio to the library's.
 """
 from __future__ import annotations
@@ -28,15 +29,25 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def einsum_gram(a, b, gc, sub: int = 16):
-    """``decay_gram_channel`` as it was up to 4fe6ab4: the diagonal sub-blocks as an einsum against
-    the materialised [s, s, K] decay tensor (precision HIGHEST), the block diagonal by an einsum
-    with the identity."""
+FORMS = ("elementwise", "fused", "padded")
+
+
+def form_gram(a, b, gc, sub: int = 8, form: str = "elementwise"):
+    """``decay_gram_channel`` with its diagonal sub-blocks built another way (same values):
+
+    elementwise  the diagonal blocks as one elementwise product reduced over K (no [s, s, K]
+                 operand of a dot), placed on the block diagonal by the library's einsum with I
+    fused        the same product, placed by broadcasting against I (on an H200 at 4fe6ab4's
+                 sub-block 16: 1.579 ms against the library's 1.887; XLA:CPU of jaxlib 0.10.2
+                 segfaults in its backward at C = 32, two sub-blocks)
+    padded       the same product, each block padded to its place in the row band (backward:
+                 slices) and added to the off-diagonal part
+    """
     import jax.numpy as jnp
     from gdn_jax.ops import chunk as C_
 
     if not isinstance(a, tuple):
-        return einsum_gram((a,), b, gc, sub)[0]
+        return form_gram((a,), b, gc, sub, form)[0]
     C, K = gc.shape[-2:]
     s = sub if (C % sub == 0 and C > sub) else C
     nb = C // s
@@ -57,12 +68,18 @@ def einsum_gram(a, b, gc, sub: int = 16):
     out = []
     for ai in a:
         ab = ai.reshape(lead + (nb, s, K))
-        diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=C_._HI)
-        full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
+        diag = jnp.sum(ab[..., :, None, :] * bb[..., None, :, :] * e, axis=-1)  # [..., nb, s, s]
+        if form == "padded":
+            nd = diag.ndim - 3
+            band = jnp.stack([jnp.pad(diag[..., r, :, :], [(0, 0)] * nd + [(0, 0), (r * s, C - (r + 1) * s)])
+                              for r in range(nb)], axis=-3)  # [..., nb, s, C]
+        elif form == "fused":
+            band = (diag[..., :, :, None, :] * eye[:, None, :, None]).reshape(lead + (nb, s, C))
+        else:
+            band = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (nb, s, C))
         if nb > 1:
-            off = jnp.einsum("...rik,...rjk->...rij", ab * ea, b_s, precision=C_._HI)
-            full = full + off.reshape(lead + (C, C))
-        out.append(full)
+            band = band + jnp.einsum("...rik,...rjk->...rij", ab * ea, b_s, precision=C_._HI)
+        out.append(band.reshape(lead + (C, C)))
     return tuple(out)
 
 
@@ -71,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--shape", default="128x512x2x64", help="BxTxHxD (K = V = D)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--subs", type=int, nargs="*", default=[], help="sub-block sizes to time beside the default")
+    ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=FORMS,
+                    help="other formulations of the diagonal sub-blocks (form_gram), at each sub-block size")
     args = ap.parse_args(argv)
 
     import jax
@@ -102,10 +121,13 @@ def main(argv=None):
     ref = None
     base_ms = None
     import functools
+    import inspect
 
+    sub0 = inspect.signature(C_.decay_gram_channel).parameters["sub"].default
     variants = [("library", C_.decay_gram_channel)]
     variants += [(f"sub {s}", functools.partial(C_.decay_gram_channel, sub=s)) for s in args.subs]
-    variants += [("einsum", einsum_gram)]
+    for s in [sub0, *args.subs]:
+        variants += [(f"{f} {s}", functools.partial(form_gram, sub=s, form=f)) for f in args.forms]
     for name, gram in variants:
         fn = make(gram)
         t0 = time.perf_counter()
@@ -128,7 +150,7 @@ def main(argv=None):
             ts.append((time.perf_counter() - t0) * 1e3 / args.reps)
         ms = sorted(ts)[1]
         base_ms = base_ms or ms
-        print(f"  {name:<8} fwd+bwd {ms:8.3f} ms   x{ms / base_ms:.2f} of library   (first call {compile_s:.1f} s)",
+        print(f"  {name:<14} fwd+bwd {ms:8.3f} ms   x{ms / base_ms:.2f} of library   (first call {compile_s:.1f} s)",
               flush=True)
 
 

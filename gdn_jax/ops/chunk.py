@@ -13,7 +13,7 @@ cumulative log decay gamma_i = sum_{j<=i} g_j (per head, or per key channel)::
 
 Per-key-channel decay (Kimi Delta Attention) cannot factor
 (K e^gamma)(K e^-gamma)^T without overflow, so the Gram matrices are built in
-16-token sub-blocks: a diagonal sub-block as a masked [16, 16, K] exponential,
+8-token sub-blocks: a diagonal sub-block as a masked [8, 8, K] exponential,
 an off-diagonal one through the sub-block boundary r, exp(gamma_i - gamma_r) *
 exp(gamma_r - gamma_j), both factors <= 1 when g <= 0.
 
@@ -68,16 +68,17 @@ def reverse_exclusive_cumsum(g, axis):
     return jnp.moveaxis(out, -1, axis)
 
 
-def decay_gram_channel(a, b, gc, sub: int = 16):
+def decay_gram_channel(a, b, gc, sub: int = 8):
     """M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc) for i >= j, else 0; a,b,gc [...,C,K].
 
     ``sub`` is the sub-block size (any size gives the same values to float32 rounding; the decay
-    factors take C s K + C^2 K / s numbers, least at s = sqrt(C), 8 at C = 64: on an H200 the
-    earlier einsum form ran gla's fwd+bwd 1.08x faster at 8 than at 16, this form is not yet timed
-    there at 8, so the default stays 16). The diagonal sub-blocks are an elementwise product reduced
-    over K, not an einsum against the [s, s, K] decay tensor: on an H200 that makes gla's fwd+bwd at
-    d 64's training shape 1.19x faster (1.887 -> 1.579 ms, ``benchmarks/bench_gla_gram.py``;
-    results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt, its "fused" line).
+    factors take C s K + C^2 K / s numbers, least at s = sqrt(C), 8 at C = 64, the default: on an
+    H200 gla's fwd+bwd at d 64's training shape ran 1.08x faster at 8 than at 16, 1.887 -> 1.751
+    ms). On the same H200 the diagonal sub-blocks as one elementwise product reduced over K, placed
+    on the block diagonal by broadcasting, ran it 1.19x faster at 16 (1.887 -> 1.579 ms, ``benchmarks/bench_gla_gram.py``,
+    results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt) -- but XLA:CPU (jaxlib 0.10.2)
+    segfaults compiling that form's backward at C = 32 (two sub-blocks), so it is not the library's;
+    the benchmark times it and CPU-safe variants (``elementwise``, ``padded``) for the next GPU check.
 
     ``a`` may be a tuple of arrays (e.g. ``(beta K, Q)`` against the same ``b = K``): the decay
     factors are then computed once and a tuple of Grams is returned. Overflow-free for g <= 0: see
@@ -112,10 +113,8 @@ def decay_gram_channel(a, b, gc, sub: int = 16):
     out = []
     for ai in a:
         ab = ai.reshape(lead + (nb, s, K))
-        # the diagonal sub-blocks as one elementwise product reduced over K (a single fusion, fp32
-        # throughout; no [s, s, K] operand of a dot), placed on the block diagonal by broadcasting
-        diag = jnp.sum(ab[..., :, None, :] * bb[..., None, :, :] * e, axis=-1)  # [..., nb, s, s]
-        full = (diag[..., :, :, None, :] * eye[:, None, :, None]).reshape(lead + (C, C))
+        diag = jnp.einsum("...ic,...jc,...ijc->...ij", ab, bb, e, precision=_HI)  # [..., nb, s, s]
+        full = jnp.einsum("...rij,rq->...riqj", diag, eye).reshape(lead + (C, C))
         if nb > 1:
             off = jnp.einsum("...rik,...rjk->...rij", ab * ea, b_s, precision=_HI)  # [..., nb, s, C]
             full = full + off.reshape(lead + (C, C))

@@ -18,7 +18,7 @@ Chunked form (C tokens per chunk, gamma_i = sum_{j<=i} g_j within the chunk)::
 
 No triangular inverse is needed (there is no delta-rule write). The decay mask is masked before
 the exponential; per-key-channel decay uses ``chunk.decay_gram_channel``'s overflow-free
-16-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``, except up to
+8-token sub-block factoring. The state recurrence across chunks is a ``lax.scan``, except up to
 ``PARALLEL_MAX_CHUNKS`` chunks without ``cu_seqlens`` (T <= 1024 at chunk_size 64): there every
 chunk's entering state is one masked decay matrix times the chunks' contributions
 (:func:`_parallel_states`), so a short sequence's forward and backward have no sequential loop.
