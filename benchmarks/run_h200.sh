@@ -101,10 +101,10 @@ sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see th
     --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) $args_var \
     2>&1 | grep -v -i warning > "/tmp/sweep_logs/$name.txt"
   echo "--- sweep $1 ($name)"; tail -8 "/tmp/sweep_logs/$name.txt"
-  # keep only the checkpoints of runs without a results.json (finished runs need none), and none of a
-  # cell where one learning rate reached the target (its other rates are skipped: the cell is done)
+  # keep only the checkpoints of runs without a results.json (finished runs need none); a started rate
+  # of a cell where another rate reached the target keeps its checkpoint: the sweep resumes and
+  # finishes it (--lrs_in_parallel runs rates side by side; rates never started are skipped)
   (cd "/tmp/ckpt_$name" && for d in */lr*; do [ -f "/tmp/$name/runs/$d/results.json" ] && rm -rf "$d"
-     grep -q '"reached_target": true' "/tmp/$name/runs/${d%%/*}"/lr*/results.json 2>/dev/null && rm -rf "$d"
    done; true) 2>/dev/null
   echo "$name" >> /tmp/sweep_logs/names
 }

@@ -13,7 +13,9 @@ A thin script over :mod:`gdn_jax.sweep` (every flag is a field of :class:`gdn_ja
 
 Re-running the same command resumes (finished runs are skipped, interrupted ones continue from
 their checkpoint; ``--time_budget_s`` stops the sweep by itself, checkpointing the run in progress).
-With several GPUs, one worker per GPU. Writes ``runs.csv``, ``summary.csv``, ``summary.json``,
+With several GPUs, one worker per GPU (``--workers_per_device N``: N per device, also on the CPU);
+``--lrs_in_parallel`` lets the workers take single (cell, learning rate) runs, so a cell's rates
+train at once (in one process it changes nothing). Writes ``runs.csv``, ``summary.csv``, ``summary.json``,
 ``summary.md`` and ``accuracy_vs_dmodel.png`` in ``--out``.
 A bad setting (the library's ``ValueError``/``TypeError``) exits with a message naming the flag.
 """
@@ -34,8 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     desc = (__doc__.split("\n")[0] + f" Presets (--preset): {', '.join(sorted(PRESETS))}; "
             "--base field=value sets any gdn_jax.recall.RecallConfig field for every run; see README.md.")
     cfg = parse_dataclass(SweepConfig, argv, prog="sweep.py", description=desc)
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}  # --name value and --name=value
     explicit = {f.name for f in dataclasses.fields(SweepConfig)
-                if f"--{f.name}" in argv or f"--no-{f.name}" in argv}
+                if f"--{f.name}" in given or f"--no-{f.name}" in given}
     with exit_on_error("sweep.py", SweepConfig):
         cfg = apply_preset(cfg, explicit)
         summary = run_sweep(cfg, argv=argv, script=os.path.abspath(__file__))

@@ -16,7 +16,9 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
   taken from the sweep's own list when it has one: ``CUDA_VISIBLE_DEVICES=1,2,3`` leaves device 0 free;
   ``workers_per_device > 1``: that many per device, each with its share of the device memory -- small
   models leave an H200 mostly idle, so several runs at once raise the throughput); workers claim
-  cells through lock files, so cells are spread dynamically;
+  cells through lock files, so cells are spread dynamically (``lrs_in_parallel``: single (cell,
+  learning rate) runs, so one cell's rates train at once; a rate not started when another reached the
+  target is skipped, a started one finishes);
 * **progress** -- a tqdm bar over cells.
 
 At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
@@ -351,6 +353,10 @@ def validate(cfg: SweepConfig) -> List[Cell]:
         errors.append(f"SweepConfig.task must be one of {TASKS}, got {cfg.task!r}")
     if not cfg.lrs:
         errors.append("SweepConfig.lrs is empty")
+    names = [f"lr{lr:g}" for lr in cfg.lrs]
+    if len(set(names)) < len(names):  # one run folder per rate: rates that print alike would share it
+        errors.append(f"SweepConfig.lrs has rates that repeat or agree to 6 significant digits "
+                      f"(their runs would share a folder): {list(cfg.lrs)}")
     if cfg.workers < 0:
         errors.append(f"SweepConfig.workers must be >= 0, got {cfg.workers}")
     if cfg.workers_per_device < 1:
@@ -421,13 +427,25 @@ def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
     return errors
 
 
+def _started(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
+    """The run has a checkpoint (it was interrupted and resumes from there)."""
+    return bool(run_config(cfg, cell, lr).resume)
+
+
+def _skipped(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
+    """With ``skip_lrs_after_target``: the rate has no results, was never started, and another rate of
+    the cell reached the target. A started rate (``--lrs_in_parallel``: running beside the one that
+    reached the target, then interrupted) is not skipped: it resumes and finishes."""
+    if not cfg.skip_lrs_after_target or _load(_results_path(cfg, cell, lr)) is not None:
+        return False
+    reached = any((r := _load(_results_path(cfg, cell, x))) is not None and r.get("reached_target") for x in cfg.lrs)
+    return reached and not _started(cfg, cell, lr)
+
+
 def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
-    """All of the cell's runs are finished, or (``skip_lrs_after_target``) one of them reached the
-    target: the rates not yet run are skipped."""
-    results = [_load(_results_path(cfg, cell, lr)) for lr in cfg.lrs]
-    if cfg.skip_lrs_after_target and any(r is not None and r.get("reached_target") for r in results):
-        return True
-    return all(r is not None for r in results)
+    """Every rate of the cell is finished or skipped: with ``skip_lrs_after_target`` the rates not
+    started when one reached the target are skipped (:func:`_skipped`)."""
+    return all(_load(_results_path(cfg, cell, lr)) is not None or _skipped(cfg, cell, lr) for lr in cfg.lrs)
 
 
 def out_of_budget(cfg: SweepConfig) -> bool:
@@ -447,8 +465,8 @@ def run_cell(cfg: SweepConfig, cell: Cell, lrs: Optional[Sequence[float]] = None
     for lr in (cfg.lrs if lrs is None else lrs):
         r = _load(_results_path(cfg, cell, lr))
         if r is None:
-            if cell_done(cfg, cell):  # another worker's rate of this cell reached the target
-                break
+            if _skipped(cfg, cell, lr):  # another worker's rate of this cell reached the target
+                continue
             if out_of_budget(cfg):
                 return False
             rc = run_config(cfg, cell, lr)
@@ -499,7 +517,8 @@ def _worker(cfg: SweepConfig) -> None:
                 return
             if cell_done(cfg, cell):
                 break
-            if _load(_results_path(cfg, cell, lr)) is None and _claim(cfg, f"{cell.name}_lr{lr:g}"):
+            if (_load(_results_path(cfg, cell, lr)) is None and not _skipped(cfg, cell, lr)
+                    and _claim(cfg, f"{cell.name}_lr{lr:g}")):
                 print(f"[worker {cfg.worker_index}] {cell.name} lr {lr:g}", flush=True)
                 if not run_cell(cfg, cell, lrs=(lr,)):
                     print(f"[worker {cfg.worker_index}] time budget spent in {cell.name} lr {lr:g}; stopping", flush=True)
@@ -563,6 +582,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     n_workers = cfg.workers or (n_acc * wpd if n_acc > 1 or wpd > 1 else 0)
     bar = tqdm(total=len(grid), disable=not cfg.progress, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
     bar.update(sum(cell_done(cfg, c) for c in grid))
+    if cfg.lrs_in_parallel and (n_workers <= 1 or script is None):
+        print("sweep: --lrs_in_parallel needs several worker processes (workers_per_device > 1, or several "
+              "devices); in one process the rates run one after the other", file=sys.stderr)
     if n_workers <= 1 or script is None:
         for cell in grid:
             if not cell_done(cfg, cell):
@@ -595,6 +617,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         bad = [i for i, (p, _) in enumerate(procs) if p.returncode]
         if bad:
             print(f"workers {bad} failed; see {cfg.out}/worker<i>.log", file=sys.stderr)
+        elif out_of_budget(cfg) and not all(cell_done(cfg, c) for c in grid):
+            print("sweep: time budget spent (SweepConfig.time_budget_s); run the same command again to continue",
+                  file=sys.stderr)
     bar.close()
     return summarize(cfg)
 

@@ -131,9 +131,28 @@ def test_rates_skipped_once_one_reached_the_target(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "run", lambda rc: trained.append(rc.lr) or ({"reached_target": False, "ckpt_dir": ""},))
     assert S.cell_done(cfg, cell)
     assert S.run_cell(cfg, cell) and trained == []
-    cfg = dataclasses.replace(cfg, skip_lrs_after_target=False)
+    # a rate that had started (it has a checkpoint: it ran beside the one that reached the target and
+    # was interrupted) is not skipped: it resumes and finishes
+    ckpt = S.run_config(cfg, cell, 1e-3).out + "/ckpt/7"
+    os.makedirs(ckpt)
     assert not S.cell_done(cfg, cell)
     assert S.run_cell(cfg, cell) and trained == [1e-3]
+    os.rmdir(ckpt)
+    cfg = dataclasses.replace(cfg, skip_lrs_after_target=False)
+    assert not S.cell_done(cfg, cell)
+    assert S.run_cell(cfg, cell) and trained == [1e-3, 1e-3]
+
+
+def test_flags_with_equals_override_the_preset():
+    """``--name=value`` is as explicit as ``--name value``: the preset does not override it."""
+    import runpy
+
+    ns = runpy.run_path(SCRIPT)
+    seen = {}
+    ns["main"].__globals__["run_sweep"] = lambda cfg, argv=(), script=None: seen.setdefault("cfg", cfg) and {}
+    ns["main"](["--preset", "cpu_smoke", "--mixers=linear", "--d_models=8", "--lrs=0.001", "--out=/tmp/never"])
+    cfg = seen["cfg"]
+    assert (cfg.mixers, cfg.d_models, cfg.lrs, cfg.out) == (("linear",), (8,), (0.001,), "/tmp/never")
 
 
 def test_visible_device_ids():
@@ -169,7 +188,7 @@ def test_bad_arguments(tmp_path):
     # the whole grid is checked before anything trains; nothing is written
     bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
            dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),)),
-           dict(worker_index=-1)]
+           dict(worker_index=-1), dict(lrs=(1e-3, 1e-3)), dict(lrs=(1e-3, 1.0000001e-3))]
     for kw in bad:
         out = tmp_path / "never"
         with pytest.raises(ValueError):
@@ -182,7 +201,8 @@ def test_bad_arguments(tmp_path):
     for argv, msg in [(["--task", "foo"], r"^sweep\.py: error: --task must be one of"),
                       (["--preset", "nope"], r"^sweep\.py: error: --preset must be one of"),
                       (["--base", "d_model=32"], r"^sweep\.py: error: --base setting 'd_model' is set by the sweep; use --d_models$"),
-                      (["--base", "steps=many"], r"bad --base setting: RecallConfig\.steps: invalid int value")]:
+                      (["--base", "steps=many"], r"bad --base setting: RecallConfig\.steps: invalid int value"),
+                      (["--lrs", "0.001", "0.001"], r"--lrs has rates that repeat")]:
         with pytest.raises(SystemExit, match=msg):
             main(argv + ["--out", str(tmp_path / "never"), "--no-progress"])
     assert not (tmp_path / "never").exists()
