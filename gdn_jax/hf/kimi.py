@@ -54,7 +54,9 @@ def _normalise(sd: Dict[str, jnp.ndarray], prefix: str) -> Dict[str, jnp.ndarray
 
 def kda_to_hf(layer: KimiDeltaAttention, prefix: str = "") -> Dict[str, jnp.ndarray]:
     """The ``KimiLinearDeltaAttention`` state dict (transformers names, each key prefixed with
-    ``prefix``) of a :class:`KimiDeltaAttention`."""
+    ``prefix``) of a :class:`KimiDeltaAttention`. Only tensors: the config that goes with them must
+    carry the layer's ``norm_eps`` as ``rms_norm_eps`` (the layer's default is 1e-6; a config
+    without the field means transformers' default, 1e-5, in :func:`kda_from_hf` as in transformers)."""
     T = lambda lin: jnp.swapaxes(lin.kernel[...], 0, 1)
     H = layer.num_heads
     conv = jnp.concatenate([c.weight[...] for c in (layer.q_conv, layer.k_conv, layer.v_conv)], axis=1)

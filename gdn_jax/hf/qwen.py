@@ -175,11 +175,13 @@ def _T(w):
 
 
 def _sizes(cfg: LMConfig):
-    Hk, K = cfg.num_heads, cfg.head_dim
+    # the layers' own defaults: head_dim d_model // num_heads, value_head_dim head_dim, the attention
+    # head dim head_dim or else d_model // attn_num_heads
+    Hk, K = cfg.num_heads, cfg.head_dim or cfg.d_model // cfg.num_heads
     Hv = cfg.num_v_heads or Hk
     V = cfg.value_head_dim or K
     N = cfg.attn_num_heads or cfg.num_heads
-    return Hk, K, Hv, V, N, cfg.attn_head_dim or cfg.head_dim
+    return Hk, K, Hv, V, N, cfg.attn_head_dim or cfg.head_dim or cfg.d_model // N
 
 
 def params_to_hf(p: Dict[tuple, jnp.ndarray], cfg: LMConfig, fused: bool) -> Dict[str, jnp.ndarray]:
@@ -379,7 +381,8 @@ def hf_config_of(cfg: LMConfig, model_type: str = "qwen3_5_text") -> dict:
         raise ValueError(f"model_type must be one of {TEXT_TYPES}, got {model_type!r}")
     mixers = cfg.layer_mixers()
     need = {"norm_style": "zero_centered", "decay": "mamba2", "decay_per_channel": False,
-            "beta_per_channel": False, "allow_neg_eigval": False, "use_short_conv": True}
+            "beta_per_channel": False, "allow_neg_eigval": False, "use_short_conv": True,
+            "attn_bias": "", "pos_embedding": "none"}
     for k, v in need.items():
         if getattr(cfg, k) != v:
             raise CheckpointError(f"LMConfig.{k} = {getattr(cfg, k)!r} has no {model_type} counterpart (needs {v!r})")

@@ -14,6 +14,7 @@ the loop as two such calls and reports both times.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Optional
 
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from ..layers.attention import KVCache
 
 TRACE_COUNT = {"generate": 0, "decode_loop": 0}  # incremented at trace time (tests check there is one trace per shape)
 
@@ -82,11 +85,32 @@ def _decode_loop(graphdef, state, cache, tok, keys, temperature, num_steps, *, t
 
 
 def _check_sampling(model, temperature, top_k):
-    if float(temperature) < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    try:
+        if isinstance(temperature, (bool, str, bytes)) or np.ndim(temperature) != 0:
+            raise TypeError
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise TypeError(f"temperature must be a real number (0 for greedy), got {temperature!r}") from None
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature must be finite and >= 0 (0 for greedy), got {temperature}")
     vocab = model.cfg.vocab_size
-    if top_k is not None and not (1 <= int(top_k) <= vocab):
-        raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+            raise TypeError(f"top_k must be an int in [1, {vocab}] or None, got {top_k!r}")
+        if not 1 <= int(top_k) <= vocab:
+            raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
+
+
+def _check_room(cache, num_tokens: int):
+    """Every attention layer's KV cache must have ``num_tokens`` free slots after ``pos`` (checked
+    where ``pos`` is concrete; past the end the cache cannot hold the new keys)."""
+    for c in jax.tree_util.tree_leaves(cache, is_leaf=lambda x: isinstance(x, KVCache)):
+        if isinstance(c, KVCache) and not isinstance(c.pos, jax.core.Tracer):
+            pos, max_len = int(c.pos), c.k.shape[1]
+            if pos + num_tokens > max_len:
+                raise ValueError(f"{num_tokens} decode steps from position {pos} need {pos + num_tokens} attention "
+                                 f"cache slots, the cache has max_len = {max_len} (prefill / init_cache with a "
+                                 f"larger max_len)")
 
 
 def _check_token(token, cache):
@@ -134,11 +158,14 @@ def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float
 
     Raises:
       ValueError: a non-integer ``token`` not of shape ``[B]`` or whose B is not the cache's batch,
-        a negative ``num_tokens``, ``temperature`` or an out-of-range ``top_k``.
+        a negative ``num_tokens``, a negative or non-finite ``temperature``, an out-of-range
+        ``top_k``, or an attention cache with fewer than ``num_tokens`` free slots after ``pos``.
+      TypeError: ``temperature`` not a real number, ``top_k`` not an int.
     """
     token = _check_token(token, cache)
     num_tokens = _check_count("num_tokens", num_tokens)
     _check_sampling(model, temperature, top_k)
+    _check_room(cache, num_tokens)
     if num_tokens == 0:
         return jnp.zeros((token.shape[0], 0), jnp.int32), cache
     graphdef, state = nnx.split(model)
@@ -214,9 +241,10 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
       int32 ``[B, max_new_tokens]``: the new tokens only.
 
     Raises:
-      ValueError: empty or non-integer prompt, negative max_new_tokens, negative temperature,
-        top_k outside [1, vocab], ``T + max_new_tokens > max_len``, or prompt ids outside
-        [0, vocab_size).
+      ValueError: empty or non-integer prompt, negative max_new_tokens, a negative or non-finite
+        temperature, top_k outside [1, vocab], ``T + max_new_tokens > max_len``, or prompt ids
+        outside [0, vocab_size).
+      TypeError: ``temperature`` not a real number, ``top_k`` not an int.
     """
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,7 +55,7 @@ def mixer_input(x, hidden_size: int, cu_seqlens=None, *, name: str = "x"):
     if x.ndim != 3 or x.shape[-1] != hidden_size:
         raise ValueError(f"{name} must have shape [B, T, {hidden_size}], got {tuple(x.shape)}")
     if cu_seqlens is not None:
-        cu_seqlens_arg(cu_seqlens, x.shape[0])
+        cu_seqlens_arg(cu_seqlens, x.shape[0], x.shape[1])
 
 
 def step_input(x_t, hidden_size: int, cache=None, cache_type=None):
@@ -68,8 +70,10 @@ def step_input(x_t, hidden_size: int, cache=None, cache_type=None):
         raise ValueError(f"x_t must have shape [B, 1, {hidden_size}], got {tuple(x_t.shape)}")
 
 
-def cu_seqlens_arg(cu_seqlens, batch: int):
-    """``cu_seqlens`` must be an integer ``[N + 1]`` array (N >= 1) and the batch size 1."""
+def cu_seqlens_arg(cu_seqlens, batch: int, T: Optional[int] = None):
+    """``cu_seqlens`` must be an integer ``[N + 1]`` array (N >= 1) and the batch size 1; with ``T``,
+    a concrete ``cu_seqlens`` must also start at 0, end at T and be non-decreasing (a traced one
+    is checked inside the mixer, whose output is then NaN)."""
     shape = tuple(np.shape(cu_seqlens))
     dtype = getattr(cu_seqlens, "dtype", None) or np.asarray(cu_seqlens).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
@@ -78,6 +82,12 @@ def cu_seqlens_arg(cu_seqlens, batch: int):
         raise ValueError(f"cu_seqlens must have shape [N + 1] (1-D, N >= 1 packed sequences), got shape {shape}")
     if batch != 1:
         raise ValueError(f"cu_seqlens (packed sequences) needs batch size B = 1, got B = {batch}")
+    if T is not None and not isinstance(cu_seqlens, jax.core.Tracer):
+        cu = np.asarray(cu_seqlens)
+        if cu[0] != 0 or cu[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu.tolist()}")
+        if np.any(np.diff(cu) < 0):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
 
 
 def kernel_config(value, backend: str) -> None:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..ops._common import poison_if_invalid
 from ..ops.packing import seq_info
 from . import _checks
 from .norm import NORM_STYLES, rms_norm
@@ -151,13 +152,17 @@ class Attention(nnx.Module):
         T = x.shape[1]
         mask = None
         positions = jnp.arange(T)
+        valid = None
         if cu_seqlens is not None:
-            seq_id, _, _, _ = seq_info(cu_seqlens, T)
+            seq_id, _, _, valid = seq_info(cu_seqlens, T)
             positions = positions - jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id]
             mask = (seq_id[:, None] == seq_id[None, :])[None, None]
         q, k, v = self.qkv(x, positions)
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-        return self.output(o, x), k, v
+        y = self.output(o, x)
+        if valid is not None:  # a malformed traced cu_seqlens: NaN, never a silent answer
+            y = poison_if_invalid(y, valid)
+        return y, k, v
 
     def __call__(self, x, *, cu_seqlens=None):
         _checks.mixer_input(x, self.hidden_size, cu_seqlens)

@@ -3,6 +3,7 @@ the baseline mixers share (:func:`mamba2_log_decay`, :func:`mamba2_decay_init`, 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import jax
@@ -69,8 +70,21 @@ def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: floa
                       dt_max: float = 0.1, A_init_range=(0.0, 16.0), param_dtype=jnp.float32):
     """``(A_log [num_heads], dt_bias [n_dt])`` Params of the decay ``-exp(A_log) softplus(W x + dt_bias)``:
     A ~ U(A_init_range) sampled in float32 and clipped to >= 1e-4; dt log-uniform in
-    [dt_min, dt_max] (>= 1e-4) and dt_bias = softplus^-1(dt) (Mamba2 / FLA init)."""
+    [dt_min, dt_max] (>= 1e-4) and dt_bias = softplus^-1(dt) (Mamba2 / FLA init).
+
+    Raises ValueError / TypeError unless ``0 < dt_min <= dt_max`` (finite) and ``A_init_range`` is
+    a pair ``0 <= lo <= hi`` (finite; A = 0 gives no decay, clipped to 1e-4)."""
+    dt_min, dt_max = _checks.positive_float("dt_min", dt_min), _checks.positive_float("dt_max", dt_max)
+    if dt_min > dt_max:
+        raise ValueError(f"dt_min must be <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+    if not (isinstance(A_init_range, (tuple, list)) and len(A_init_range) == 2):
+        raise TypeError(f"A_init_range must be a pair (lo, hi), got {A_init_range!r}")
     lo, hi = A_init_range
+    for name, x in (("A_init_range[0]", lo), ("A_init_range[1]", hi)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (A = exp(A_log) > 0), got {x!r}")
+    if lo > hi:
+        raise ValueError(f"A_init_range must have lo <= hi, got {tuple(A_init_range)}")
     A = jax.random.uniform(rngs.params(), (num_heads,), jnp.float32, lo, hi)
     A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
     u = jax.random.uniform(rngs.params(), (n_dt,), jnp.float32)

@@ -432,7 +432,7 @@ class LM(nnx.Module):
         if cu_seqlens is not None:
             from ..layers._checks import cu_seqlens_arg
 
-            cu_seqlens_arg(cu_seqlens, tokens.shape[0])
+            cu_seqlens_arg(cu_seqlens, tokens.shape[0], tokens.shape[1])
         x = self.embed_tokens(tokens, cu_seqlens=cu_seqlens)
         for blk in self.blocks:
             x = blk(x, cu_seqlens=cu_seqlens)
