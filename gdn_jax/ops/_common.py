@@ -78,6 +78,9 @@ def _check_qkv(q, k, v, lead_names):
     if v.ndim != n + 1 or tuple(v.shape[:n - 1]) != lead[:-1]:
         raise ValueError(f"v must have shape [{Lv}, V] = {lead[:-1]} + (Hv, V), got shape {_shape(v)}")
     Hk, Hv = lead[-1], v.shape[n - 1]
+    if min(Hk, Hv, K, v.shape[n]) == 0:
+        raise ValueError(f"q, k and v need at least one head and one channel, got q of shape {_shape(q)}, v of "
+                         f"shape {_shape(v)}")
     if Hv % Hk:
         raise ValueError(f"v has {Hv} heads, q and k have {Hk}: the value heads must be a multiple of the key "
                          f"heads (grouped value heads: value head j reads key head j // (Hv // Hk)); got v of "
@@ -95,6 +98,23 @@ def repeat_key_heads(x, group: int):
     ``repeat_interleave`` order (value head j reads key head j // group); gradients sum over each
     group."""
     return x if group == 1 else jnp.repeat(x, group, axis=-2)
+
+
+def check_scale(scale) -> None:
+    """``scale``: None, a real Python / NumPy number or a scalar (0-d) array, finite where concrete
+    (TypeError / ValueError otherwise; zero and negative scales are allowed)."""
+    if scale is None:
+        return
+    if isinstance(scale, (bool, np.bool_)) or not (
+            isinstance(scale, (int, float, np.floating, np.integer))
+            or (hasattr(scale, "shape") and hasattr(scale, "dtype") and _shape(scale) == ())):
+        raise TypeError(f"scale must be a Python or scalar (0-d) real number or None, got {type(scale).__name__} "
+                        f"{_shape(scale) if hasattr(scale, 'shape') else ''}".rstrip())
+    if hasattr(scale, "dtype") and not (jnp.issubdtype(scale.dtype, jnp.floating)
+                                        or jnp.issubdtype(scale.dtype, jnp.integer)):
+        raise TypeError(f"scale must be a real number, got dtype {scale.dtype}")
+    if not isinstance(scale, jax.core.Tracer) and not np.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {float(scale)}")
 
 
 def check_step_inputs(q, k, v, g, beta, state) -> GateForms:
@@ -132,9 +152,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
-        if not (hasattr(scale, "shape") and _shape(scale) == ()):
-            raise TypeError(f"scale must be a Python or scalar number, got {type(scale).__name__}")
+    check_scale(scale)
 
     n_states = B
     if cu_seqlens is not None:

@@ -198,7 +198,11 @@ def gated_delta_rule(
     _check_kernel_config(kernel_config, backend)
     K, V = q.shape[-1], v.shape[-1]
     dt = acc_dtype(q, k, v, g, beta, initial_state)
-    which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V, dtype=v.dtype)
+    # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)
+    which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V,
+                            dtype=jnp.float64 if dt == jnp.float64 else v.dtype)
+    if which == "pallas" and q.shape[0] == 0:  # an empty batch: nothing to compute, no kernel to launch
+        which = "chunk"
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
     group = value_group(q, v)

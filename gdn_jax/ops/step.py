@@ -12,12 +12,14 @@ op on T = 1 (and, iterated, with any backend up to accumulation-order round-off)
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._common import acc_dtype, check_step_inputs, prepare, repeat_key_heads, value_group
+from ._common import acc_dtype, check_scale, check_step_inputs, prepare, repeat_key_heads, value_group
 from .scan import _step
 
 STEP_BACKENDS = ("auto", "scan", "pallas")
@@ -62,12 +64,19 @@ def gated_delta_rule_step(
       ``(o, new_state)``: o ``[B, H, V]`` in ``v.dtype``; new_state ``[B, H, K, V]`` in
       ``state_dtype``.
 
+    Differentiable in reverse mode with every backend (the Pallas step's VJP is the scan step's at
+    the same inputs).
+
     Raises:
-      TypeError: non-floating arguments. ValueError: shapes that do not fit the layout above, an
-      unknown backend or state_dtype. NotImplementedError: ``backend="pallas"`` for a call it does
-      not cover (naming why).
+      TypeError: non-floating arguments, a ``scale`` that is not a real scalar, a non-bool
+      ``use_qk_l2norm``. ValueError: shapes that do not fit the layout above, a non-finite
+      ``scale``, an unknown backend or state_dtype. NotImplementedError: ``backend="pallas"`` for a
+      call it does not cover (naming why).
     """
     forms = check_step_inputs(q, k, v, g, beta, state)
+    check_scale(scale)
+    if not isinstance(use_qk_l2norm, (bool, np.bool_)):
+        raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__} {use_qk_l2norm!r}")
     if backend not in STEP_BACKENDS:
         raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
     dt0 = acc_dtype(q, k, v, g, beta, state)
@@ -78,7 +87,7 @@ def gated_delta_rule_step(
                          f"{state_dtype!r}") from None
     if sdt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)):
         raise ValueError(f"state_dtype must be float32 or bfloat16 (float64 for float64 inputs), got {sdt}")
-    if backend != "scan":
+    if backend != "scan" and q.shape[0] > 0:  # an empty batch: nothing to compute, no kernel to launch
         from .pallas import decode as _decode
 
         reason = _decode.covers(q.shape[-1], v.shape[-1], dt0, sdt)
@@ -96,12 +105,40 @@ def gated_delta_rule_step(
                     raise NotImplementedError("backend='pallas' (decode step) with a traced scale and "
                                               "use_qk_l2norm; use backend='scan'")
                 q, sc = q.astype(jnp.float32) * sc, 1.0
-            return _decode.decode_step(q, k, v, g, beta, state, scale=float(sc), use_qk_l2norm=use_qk_l2norm,
-                                       state_dtype=sdt, g_per_channel=forms.g_per_channel,
-                                       beta_per_channel=forms.beta_per_channel)
+            return _pallas_step(q, k, v, g, beta, state, float(sc), use_qk_l2norm, sdt, forms.g_per_channel,
+                                forms.beta_per_channel)
+    return _scan_step(q, k, v, g, beta, state, scale, use_qk_l2norm, sdt, forms.g_per_channel,
+                      forms.beta_per_channel)
+
+
+def _scan_step(q, k, v, g, beta, state, scale, use_qk_l2norm, sdt, g_pc, b_pc):
+    """The step in plain XLA ops (the scan backend's step): ``(o in v.dtype, S in sdt)``."""
     group = value_group(q, v)
     q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
     dt = acc_dtype(q, k, v, g, beta, state)
     qs, ks, vs, gs, bs = prepare(q, k, v, g, beta, scale, use_qk_l2norm, dt)
-    S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, forms.g_per_channel, forms.beta_per_channel)
+    S, o = _step(state.astype(dt), qs, ks, vs, gs, bs, g_pc, b_pc)
     return o.astype(v.dtype), S.astype(sdt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _pallas_step(q, k, v, g, beta, state, scale, use_qk_l2norm, sdt, g_pc, b_pc):
+    """The fused Pallas step; differentiable (reverse mode) through :func:`_scan_step`'s VJP at the
+    same inputs (the kernel aliases its state buffer, which Pallas cannot differentiate)."""
+    from .pallas import decode as _decode
+
+    return _decode.decode_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               state_dtype=sdt, g_per_channel=g_pc, beta_per_channel=b_pc)
+
+
+def _pallas_step_fwd(q, k, v, g, beta, state, scale, use_qk_l2norm, sdt, g_pc, b_pc):
+    out = _pallas_step(q, k, v, g, beta, state, scale, use_qk_l2norm, sdt, g_pc, b_pc)
+    return out, (q, k, v, g, beta, state)
+
+
+def _pallas_step_bwd(scale, use_qk_l2norm, sdt, g_pc, b_pc, res, ct):
+    _, vjp = jax.vjp(lambda *a: _scan_step(*a, scale, use_qk_l2norm, sdt, g_pc, b_pc), *res)
+    return vjp(ct)
+
+
+_pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)
