@@ -252,6 +252,8 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
     B, T = prompt.shape
     if T == 0:
         raise ValueError("empty prompt (T = 0): generate needs at least one prompt token")
+    if B == 0:
+        raise ValueError(f"prompt has batch B = 0 (shape {tuple(prompt.shape)}); need B >= 1")
     max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
     if max_len is None:
         max_len = T + int(max_new_tokens)

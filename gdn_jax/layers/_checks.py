@@ -19,6 +19,13 @@ def positive_int(name: str, value, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def flag(name: str, value) -> bool:
+    """``value`` as a bool (TypeError for anything else: ``"no"`` or ``1`` would be read as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def positive_float(name: str, value) -> float:
     """``value`` as a float > 0 (TypeError / ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -54,6 +61,8 @@ def mixer_input(x, hidden_size: int, cu_seqlens=None, *, name: str = "x"):
         raise TypeError(f"{name} must have a floating dtype (the layer's input activations), got {x.dtype}")
     if x.ndim != 3 or x.shape[-1] != hidden_size:
         raise ValueError(f"{name} must have shape [B, T, {hidden_size}], got {tuple(x.shape)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must have B >= 1 and T >= 1, got shape {tuple(x.shape)}")
     if cu_seqlens is not None:
         cu_seqlens_arg(cu_seqlens, x.shape[0], x.shape[1])
 
@@ -103,10 +112,14 @@ def kernel_config(value, backend: str) -> None:
                          "(use backend='pallas' or 'auto')")
 
 
-def pallas_covers(backend: str, *, chunk_size: int, K: int, V: int, decay_per_channel: bool,
-                  beta_per_channel: bool, dtype, owner: str = "") -> None:
-    """With ``backend="pallas"``, the layer's options must be ones the Pallas kernels take (checked
-    when the layer or config is built, not at its first call): ``ValueError`` with the reason."""
+def backend_covers(backend: str, *, chunk_size: int, K: int, V: int, decay_per_channel: bool,
+                   beta_per_channel: bool, dtype, owner: str = "") -> None:
+    """The layer's options must be ones its explicit ``backend`` takes (checked when the layer or
+    config is built, not at its first call): ``ValueError`` with the reason -- ``"chunk"`` takes no
+    per-value-channel beta, ``"pallas"`` what its kernels take (``"auto"`` always finds one)."""
+    if backend == "chunk" and beta_per_channel:
+        raise ValueError(f"{owner}backend='chunk' does not take per-value-channel beta (beta_per_channel=True); "
+                         f"use backend='scan' or 'auto'")
     if backend != "pallas":
         return
     from ..ops import pallas

@@ -184,8 +184,7 @@ class Attention(nnx.Module):
     # ------------------------------------------------------------------ inference (decode) path
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache: k, v ``[batch, max_len, N_kv, D]`` in ``self.dtype``, ``pos = 0``."""
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        batch, max_len = _checks.positive_int("batch", batch), _checks.positive_int("max_len", max_len)
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((), jnp.int32))
 

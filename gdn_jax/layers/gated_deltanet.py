@@ -165,6 +165,11 @@ class GatedDeltaNet(RecurrentMixer):
                  dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
                  state_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.one_of("decay", decay, DECAY_KINDS)
+        for name, value in (("decay_per_channel", decay_per_channel), ("beta_per_channel", beta_per_channel),
+                            ("allow_neg_eigval", allow_neg_eigval), ("use_short_conv", use_short_conv)):
+            _checks.flag(name, value)
+        if decay == "none" and decay_per_channel:
+            raise ValueError("decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got decay='none'")
         _checks.one_of("backend", backend, BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.kernel_config(kernel_config, backend)
@@ -179,8 +184,8 @@ class GatedDeltaNet(RecurrentMixer):
                 raise ValueError(f"num_v_heads must be a multiple of num_heads (the key heads, {Hk}) for grouped "
                                  f"value heads, got {num_v_heads}")
         H = Hk if num_v_heads is None else num_v_heads
-        _checks.pallas_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
-                              beta_per_channel=beta_per_channel, dtype=dtype, owner="GatedDeltaNet: ")
+        _checks.backend_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
+                               beta_per_channel=beta_per_channel, dtype=dtype, owner="GatedDeltaNet: ")
         self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
                                                   owner="GatedDeltaNet: ")
         self.decode_backend = decode_backend

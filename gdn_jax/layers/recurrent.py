@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import _checks
 from .conv import ShortConv
 
 
@@ -63,6 +64,7 @@ class RecurrentMixer(nnx.Module):
         ``[batch, Hv, K, V]`` in ``self.state_dtype`` (float32 by default; value heads) and zero conv
         states ``[batch, conv_size-1, Hk*K]`` (q, k) / ``[batch, conv_size-1, Hv*V]`` (v) in
         ``self.dtype``."""
+        batch = _checks.positive_int("batch", batch)
         Hk, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.value_head_dim
         state = jnp.zeros((batch, Hv, K, V), self.state_dtype)
         if not self.use_short_conv:

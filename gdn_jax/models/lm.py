@@ -183,14 +183,31 @@ class LMConfig:
         unknown = sorted(set(mixers) - set(MIXERS))
         if unknown:
             raise ValueError(f"unknown mixer {unknown[0]!r} (mixer / hybrid_mixer); registered: {sorted(MIXERS)}")
+        for name in ("use_short_conv", "decay_per_channel", "beta_per_channel", "allow_neg_eigval"):
+            _checks.flag(f"LMConfig.{name}", getattr(self, name))
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; pass head_dim")
         K = self.head_dim or self.d_model // self.num_heads
+        if self.num_v_heads is not None and self.num_v_heads % self.num_heads:
+            raise ValueError(f"LMConfig.num_v_heads must be a multiple of num_heads (the key heads, "
+                             f"{self.num_heads}) for grouped value heads, got {self.num_v_heads}")
+        if "kda" in mixers and (self.num_v_heads is not None or self.value_head_dim is not None):
+            raise ValueError("LMConfig.num_v_heads / value_head_dim are gdn / deltanet options; mixer 'kda' "
+                             "(Kimi Delta Attention) has K = V and one value head per key head: leave them None")
+        if "gdn" in mixers and self.decay == "none" and self.decay_per_channel:
+            raise ValueError("LMConfig.decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got "
+                             "decay='none'")
+        attn = set(mixers) & {"attention", "gated_attention"}
+        heads = self.attn_num_heads or self.num_heads
+        if attn and self.attn_head_dim is None and self.head_dim is None and self.d_model % heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by the attention heads "
+                             f"({'attn_num_heads' if self.attn_num_heads else 'num_heads'} = {heads}); pass "
+                             f"attn_head_dim")
         for m in sorted(set(mixers) & {"gdn", "deltanet", "kda"}):
-            _checks.pallas_covers(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
-                                  decay_per_channel=self.decay_per_channel or m == "kda",
-                                  beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
-                                  owner=f"LMConfig (mixer {m!r}): ")
+            _checks.backend_covers(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
+                                   decay_per_channel=self.decay_per_channel or m == "kda",
+                                   beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
+                                   owner=f"LMConfig (mixer {m!r}): ")
         sdt = _checks.decode_options(self.decode_backend, self.state_dtype, K=K, V=self.value_head_dim or K,
                                      dtype=self.dtype, owner="LMConfig: ",
                                      check_kernel=bool(set(mixers) & {"gdn", "deltanet", "kda"}))
@@ -382,8 +399,14 @@ class Block(nnx.Module):
 
 
 def _check_token_array(tokens):
+    """``tokens``: a non-empty integer array ``[B, T]`` (TypeError / ValueError otherwise)."""
+    if not (hasattr(tokens, "ndim") and hasattr(tokens, "dtype")):
+        raise TypeError(f"tokens must be an integer array [B, T] (a NumPy or JAX array), got {type(tokens).__name__}")
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+    if 0 in tokens.shape:
+        raise ValueError(f"tokens must have B >= 1 and T >= 1 (an empty batch or empty prompt), got shape "
+                         f"{tuple(tokens.shape)}")
 
 
 def _check_token_range(tokens, vocab_size: int):
@@ -469,7 +492,10 @@ class LM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> tuple:
         """Per-layer empty caches (a tuple): :class:`~gdn_jax.layers.GDNCache` for the recurrent layers
         (GDN and the baselines; fixed size), :class:`~gdn_jax.layers.KVCache` of ``max_len`` slots for
-        attention."""
+        attention. TypeError / ValueError unless ``batch`` and ``max_len`` are ints >= 1."""
+        from ..layers import _checks
+
+        batch, max_len = _checks.positive_int("batch", batch), _checks.positive_int("max_len", max_len)
         return tuple(blk.init_cache(batch, max_len) for blk in self.blocks)
 
     def prefill(self, tokens, max_len: int):
@@ -477,8 +503,6 @@ class LM(nnx.Module):
         ``(logits [B, T, vocab] float32, cache)``; attention caches have ``max_len`` slots
         (``ValueError`` if T > max_len). The logits equal ``self(tokens)``."""
         _check_token_array(tokens)
-        if tokens.shape[1] == 0:
-            raise ValueError("empty prompt: tokens has T = 0; prefill needs at least one token")
         if max_len is None or tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than max_len = {max_len}")
         _check_token_range(tokens, self.cfg.vocab_size)
@@ -494,10 +518,15 @@ class LM(nnx.Module):
         """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
         Jit-able; GDN layers use the single-token recurrence (``cfg.decode_backend``) on their state
         (``cfg.state_dtype``)."""
+        if not (hasattr(token, "ndim") and hasattr(token, "dtype")):
+            raise TypeError(f"token must be an integer array [B] or [B, 1] (a NumPy or JAX array), got "
+                            f"{type(token).__name__}")
         if token.ndim == 1:
             token = token[:, None]
         if token.ndim != 2 or token.shape[1] != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
             raise ValueError(f"token must be an integer array [B] or [B, 1], got {token.dtype} {tuple(token.shape)}")
+        if token.shape[0] == 0:
+            raise ValueError("token has batch B = 0; need B >= 1")
         if len(cache) != len(self.blocks):
             raise ValueError(f"cache has {len(cache)} layer entries for {len(self.blocks)} layers")
         _check_token_range(token, self.cfg.vocab_size)
