@@ -146,3 +146,27 @@ def test_hf_probe_script(ckpt, tmp_path):
     assert max(r["backend_rms_rel_vs_scan"].values()) <= 1e-5
     assert len(r["continuation_ids"]) == 4 and 0.0 <= r["niah"][24] <= 1.0
     assert os.path.exists(tmp_path / "out" / "probe.json")
+
+
+def test_default_head_dims_round_trip(tmp_path):
+    """head_dim / attn_head_dim left None: the config carries the resolved dims (d_model // heads)
+    and the saved checkpoint loads back with the same logits."""
+    cfg = LMConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "gated_attention"),
+                   mlp_hidden_size=48, norm_style="zero_centered")
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    hcfg, tensors = hf.to_hf(model)
+    assert (hcfg["linear_key_head_dim"], hcfg["linear_value_head_dim"], hcfg["head_dim"]) == (16, 16, 16)
+    hf.save_pretrained(model, str(tmp_path / "ck"))
+    back = hf.load_pretrained(str(tmp_path / "ck"))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, (1, 9)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(back(ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("attn_bias", "qkvo"), ("pos_embedding", "learned")])
+def test_to_hf_refuses_options_without_counterpart(field, value):
+    """Attention biases and learned positions have no Qwen3.5 / Qwen3-Next tensors: an error naming
+    the field, not a checkpoint that silently drops them."""
+    kw = {field: value, **({"max_seq_len": 16} if field == "pos_embedding" else {})}
+    model = LM(LMConfig(**{**BASE, **kw}), rngs=nnx.Rngs(0))
+    with pytest.raises(CheckpointError, match=f"LMConfig.{field}"):
+        hf.to_hf(model)

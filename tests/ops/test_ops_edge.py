@@ -63,3 +63,78 @@ def test_malformed_traced_cu_seqlens_poisons_everything(backend):
     o, S = jf(q, jnp.array([0, 5, 37]))
     assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(S)))
     assert np.all(np.isfinite(np.asarray(jg(q, jnp.array([0, 5, 37])))))
+
+
+def _step_inputs(B=2, H=2, K=16, V=16, seed=0):
+    r = np.random.default_rng(seed)
+    q, k = (jnp.asarray(r.standard_normal((B, H, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((B, H, V)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0.01, 1, (B, H)), jnp.float32)
+    b = jnp.asarray(r.uniform(0.1, 0.9, (B, H)), jnp.float32)
+    S = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+    return q, k, v, g, b, S
+
+
+def test_pallas_decode_step_is_differentiable():
+    """The fused step aliases its state buffer (Pallas cannot differentiate that): its VJP is the
+    scan step's at the same inputs, so gradients through decoding work with every backend."""
+    from gdn_jax.ops import gated_delta_rule_step
+
+    args = _step_inputs()
+
+    def loss(backend):
+        def f(*a):
+            o, S = gated_delta_rule_step(*a, backend=backend, use_qk_l2norm=True)
+            return jnp.sum(o ** 2) + jnp.sum(jnp.sin(S))
+        return jax.grad(f, argnums=tuple(range(6)))
+
+    for gs, gp in zip(loss("scan")(*args), loss("pallas")(*args)):
+        assert rel_rms(gp, gs) <= 1e-5
+
+
+def test_empty_batch_and_empty_heads():
+    """B = 0 computes nothing on every backend (no kernel launched); zero heads or channels are a
+    ValueError naming the shapes."""
+    from gdn_jax.ops import gated_delta_rule_step
+
+    z = lambda *s: jnp.zeros(s, jnp.float32)
+    for backend in ("scan", "chunk", "pallas"):
+        o, S = gated_delta_rule(z(0, 8, 2, 16), z(0, 8, 2, 16), z(0, 8, 2, 16), z(0, 8, 2), z(0, 8, 2),
+                                backend=backend, output_final_state=True)
+        assert o.shape == (0, 8, 2, 16) and S.shape == (0, 2, 16, 16)
+    o, S = gated_delta_rule_step(z(0, 2, 16), z(0, 2, 16), z(0, 2, 16), z(0, 2), z(0, 2), z(0, 2, 16, 16),
+                                 backend="pallas")
+    assert o.shape == (0, 2, 16)
+    for qs, vs in (((1, 4, 0, 16), (1, 4, 0, 16)), ((1, 4, 2, 0), (1, 4, 2, 16))):
+        with pytest.raises(ValueError, match="at least one head and one channel"):
+            gated_delta_rule(z(*qs), z(*qs), z(*vs), z(*vs[:3]), z(*vs[:3]))
+
+
+@pytest.mark.parametrize("scale, exc", [(np.ones(3), TypeError), ("x", TypeError), (True, TypeError),
+                                        (jnp.array([0.3]), TypeError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError)])
+def test_scale_checked_by_op_and_step(scale, exc):
+    from gdn_jax.ops import gated_delta_rule_step
+
+    with pytest.raises(exc, match="scale"):
+        gated_delta_rule_step(*_step_inputs(), scale=scale)
+    with pytest.raises(exc, match="scale"):
+        gated_delta_rule(*_inputs(T=8), scale=scale)
+
+
+def test_step_flag_type():
+    from gdn_jax.ops import gated_delta_rule_step
+
+    with pytest.raises(TypeError, match="use_qk_l2norm"):
+        gated_delta_rule_step(*_step_inputs(), use_qk_l2norm="yes")
+
+
+def test_pallas_refuses_any_float64_input():
+    """Not only v: a float64 q (or g, initial_state) makes the call float64, which the kernels do
+    not take; auto then runs chunk and returns a float64 final state."""
+    with jax.enable_x64(True):
+        q, k, v, g, b = _inputs(T=8)
+        with pytest.raises(NotImplementedError, match="float64"):
+            gated_delta_rule(q.astype(jnp.float64), k, v, g, b, backend="pallas")
+        _, S = gated_delta_rule(q.astype(jnp.float64), k, v, g, b, backend="auto", output_final_state=True)
+        assert S.dtype == jnp.float64

@@ -1,0 +1,98 @@
+"""Odd inputs to the layers, the LM and decoding found by a breaking session (2026-12-04): each
+must raise a ValueError / TypeError naming the argument, or (a malformed traced cu_seqlens) give
+NaN -- never a silent answer."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax.inference.generate import decode_loop, generate
+from gdn_jax.layers import Attention, GatedDeltaNet
+from gdn_jax.models import LM, LMConfig
+
+SMALL = dict(vocab_size=50, d_model=32, num_layers=1, num_heads=2)
+
+
+@pytest.mark.parametrize("cu", [[0, 15, 5, 20], [0, 7, 25], [3, 7, 20], [0, 7, 12]])
+def test_attention_refuses_malformed_cu_seqlens(cu):
+    a = Attention(32, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        a(jnp.ones((1, 20, 32)), cu_seqlens=jnp.array(cu))
+
+
+def test_attention_lm_poisons_malformed_traced_cu_seqlens():
+    m = LM(LMConfig(**SMALL, mixer="attention"), rngs=nnx.Rngs(0))
+    f = nnx.jit(lambda m, t, cu: m(t, cu_seqlens=cu))
+    tok = jnp.zeros((1, 20), jnp.int32)
+    assert bool(jnp.isnan(f(m, tok, jnp.array([0, 7, 12]))).all())
+    assert bool(jnp.isfinite(f(m, tok, jnp.array([0, 7, 20]))).all())
+
+
+def test_decode_loop_refuses_to_run_past_the_kv_cache():
+    m = LM(LMConfig(**{**SMALL, "num_layers": 2}, hybrid_every=2, chunk_size=16), rngs=nnx.Rngs(0))
+    tok = jax.random.randint(jax.random.key(1), (2, 8), 0, 50)
+    _, cache = m.prefill(tok[:, :5], 6)
+    with pytest.raises(ValueError, match="max_len = 6"):
+        decode_loop(m, cache, tok[:, 5], 4, key=jax.random.key(0))
+    out, _ = decode_loop(m, cache, tok[:, 5], 1, key=jax.random.key(0))
+    assert out.shape == (2, 1)
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(temperature=float("nan")), ValueError), (dict(temperature=float("inf")), ValueError),
+    (dict(temperature="hot"), TypeError), (dict(temperature=jnp.array([1.0, 0.0])), TypeError),
+    (dict(temperature=1.0, top_k=2.5), TypeError), (dict(temperature=1.0, top_k=True), TypeError),
+])
+def test_generate_sampling_arguments(kw, exc):
+    m = LM(LMConfig(**SMALL), rngs=nnx.Rngs(0))
+    with pytest.raises(exc, match="temperature|top_k"):
+        generate(m, jnp.zeros((1, 3), jnp.int32), 2, key=jax.random.key(0), **kw)
+
+
+def test_generate_takes_numpy_and_jax_scalars():
+    m = LM(LMConfig(**SMALL), rngs=nnx.Rngs(0))
+    out = generate(m, jnp.zeros((1, 3), jnp.int32), 2, key=jax.random.key(0), temperature=jnp.float32(0.5),
+                   top_k=np.int64(3))
+    assert out.shape[0] == 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dt_max=float("nan")), "dt_max"), (dict(dt_min=-1.0), "dt_min"), (dict(dt_min=0.5, dt_max=0.1), "dt_min"),
+    (dict(A_init_range=(5.0, 1.0)), "A_init_range"), (dict(A_init_range=(-5.0, -1.0)), "A_init_range"),
+    (dict(A_init_range=3.0), "A_init_range"), (dict(use_short_conv="no"), "use_short_conv"),
+    (dict(decay="none", decay_per_channel=True), "decay_per_channel"),
+    (dict(beta_per_channel=True, backend="chunk"), "chunk"),
+])
+def test_gdn_layer_arguments_checked_at_construction(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        GatedDeltaNet(32, 2, rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(beta_per_channel=True, backend="chunk"), ValueError, "per-value-channel beta"),
+    (dict(num_v_heads=3), ValueError, "num_v_heads"),
+    (dict(mixer="attention", attn_num_heads=3), ValueError, "attn_num_heads"),
+    (dict(mixer="kda", num_v_heads=4), ValueError, "kda"),
+    (dict(allow_neg_eigval=1), TypeError, "allow_neg_eigval"),
+    (dict(decay="none", decay_per_channel=True), ValueError, "decay_per_channel"),
+])
+def test_lm_config_checks(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        LMConfig(**{**SMALL, "d_model": 64}, **kw)
+
+
+def test_lm_token_and_cache_arguments():
+    m = LM(LMConfig(**SMALL, mixer="deltanet"), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="tokens"):
+        m([[1, 2, 3]])
+    for shape in ((0, 4), (1, 0)):
+        with pytest.raises(ValueError, match="B >= 1 and T >= 1"):
+            m(jnp.zeros(shape, jnp.int32))
+    for args, exc in (((-1, 4), ValueError), ((2.0, 4), TypeError), ((1, 0), ValueError)):
+        with pytest.raises(exc, match="batch|max_len"):
+            m.init_cache(*args)
+    with pytest.raises(TypeError, match="token"):
+        m.decode_step([1, 2], m.init_cache(2, 4))
+    with pytest.raises(ValueError, match="B >= 1"):
+        generate(m, jnp.zeros((0, 3), jnp.int32), 2, key=jax.random.key(0))
