@@ -24,6 +24,8 @@ _RENAMES = {"f_a_proj.weight": "forget_gate.f_a_proj.weight", "f_b_proj.weight":
 
 
 def _kda_sizes(hf_config: dict):
+    if not isinstance(hf_config, dict):
+        raise TypeError(f"hf_config must be the Kimi Linear config.json dict, got {type(hf_config).__name__}")
     lac = hf_config.get("linear_attn_config") or {}
     get = lambda name, sub, default=None: hf_config.get(name, lac.get(sub, default))
     d = hf_config.get("hidden_size")
@@ -36,10 +38,16 @@ def _kda_sizes(hf_config: dict):
     if act != "silu":
         raise NotImplementedError(f"Kimi Linear config hidden_act {act!r} is not supported (the KDA short conv "
                                   "is SiLU)")
+    for name, v in (("hidden_size", d), ("linear_num_heads", H), ("linear_head_dim", K),
+                    ("linear_conv_kernel_dim", W)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or v < 1:
+            raise CheckpointError(f"Kimi Linear config {name} must be an integer >= 1, got {v!r}")
     return int(d), int(H), int(K), int(W), float(hf_config.get("rms_norm_eps", 1e-5))
 
 
 def _normalise(sd: Dict[str, jnp.ndarray], prefix: str) -> Dict[str, jnp.ndarray]:
+    if not hasattr(sd, "items"):
+        raise TypeError(f"state_dict must be a mapping {{name: array}}, got {type(sd).__name__}")
     out = {}
     for k, v in sd.items():
         if not k.startswith(prefix):

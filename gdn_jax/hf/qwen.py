@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax import traverse_util
 
@@ -47,9 +48,22 @@ def _field(tc: dict, name: str, default=None, required: bool = False):
     return default
 
 
+def _int_field(tc: dict, name: str, default=None, required: bool = False, minimum: int = 1) -> int:
+    """An integer field of config.json (JSON ints; a float with an integer value is taken), >= minimum:
+    CheckpointError naming it otherwise (a string or 32.5 would be truncated or fail obscurely)."""
+    v = _field(tc, name, default, required)
+    ok = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
+                                      or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+    if not ok or int(v) < minimum:
+        raise CheckpointError(f"config.json {name} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
 def text_config(hf: dict) -> dict:
     """The text-model config of a Qwen3.5 / Qwen3-Next ``config.json`` dict (Qwen3.5's
     ``text_config`` for ``Qwen3_5ForConditionalGeneration``), with ``model_type`` one of TEXT_TYPES."""
+    if not isinstance(hf, dict):
+        raise TypeError(f"the config must be a config.json dict (json.load), got {type(hf).__name__}")
     mt = hf.get("model_type")
     if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
         raise NotImplementedError(f"config.json model_type {mt!r}: MoE checkpoints are not supported "
@@ -91,7 +105,7 @@ def _rope(tc: dict):
 def _layer_types(tc: dict, n: int):
     lt = tc.get("layer_types")
     if lt is None:
-        every = int(tc.get("full_attention_interval", 4))
+        every = _int_field(tc, "full_attention_interval", 4)
         lt = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     if not isinstance(lt, (list, tuple)) or len(lt) != n:
         raise CheckpointError(f"config.json layer_types must list num_hidden_layers = {n} types, got {lt!r}")
@@ -127,7 +141,7 @@ def config_from_hf(hf: dict, **overrides) -> LMConfig:
     ``overrides`` set LMConfig fields that do not change the architecture (``backend``,
     ``chunk_size``, ``kernel_config``, ``dtype``, ``param_dtype``)."""
     tc = text_config(hf)
-    n = int(_field(tc, "num_hidden_layers", required=True))
+    n = _int_field(tc, "num_hidden_layers", required=True)
     lt = _layer_types(tc, n)
     _check_dense(tc, n)
     act = _field(tc, "hidden_act", "silu")
@@ -135,32 +149,32 @@ def config_from_hf(hf: dict, **overrides) -> LMConfig:
         raise NotImplementedError(f"config.json hidden_act {act!r} is not supported (expected 'silu')")
     if _field(tc, "attention_bias", False):
         raise NotImplementedError("config.json attention_bias = true is not supported (expected false)")
-    d = int(_field(tc, "hidden_size", required=True))
-    Hk = int(_field(tc, "linear_num_key_heads", required=True))
-    Hv = int(_field(tc, "linear_num_value_heads", required=True))
+    d = _int_field(tc, "hidden_size", required=True)
+    Hk = _int_field(tc, "linear_num_key_heads", required=True)
+    Hv = _int_field(tc, "linear_num_value_heads", required=True)
     if Hv % Hk:
         raise CheckpointError(f"config.json linear_num_value_heads = {Hv} must be a multiple of "
                               f"linear_num_key_heads = {Hk}")
     if Hv != Hk and "linear_attention" in lt and not gva_supported():
         raise NotImplementedError(f"linear_num_value_heads = {Hv} != linear_num_key_heads = {Hk} needs grouped "
                                   "value heads (GatedDeltaNet(num_v_heads=...)), which this gdn_jax lacks")
-    N = int(_field(tc, "num_attention_heads", required=True))
-    Nkv = int(_field(tc, "num_key_value_heads", N))
-    D = int(_field(tc, "head_dim", d // N))
+    N = _int_field(tc, "num_attention_heads", required=True)
+    Nkv = _int_field(tc, "num_key_value_heads", N)
+    D = _int_field(tc, "head_dim", d // N)
     theta, frac = _rope(tc)
     if "full_attention" in lt and int(D * frac) % 2:
         raise NotImplementedError(f"rotary dim int(head_dim * partial_rotary_factor) = int({D} * {frac}) is odd; "
                                   "gdn_jax rotates an even number of channels")
     kw = dict(
-        vocab_size=int(_field(tc, "vocab_size", required=True)), d_model=d, num_layers=n, num_heads=Hk,
-        head_dim=int(_field(tc, "linear_key_head_dim", required=True)),
-        value_head_dim=int(_field(tc, "linear_value_head_dim", required=True)),
+        vocab_size=_int_field(tc, "vocab_size", required=True), d_model=d, num_layers=n, num_heads=Hk,
+        head_dim=_int_field(tc, "linear_key_head_dim", required=True),
+        value_head_dim=_int_field(tc, "linear_value_head_dim", required=True),
         num_v_heads=Hv if Hv != Hk else None, mixer=tuple(LAYER_TYPES[t] for t in lt),
-        mlp_hidden_size=int(_field(tc, "intermediate_size", required=True)),
+        mlp_hidden_size=_int_field(tc, "intermediate_size", required=True),
         norm_eps=float(_field(tc, "rms_norm_eps", 1e-6)), norm_style="zero_centered",
         tie_embeddings=bool(_field(tc, "tie_word_embeddings", False)),
         attn_num_heads=N, attn_num_kv_heads=Nkv, attn_head_dim=D, rope_theta=theta, rope_fraction=frac,
-        conv_size=int(_field(tc, "linear_conv_kernel_dim", 4)),
+        conv_size=_int_field(tc, "linear_conv_kernel_dim", 4),
     )
     bad = sorted(set(overrides) - {"backend", "chunk_size", "kernel_config", "dtype", "param_dtype"})
     if bad:
@@ -286,6 +300,9 @@ def hf_to_params(t: Dict[str, jnp.ndarray], cfg: LMConfig, fused_layers: Dict[in
 def normalize_names(tensors: Dict[str, jnp.ndarray]) -> Dict[str, jnp.ndarray]:
     """Tensor names of a ``Qwen3_5ForConditionalGeneration`` checkpoint (``model.language_model.*``)
     mapped to the text model's (``model.*``); vision-tower and multi-token-prediction tensors dropped."""
+    if not hasattr(tensors, "items"):
+        raise TypeError(f"tensors must be a mapping {{name: array}} (e.g. safetensors' load_file), got "
+                        f"{type(tensors).__name__}")
     out = {}
     for k, v in tensors.items():
         if k.startswith(IGNORED_PREFIXES):

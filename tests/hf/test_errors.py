@@ -170,3 +170,23 @@ def test_to_hf_refuses_options_without_counterpart(field, value):
     model = LM(LMConfig(**{**BASE, **kw}), rngs=nnx.Rngs(0))
     with pytest.raises(CheckpointError, match=f"LMConfig.{field}"):
         hf.to_hf(model)
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", "16"), ("hidden_size", 16.5), ("linear_num_key_heads", 0),
+                                          ("num_hidden_layers", True)])
+def test_integer_fields_checked(ckpt, field, value):
+    cfg, t = ckpt
+    with pytest.raises(CheckpointError, match=field):
+        _load({**cfg, field: value}, t)
+
+
+def test_config_and_tensors_types(ckpt):
+    cfg, t = ckpt
+    with pytest.raises(TypeError, match="config.json dict"):
+        hf.config_from_hf(None)
+    with pytest.raises(TypeError, match="mapping"):
+        hf.from_hf(cfg, list(t.items()))
+    with pytest.raises(TypeError, match="config.json dict"):
+        hf.kda_from_hf({}, None)
+    with pytest.raises(CheckpointError, match="full_attention_interval"):
+        hf.config_from_hf({**{k: v for k, v in cfg.items() if k != "layer_types"}, "full_attention_interval": 0})
