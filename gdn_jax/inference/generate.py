@@ -309,9 +309,16 @@ def teacher_forced_logits(model, tokens, *, n_prompt: int = 1):
     """Prefill ``tokens[:, :n_prompt]``, then decode ``tokens[:, n_prompt:]`` one at a time (teacher
     forcing: a jitted ``lax.scan`` of :meth:`LM.decode_step`). Returns (logits ``[B, T - n_prompt,
     vocab]`` float32, the logits of each decode step, i.e. of positions ``n_prompt .. T-1``; the
-    cache after the last token)."""
+    cache after the last token). ValueError unless ``tokens`` is an integer ``[B, T]`` array and
+    ``1 <= n_prompt <= T`` (``n_prompt == T``: no decode step, empty logits)."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+    T = tokens.shape[1]
+    if isinstance(n_prompt, bool) or not isinstance(n_prompt, (int, np.integer)) or not 1 <= n_prompt <= T:
+        raise ValueError(f"n_prompt must be an int in [1, T = {T}] (the prefilled tokens), got {n_prompt!r}")
     graphdef, state = nnx.split(model)
-    return _teacher_forced_decode(graphdef, state, tokens, n_prompt=n_prompt)
+    return _teacher_forced_decode(graphdef, state, tokens, n_prompt=int(n_prompt))
 
 
 def rel_rms_per_step(a, b):

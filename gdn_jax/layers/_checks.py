@@ -77,6 +77,11 @@ def step_input(x_t, hidden_size: int, cache=None, cache_type=None):
     mixer_input(x_t, hidden_size, name="x_t")
     if x_t.shape[1] != 1:
         raise ValueError(f"x_t must have shape [B, 1, {hidden_size}], got {tuple(x_t.shape)}")
+    if cache is not None:
+        batches = sorted({a.shape[0] for a in jax.tree_util.tree_leaves(cache) if np.ndim(a) >= 1})
+        if batches != [x_t.shape[0]]:
+            raise ValueError(f"x_t has batch B = {x_t.shape[0]}, the cache has batch "
+                             f"{batches[0] if len(batches) == 1 else batches}: init_cache / prefill with x_t's B")
 
 
 def cu_seqlens_arg(cu_seqlens, batch: int, T: Optional[int] = None):

@@ -88,6 +88,9 @@ class RecurrentMixer(nnx.Module):
             if cache is None:
                 q, k, v = (conv(a, cu_seqlens=cu_seqlens) for conv, a in zip(layers, (q, k, v)))
             else:
+                if any(c is None for c in (cache.conv_q, cache.conv_k, cache.conv_v)):
+                    raise ValueError("cache has no short-conv states (conv_q / conv_k / conv_v None) but the layer "
+                                     "has a short conv: make the cache with this layer's init_cache / prefill")
                 (q, cq), (k, ck), (v, cv) = (conv(a, cache=c) for conv, a, c in
                                              zip(layers, (q, k, v), (cache.conv_q, cache.conv_k, cache.conv_v)))
                 convs = tuple(c.astype(self.dtype) for c in (cq, ck, cv))

@@ -96,3 +96,24 @@ def test_lm_token_and_cache_arguments():
         m.decode_step([1, 2], m.init_cache(2, 4))
     with pytest.raises(ValueError, match="B >= 1"):
         generate(m, jnp.zeros((0, 3), jnp.int32), 2, key=jax.random.key(0))
+
+
+def test_decode_cache_mismatches_named():
+    layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0))
+    cache = layer.init_cache(1)
+    with pytest.raises(ValueError, match="x_t has batch B = 2, the cache has batch 1"):
+        layer.decode(jnp.ones((2, 1, 32)), cache)
+    with pytest.raises(ValueError, match="short-conv states"):
+        layer.decode(jnp.ones((1, 1, 32)), cache._replace(conv_q=None))
+
+
+def test_teacher_forced_logits_n_prompt():
+    from gdn_jax.inference.generate import teacher_forced_logits
+
+    m = LM(LMConfig(**SMALL), rngs=nnx.Rngs(0))
+    tok = jnp.zeros((1, 5), jnp.int32)
+    for n in (0, 6, 2.0):
+        with pytest.raises(ValueError, match="n_prompt"):
+            teacher_forced_logits(m, tok, n_prompt=n)
+    logits, _ = teacher_forced_logits(m, tok, n_prompt=2)
+    assert logits.shape == (1, 3, 50)
