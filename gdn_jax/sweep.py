@@ -104,7 +104,8 @@ def _zoology_variant(mixer: str, *settings: str) -> Dict[str, Any]:
 # Presets: sweep fields + base run settings. The H200 ones are the reduced protocols of the README.
 PRESETS: Dict[str, Dict[str, Any]] = {
     # CI smoke test: every mixer on one task for a few steps (tests/experiments/test_sweep.py runs each task)
-    "cpu_smoke": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid"),
+    "cpu_smoke": dict(mixers=("gdn", "deltanet", "mamba2", "gla", "linear", "kda", "attention", "gated_attention",
+                              "hybrid"),
                       d_models=(16,), seq_lens=(32,), num_kv_pairs=(4,), lrs=(3e-2,),
                       base=("vocab_size=32", "num_heads=2", "steps=24", "warmup=2", "batch_size=8",
                             "eval_every=24", "test_examples=16", "eval_batch_size=16", "backend=chunk",
@@ -126,8 +127,8 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                       base=("vocab_size=8192", "num_heads=2", "steps=10000", "warmup=300", "batch_size=128",
                             "eval_every=500", "test_examples=1000", "eval_batch_size=250", "max_time_s=100",
                             "random_non_queries=false", "backend=auto")),
-    # H200: Zoology's own protocol for the DeltaNet-paper MQAR figure (Arora et al. 2023, paper-era code;
-    # ../shared/REFERENCE.md section 6): L 512, 64 pairs, vocab 8192, batch 128, a fixed set of 100k training
+    # H200: Zoology's own protocol for the DeltaNet-paper MQAR figure (Arora et al. 2023, its
+    # paper-era code): L 512, 64 pairs, vocab 8192, batch 128, a fixed set of 100k training
     # examples for up to 64 epochs (781 steps each), 3k test examples evaluated once per epoch, early stop at
     # 0.99, lr from logspace(-4, -2, 4) (tried likeliest first; the rest skipped once one reaches 0.99 --
     # --no-skip_lrs_after_target for all four), best per cell; AdamW b2 0.999, wd 0.1, cosine to 0 stepped

@@ -107,7 +107,7 @@ def make_optimizer(
     is the schedule's value at ``(s // steps_per_epoch) * steps_per_epoch``): with
     ``warmup_steps=0``, ``min_lr_ratio=0`` and ``total_steps = epochs * steps_per_epoch`` this is
     torch's ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch, Zoology's schedule (Arora et al.
-    2023, paper-era code; ``../shared/REFERENCE.md`` §6).
+    2023, its paper-era code).
     """
     schedule = make_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
                              steps_per_epoch=steps_per_epoch)

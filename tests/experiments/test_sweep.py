@@ -12,7 +12,7 @@ from gdn_jax import sweep as S
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "experiments", "sweep.py")
-ALL_MIXERS = ("gdn", "deltanet", "mamba2", "gla", "linear", "attention", "hybrid")
+ALL_MIXERS = ("gdn", "deltanet", "mamba2", "gla", "linear", "kda", "attention", "gated_attention", "hybrid")
 
 
 def _smoke(task, out, **kw):
@@ -21,14 +21,17 @@ def _smoke(task, out, **kw):
     return cfg, S.run_sweep(cfg)
 
 
-# Every mixer trains on one task and every task trains several mixers (gdn on each): 9 of the 21
+# Every mixer trains on one task and every task trains several mixers (gdn on each): 11 of the 27
 # task x mixer cells, each compiled and trained like the preset's (the models read only tokens;
 # the tasks differ in data, lengths and metric).
-TASK_MIXERS = {"mqar": ("gdn", "deltanet", "mamba2"), "niah": ("gdn", "gla", "linear"),
+TASK_MIXERS = {"mqar": ("gdn", "deltanet", "mamba2", "kda"), "niah": ("gdn", "gla", "linear", "gated_attention"),
                "state_tracking": ("gdn", "attention", "hybrid")}
 
 
 def test_task_mixers_cover_every_mixer():
+    from gdn_jax.models.lm import MIXERS
+
+    assert sorted(ALL_MIXERS) == sorted(set(MIXERS) | {"hybrid"})  # a new mixer joins the smoke test
     assert S.apply_preset(S.SweepConfig(preset="cpu_smoke")).mixers == ALL_MIXERS
     assert sorted({m for ms in TASK_MIXERS.values() for m in ms}) == sorted(ALL_MIXERS)
     assert all("gdn" in ms for ms in TASK_MIXERS.values())
