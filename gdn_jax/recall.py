@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -250,6 +251,9 @@ def validate(cfg: RecallConfig) -> None:
         bad("session_time_s", "> 0 (seconds)")
     if cfg.lr_per_epoch and cfg.data_mode != "fixed":
         bad("lr_per_epoch", "False unless RecallConfig.data_mode is 'fixed'", " (epochs of the fixed training set)")
+    if cfg.lr_per_epoch and cfg.warmup:
+        bad("warmup", "0 with RecallConfig.lr_per_epoch", " (a warmup stepped once per epoch would hold the first "
+            "epoch at lr 0)")
     if not 0 < cfg.target_accuracy <= 1:
         bad("target_accuracy", "in (0, 1]")
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
@@ -347,9 +351,18 @@ class _Run:
                 raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {self.n_dev} "
                                  f"devices")
         if not cfg.resume and os.path.isdir(self.ckpt_dir) and os.listdir(self.ckpt_dir):
+            entries = os.listdir(self.ckpt_dir)
+            # orbax's step folders ("120") and unfinished writes ("120.orbax-checkpoint-tmp-...") only:
+            # anything else in the folder is not ours to delete
+            foreign = sorted(e for e in entries if not re.fullmatch(r"\d+(\.orbax-checkpoint-tmp.*)?", e))
+            if foreign:
+                raise ValueError(f"RecallConfig.ckpt_dir={self.ckpt_dir!r} holds files that are not checkpoints "
+                                 f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); a fresh run would replace "
+                                 f"its checkpoints: use an empty or checkpoint-only folder, or --resume")
             print(f"starting fresh: removing old checkpoints in {self.ckpt_dir} (use --resume to continue them)",
                   file=sys.stderr)
-            shutil.rmtree(self.ckpt_dir)
+            for e in entries:
+                shutil.rmtree(os.path.join(self.ckpt_dir, e))
         self.ckpt = T.Checkpointer(self.ckpt_dir, max_to_keep=cfg.keep_checkpoints)
         self.history: Dict[str, Any] = {"train": [], "evals": []}
         self.wall_before = 0.0

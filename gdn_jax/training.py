@@ -26,6 +26,8 @@ parameters on CPU to an uninterrupted run (same devices, same XLA flags).
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import numbers
 import os
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
@@ -78,6 +80,30 @@ def decay_mask(params) -> Any:
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
+def _finite(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None, strict: bool = False,
+            open_high: bool = False) -> float:
+    """A finite real number in the given range (TypeError / ValueError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    bad = not math.isfinite(v) or (low is not None and (v <= low if strict else v < low)) or \
+        (high is not None and (v >= high if open_high else v > high))
+    if bad:
+        lo = "" if low is None else ("(" if strict else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if open_high else "]")
+        where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if (low is not None or high is not None) else ""
+        raise ValueError(f"{name} must be a finite number{where}, got {value!r}")
+    return v
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def make_optimizer(
     lr: float,
     *,
@@ -108,9 +134,18 @@ def make_optimizer(
     ``warmup_steps=0``, ``min_lr_ratio=0`` and ``total_steps = epochs * steps_per_epoch`` this is
     torch's ``CosineAnnealingLR(T_max=epochs)`` stepped per epoch, Zoology's schedule (Arora et al.
     2023, its paper-era code).
+
+    Raises TypeError / ValueError for the schedule's arguments (:func:`make_schedule`), ``b1`` or
+    ``b2`` outside ``[0, 1)``, ``eps`` not > 0, ``weight_decay`` not >= 0, a non-finite ``grad_clip``.
     """
     schedule = make_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio,
                              steps_per_epoch=steps_per_epoch)
+    for name, value in (("b1", b1), ("b2", b2)):
+        _finite(name, value, low=0.0, high=1.0, open_high=True)
+    _finite("eps", eps, low=0.0, strict=True)
+    _finite("weight_decay", weight_decay, low=0.0)
+    if grad_clip is not None:
+        _finite("grad_clip", grad_clip)
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if grad_clip is not None and grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
@@ -120,12 +155,23 @@ def make_optimizer(
 def make_schedule(lr: float, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1,
                   steps_per_epoch: Optional[int] = None) -> optax.Schedule:
     """The learning-rate schedule of :func:`make_optimizer` (``optax.warmup_cosine_decay_schedule``,
-    stepped once per epoch with ``steps_per_epoch``)."""
-    if total_steps < 1 or warmup_steps < 0:
-        raise ValueError(f"need total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
-    if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or int(steps_per_epoch) != steps_per_epoch
-                                        or steps_per_epoch < 1):
-        raise ValueError(f"steps_per_epoch must be None or an int >= 1, got {steps_per_epoch!r}")
+    stepped once per epoch with ``steps_per_epoch``).
+
+    Raises TypeError / ValueError unless ``lr`` is a finite number > 0, ``total_steps`` an int >= 1,
+    ``warmup_steps`` an int in ``[0, total_steps)``, ``min_lr_ratio`` in ``[0, 1]`` and
+    ``steps_per_epoch`` None or an int >= 1 -- and ``warmup_steps`` 0 with ``steps_per_epoch`` (a
+    warmup stepped once per epoch would hold the first epoch at lr 0)."""
+    _finite("lr", lr, low=0.0, strict=True)
+    _count("total_steps", total_steps, 1)
+    _count("warmup_steps", warmup_steps, 0)
+    if warmup_steps >= total_steps:
+        raise ValueError(f"warmup_steps must be < total_steps (the cosine horizon), got {warmup_steps} >= {total_steps}")
+    _finite("min_lr_ratio", min_lr_ratio, low=0.0, high=1.0)
+    if steps_per_epoch is not None:
+        _count("steps_per_epoch", steps_per_epoch, 1)
+        if warmup_steps:
+            raise ValueError(f"warmup_steps must be 0 with steps_per_epoch (the schedule is stepped once per epoch, "
+                             f"so a warmup would hold the first epoch at lr 0), got warmup_steps={warmup_steps}")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=lr,

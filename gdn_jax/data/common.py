@@ -13,7 +13,8 @@ from typing import NamedTuple, Union
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "SeedLike", "TaskBatch", "check_int", "check_seed", "child"]
+__all__ = ["IGNORE_INDEX", "MAX_TOKEN_ID", "SeedLike", "TaskBatch", "check_int", "check_seed", "check_token_count",
+           "child"]
 
 #: Target value at positions that carry no label (PyTorch / Zoology convention).
 IGNORE_INDEX: int = -100
@@ -50,10 +51,23 @@ def check_int(name: str, value) -> int:
     return int(value)
 
 
-def check_seed(seed) -> np.random.SeedSequence:
-    """A :class:`numpy.random.SeedSequence` from a non-negative int (or the sequence itself)."""
+MAX_TOKEN_ID = 2 ** 31 - 1  # token ids are int32
+
+
+def check_token_count(name: str, value: int) -> int:
+    """A vocabulary size (or modulus) whose ids fit int32: ValueError naming ``name`` above 2**31 - 1."""
+    if value > MAX_TOKEN_ID:
+        raise ValueError(f"{name} must be <= 2**31 - 1 (token ids are int32), got {name}={value}")
+    return value
+
+
+def check_seed(seed, *, allow_sequence: bool = True) -> np.random.SeedSequence:
+    """A :class:`numpy.random.SeedSequence` from a non-negative int (or, with ``allow_sequence``,
+    the sequence itself; task configs take ints only: their seed is written to results.json)."""
     if isinstance(seed, np.random.SeedSequence):
-        return seed
+        if allow_sequence:
+            return seed
+        raise TypeError(f"seed must be a non-negative int here (a task config's seed), got {seed!r}")
     seed = check_int("seed", seed)
     if seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got seed={seed}")

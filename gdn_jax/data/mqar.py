@@ -61,7 +61,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, child as _child
+from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, check_token_count as _check_token_count, child as _child
 
 __all__ = ["MQARConfig", "generate_mqar"]
 
@@ -93,6 +93,7 @@ def _validate(num_examples, vocab_size, seq_len, num_kv_pairs, power_a, random_n
         raise ValueError(f"num_examples must be >= 1, got num_examples={num_examples}")
     if vocab_size < 4:
         raise ValueError(f"vocab_size must be >= 4, got vocab_size={vocab_size}")
+    _check_token_count("vocab_size", vocab_size)
     if num_kv_pairs < 1:
         raise ValueError(f"num_kv_pairs must be >= 1, got num_kv_pairs={num_kv_pairs}")
     if seq_len % 2 != 0:
@@ -290,7 +291,7 @@ class MQARConfig:
             v = _check_int(name, getattr(self, name))
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {name}={v}")
-        _check_seed(self.seed)
+        _check_seed(self.seed, allow_sequence=False)
 
     @property
     def model_vocab_size(self) -> int:

@@ -62,7 +62,7 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed
+from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, check_token_count as _check_token_count
 
 __all__ = ["NIAHConfig", "generate_niah", "niah_vocab_ranges"]
 
@@ -73,6 +73,7 @@ def niah_vocab_ranges(vocab_size: int) -> dict:
     if V < 8:
         raise ValueError(f"vocab_size must be >= 8 (keys [1, V//4), values [V//4, V//2), filler [V//2, V)), "
                          f"got vocab_size={V}")
+    _check_token_count("vocab_size", V)
     q, h = V // 4, V // 2
     return {"key": (1, q), "value": (q, h), "filler": (h, V)}
 
@@ -190,7 +191,7 @@ class NIAHConfig:
         v = _check_int("test_examples", self.test_examples)
         if v < 1:
             raise ValueError(f"test_examples must be >= 1, got test_examples={v}")
-        _check_seed(self.seed)
+        _check_seed(self.seed, allow_sequence=False)
 
     @property
     def model_vocab_size(self) -> int:

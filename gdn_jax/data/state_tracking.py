@@ -48,7 +48,7 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed
+from gdn_jax.data.common import IGNORE_INDEX, SeedLike, TaskBatch, check_int as _check_int, check_seed as _check_seed, check_token_count as _check_token_count
 
 __all__ = ["LABEL_MODES", "StateTrackingConfig", "generate_state_tracking", "scaled_accuracy"]
 
@@ -85,6 +85,7 @@ def _validate(num_examples, modulus, min_len, max_len, label_mode, prefix=""):
         raise ValueError(f"num_examples must be >= 1, got num_examples={num_examples}")
     if modulus < 2:
         raise ValueError(f"modulus must be >= 2, got modulus={modulus}")
+    _check_token_count("modulus", modulus)
     if min_len < 1:
         raise ValueError(f"{min_name} must be >= 1, got {min_name}={min_len}")
     if min_len > max_len:
@@ -168,7 +169,7 @@ class StateTrackingConfig:
         v = _check_int("test_examples", self.test_examples)
         if v < 1:
             raise ValueError(f"test_examples must be >= 1, got test_examples={v}")
-        _check_seed(self.seed)
+        _check_seed(self.seed, allow_sequence=False)
 
     @property
     def max_labels(self) -> Optional[int]:

@@ -51,7 +51,10 @@ class KimiDeltaAttention(GatedDeltaNet):
             _checks.positive_int(name, value)
         _checks.positive_float("norm_eps", norm_eps)
         dtype, param_dtype = (_checks.float_dtype(n, v) for n, v in (("dtype", dtype), ("param_dtype", param_dtype)))
+        _checks.flag("use_short_conv", use_short_conv)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, None)
+        _checks.backend_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=True, beta_per_channel=False,
+                               dtype=dtype, owner="KimiDeltaAttention: ")
         self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
                                                   owner="KimiDeltaAttention: ")
         self.decode_backend = decode_backend

@@ -100,6 +100,19 @@ def repeat_key_heads(x, group: int):
     return x if group == 1 else jnp.repeat(x, group, axis=-2)
 
 
+def check_flags(**flags) -> None:
+    """Each keyword must be a bool (TypeError naming it: ``"no"`` or ``1`` would read as True)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+
+
+def chunk_for(chunk_size: int, T: int) -> int:
+    """The chunk the chunked forms run: ``chunk_size``, or the power of two that covers T when that
+    is smaller (one chunk either way; a huge ``chunk_size`` must not pad T to it)."""
+    return min(chunk_size, 1 << max(T - 1, 0).bit_length())
+
+
 def check_scale(scale) -> None:
     """``scale``: None, a real Python / NumPy number or a scalar (0-d) array, finite where concrete
     (TypeError / ValueError otherwise; zero and negative scales are allowed)."""

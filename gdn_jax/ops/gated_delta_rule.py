@@ -9,8 +9,8 @@ import numpy as np
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import (GateForms, acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare,
-                      repeat_key_heads, value_group)
+from ._common import (GateForms, acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
+                      nonfinite_guard, prepare, repeat_key_heads, value_group)
 
 BACKENDS = ("auto", "scan", "chunk", "pallas")
 AUTO_F32_MIN_DIM = 32  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured) ...
@@ -185,10 +185,7 @@ def gated_delta_rule(
         a backend other than pallas / auto.
       NotImplementedError: an explicit backend that does not take the call's gate forms.
     """
-    for name, flag in (("use_qk_l2norm", use_qk_l2norm), ("output_final_state", output_final_state),
-                       ("mask_nonfinite", mask_nonfinite)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    check_flags(use_qk_l2norm=use_qk_l2norm, output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
     # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
     # backend sees the same dtypes
     q, k, v, g, beta = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v, g, beta))
@@ -228,7 +225,7 @@ def gated_delta_rule(
             )
         else:
             o, fin, valid = _chunk.chunk_forward(
-                qs, ks, vs, gs, bs, h0, cu_seqlens, chunk_size=chunk_size,
+                qs, ks, vs, gs, bs, h0, cu_seqlens, chunk_size=chunk_for(chunk_size, q.shape[1]),
                 g_pc=forms.g_per_channel, b_pc=forms.beta_per_channel,
             )
     return finish_outputs(o, fin, v.dtype, guard_finish=guard_finish if mask_nonfinite else None, valid=valid,

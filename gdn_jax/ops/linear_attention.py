@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk as _chunk
-from ._common import acc_dtype, check_inputs, clamp_log_decay, finish_outputs, nonfinite_guard, prepare, repeat_key_heads, value_group
+from ._common import (acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
+                      nonfinite_guard, prepare, repeat_key_heads, value_group)
 from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
@@ -175,6 +176,7 @@ def gated_linear_attention(
     """
     if backend not in LA_BACKENDS:
         raise ValueError(f"backend must be one of {LA_BACKENDS}, got {backend!r}")
+    check_flags(use_qk_l2norm=use_qk_l2norm, output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
     lead = tuple(v.shape[:3]) if hasattr(v, "shape") and len(v.shape) == 4 else (1, 1, 1)
     g_chk = jax.ShapeDtypeStruct(lead, jnp.float32) if g is None else g
     beta_dummy = jax.ShapeDtypeStruct(lead, jnp.float32)  # no delta rule: a per-head beta of ones
@@ -197,6 +199,7 @@ def gated_linear_attention(
     if backend == "scan":
         o, fin, valid = _scan_forward(q, k, v, g, h0, cu_seqlens, g_pc=forms.g_per_channel)
     else:
-        o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_size, g_pc=forms.g_per_channel)
+        o, fin, valid = _chunk_forward(q, k, v, g, h0, cu_seqlens, chunk_size=chunk_for(chunk_size, q.shape[1]),
+                                       g_pc=forms.g_per_channel)
     return finish_outputs(o, fin, out_dtype, guard_finish=guard_finish if mask_nonfinite else None, valid=valid,
                           packed=cu_seqlens is not None, output_final_state=output_final_state)

@@ -17,9 +17,8 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._common import acc_dtype, check_scale, check_step_inputs, prepare, repeat_key_heads, value_group
+from ._common import acc_dtype, check_flags, check_scale, check_step_inputs, prepare, repeat_key_heads, value_group
 from .scan import _step
 
 STEP_BACKENDS = ("auto", "scan", "pallas")
@@ -75,8 +74,7 @@ def gated_delta_rule_step(
     """
     forms = check_step_inputs(q, k, v, g, beta, state)
     check_scale(scale)
-    if not isinstance(use_qk_l2norm, (bool, np.bool_)):
-        raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__} {use_qk_l2norm!r}")
+    check_flags(use_qk_l2norm=use_qk_l2norm)
     if backend not in STEP_BACKENDS:
         raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
     dt0 = acc_dtype(q, k, v, g, beta, state)
