@@ -159,8 +159,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
         elif origin in (tuple, list, typing.Sequence, Sequence):
             args = [a for a in typing.get_args(tp) if a is not Ellipsis]
             elem = args[0] if args else str
-            parser.add_argument(flag, type=_argparse_type(_scalar_parser(elem, False)), nargs="+", metavar=elem.__name__.upper()
-                                if hasattr(elem, "__name__") else "VALUE", **kw)
+            # "extend": a flag given twice (--base a=1 --base b=2) adds to the list rather than replacing it
+            parser.add_argument(flag, type=_argparse_type(_scalar_parser(elem, False)), nargs="+", action="extend",
+                                metavar=elem.__name__.upper() if hasattr(elem, "__name__") else "VALUE", **kw)
         else:
             parser.add_argument(flag, type=_argparse_type(_scalar_parser(tp, optional)), metavar=getattr(tp, "__name__", "VALUE").upper(), **kw)
 

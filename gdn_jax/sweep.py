@@ -362,9 +362,14 @@ def validate(cfg: SweepConfig) -> List[Cell]:
         errors.append(f"SweepConfig.workers must be >= 0, got {cfg.workers}")
     if cfg.workers_per_device < 1:
         errors.append(f"SweepConfig.workers_per_device must be >= 1, got {cfg.workers_per_device}")
-    for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval"):
-        if not getattr(cfg, name):
+    for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval", "shapes"):
+        values = list(getattr(cfg, name))
+        if not values and name != "shapes":
             errors.append(f"SweepConfig.{name} is empty")
+        elif len(set(values)) < len(values):  # cells that repeat would share a run folder
+            errors.append(f"SweepConfig.{name} repeats a value: {values}")
+    if not cfg.out:
+        errors.append("SweepConfig.out must name a folder, got an empty string")
     for x in cfg.shapes:
         try:
             parse_shape(x)
@@ -389,6 +394,9 @@ def validate(cfg: SweepConfig) -> List[Cell]:
     if errors:
         raise ValueError("; ".join(errors))
     grid = cells(cfg)
+    if not grid:
+        raise ValueError(f"the grid is empty: SweepConfig.neg_eigval={list(cfg.neg_eigval)} applies only to "
+                         f"{sorted(_NEG_OK)}, SweepConfig.mixers={list(cfg.mixers)}")
     for cell in grid:
         for lr in cfg.lrs:
             try:

@@ -332,3 +332,16 @@ def test_task_configs_carry_their_facts():
         if cfg.max_labels is not None:
             assert int((b.targets != IGNORE_INDEX).sum(axis=1).max()) == cfg.max_labels
         assert "name" not in {f.name for f in dataclasses.fields(cfg)}  # class facts, not fields
+
+
+def test_token_ids_fit_int32_and_config_seed_is_an_int():
+    from gdn_jax.data import NIAHConfig, StateTrackingConfig
+
+    with pytest.raises(ValueError, match="int32"):
+        MQARConfig(vocab_size=2 ** 32)
+    with pytest.raises(ValueError, match="int32"):
+        NIAHConfig(vocab_size=2 ** 32)
+    with pytest.raises(ValueError, match="int32"):
+        StateTrackingConfig(modulus=2 ** 40)
+    with pytest.raises(TypeError, match="seed"):
+        MQARConfig(vocab_size=32, seq_len=32, num_kv_pairs=4, seed=np.random.SeedSequence(3))

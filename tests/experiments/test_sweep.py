@@ -411,3 +411,16 @@ def test_sweep_config_json_records_the_shapes_that_run():
     assert json.loads(json.dumps(rec))["shapes"] == ["32x4", "16x2x8", "32x2"]
     plain = S.apply_preset(S.SweepConfig(preset="cpu_mqar"))
     assert S.recorded_config(plain) == dataclasses.asdict(plain)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mixers=("mamba2",), neg_eigval=(True,)), "the grid is empty"),
+    (dict(mixers=("gdn", "gdn")), "mixers repeats"), (dict(d_models=(16, 16)), "d_models repeats"),
+    (dict(out=""), "out must name a folder"),
+])
+def test_sweep_grid_errors(kw, match, tmp_path):
+    """An empty grid or repeated cells (which would share run folders) are refused before training."""
+    cfg = S.apply_preset(S.SweepConfig(preset="cpu_smoke", **{"out": str(tmp_path), **kw}),
+                         explicit=list(kw) + ["out"])
+    with pytest.raises(ValueError, match=match):
+        S.validate(cfg)

@@ -201,6 +201,8 @@ def test_cli_overrides():
     assert isinstance(c.lr, float) and isinstance(c.max_steps, int)
     assert parse_dataclass(_Cfg, ["--max_steps", "none"]).max_steps is None
     assert parse_dataclass(_Cfg, ["--steps", "7"], defaults=_Cfg(lr=1.0)) == _Cfg(lr=1.0, steps=7)
+    # a sequence flag given twice adds to the list (the sweep's --base a=1 --base b=2 keeps both)
+    assert parse_dataclass(_Cfg, ["--sizes", "3", "--sizes", "4", "5"]).sizes == (3, 4, 5)
 
 
 @pytest.mark.parametrize("argv", [["--bogus", "1"], ["--step", "5"], ["--lr", "abc"], ["--steps", "1.5"], ["extra"]])
@@ -353,3 +355,46 @@ def test_sparse_head_equals_dense(task):
     # too small a max_scored is reported, never silently used
     _, a2, _ = f(make_lm_loss(max_labels(cfg) - 1))
     assert int(a2["unscored"]) == 6
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(warmup_steps=3, total_steps=12, steps_per_epoch=4), ValueError, "warmup_steps must be 0"),
+    (dict(warmup_steps=20, total_steps=10), ValueError, "warmup_steps must be < total_steps"),
+    (dict(lr=-1.0), ValueError, "lr"), (dict(lr=float("nan")), ValueError, "lr"), (dict(lr="1e-3"), TypeError, "lr"),
+    (dict(min_lr_ratio=-1.0), ValueError, "min_lr_ratio"), (dict(min_lr_ratio=5.0), ValueError, "min_lr_ratio"),
+    (dict(warmup_steps=2.5), TypeError, "warmup_steps"), (dict(total_steps=float("inf")), TypeError, "total_steps"),
+    (dict(warmup_steps=None), TypeError, "warmup_steps"),
+])
+def test_schedule_arguments(kw, exc, match):
+    """make_schedule refuses what would train silently wrong (lr 0 for an epoch, a horizon ignored,
+    a rising or negative lr) or fail obscurely."""
+    args = {"lr": 1.0, "warmup_steps": 0, "total_steps": 10, **kw}
+    with pytest.raises(exc, match=match):
+        T.make_schedule(args.pop("lr"), **args)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(b1=1.0), "b1"), (dict(b2=-1.0), "b2"), (dict(eps=0.0), "eps"),
+                                       (dict(weight_decay=float("nan")), "weight_decay"),
+                                       (dict(weight_decay=-1.0), "weight_decay"),
+                                       (dict(grad_clip=float("nan")), "grad_clip")])
+def test_optimizer_arguments(kw, match):
+    """Settings that turned parameters NaN within three updates are a ValueError naming them."""
+    with pytest.raises(ValueError, match=match):
+        T.make_optimizer(1e-3, warmup_steps=0, total_steps=10, **kw)
+
+
+def test_fresh_run_deletes_only_checkpoints(tmp_path):
+    """A fresh run (no resume) clears orbax step folders in ckpt_dir and refuses a folder holding
+    anything else (it used to delete the whole folder)."""
+    from gdn_jax import recall as R
+
+    base = dict(vocab_size=32, seq_len=32, num_kv_pairs=4, d_model=16, num_heads=2, batch_size=8, test_examples=16,
+                eval_batch_size=8, warmup=0, steps=2, eval_every=2, progress=False)
+    ck = tmp_path / "ck"
+    R.run(R.RecallConfig(**base, out=str(tmp_path / "a"), ckpt_dir=str(ck)))
+    assert (ck / "2").is_dir()
+    R.run(R.RecallConfig(**base, out=str(tmp_path / "b"), ckpt_dir=str(ck)))  # checkpoints only: replaced
+    (ck / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not checkpoints"):
+        R.run(R.RecallConfig(**base, out=str(tmp_path / "c"), ckpt_dir=str(ck)))
+    assert (ck / "notes.txt").read_text() == "mine"
