@@ -251,6 +251,9 @@ def validate(cfg: RecallConfig) -> None:
         bad("session_time_s", "> 0 (seconds)")
     if cfg.lr_per_epoch and cfg.data_mode != "fixed":
         bad("lr_per_epoch", "False unless RecallConfig.data_mode is 'fixed'", " (epochs of the fixed training set)")
+    if cfg.data_mode == "fixed" and cfg.batch_size > cfg.train_examples:
+        bad("batch_size", f"<= RecallConfig.train_examples = {cfg.train_examples} with data_mode 'fixed'",
+            " (each batch comes from the fixed training set)")
     if cfg.lr_per_epoch and cfg.warmup:
         bad("warmup", "0 with RecallConfig.lr_per_epoch", " (a warmup stepped once per epoch would hold the first "
             "epoch at lr 0)")

@@ -99,7 +99,8 @@ class TaskLoader:
             raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size}")
         if mode == "fixed" and batch_size > cfg.train_examples:
             raise ValueError(
-                f"batch_size={batch_size} exceeds cfg.train_examples={cfg.train_examples} in fixed mode"
+                f"batch_size={batch_size} exceeds the fixed training set, train_examples={cfg.train_examples} "
+                f"(mode='fixed' draws each batch from that set)"
             )
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got start_step={start_step}")

@@ -283,9 +283,7 @@ class GatedDeltaNet(RecurrentMixer):
         ``cache.state`` must be in the layer's ``state_dtype`` (``TypeError`` otherwise: a decode
         loop carries the cache, so its dtype may not change between steps)."""
         _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
-        if jnp.dtype(cache.state.dtype) != self.state_dtype:
-            raise TypeError(f"cache.state is {jnp.dtype(cache.state.dtype).name} but the layer's state_dtype is "
-                            f"{self.state_dtype.name} (build the cache with this layer's init_cache or prefill)")
+        self._check_cache_state(cache, x_t.shape[0])
         q, k, v, convs = self._qkv(x_t, cache=cache)
         g, beta = self.gates(x_t)
         o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,

@@ -146,4 +146,5 @@ class GatedLinearAttention(RecurrentMixer):
     def decode(self, x_t, cache: GDNCache):
         """One token ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able."""
         _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
+        self._check_cache_state(cache, x_t.shape[0])
         return self._run(x_t, cache=cache, backend="scan")

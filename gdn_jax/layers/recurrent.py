@@ -52,6 +52,18 @@ class RecurrentMixer(nnx.Module):
 
     state_dtype = jnp.dtype(jnp.float32)  # the cache state's dtype (GatedDeltaNet: an option)
 
+    def _check_cache_state(self, cache, batch: int):
+        """``cache.state`` must be ``[batch, Hv, K, V]`` in ``self.state_dtype`` (ValueError /
+        TypeError naming ``cache.state``: a decode loop carries the cache, so neither may change)."""
+        want = (batch, self.num_v_heads, self.head_dim, self.value_head_dim)
+        st = cache.state
+        if not hasattr(st, "shape") or tuple(st.shape) != want:
+            raise ValueError(f"cache.state must have shape [B, Hv, K, V] = {want}, got "
+                             f"{tuple(st.shape) if hasattr(st, 'shape') else type(st).__name__}")
+        if jnp.dtype(st.dtype) != self.state_dtype:
+            raise TypeError(f"cache.state is {jnp.dtype(st.dtype).name} but the layer's state_dtype is "
+                            f"{self.state_dtype.name} (build the cache with this layer's init_cache or prefill)")
+
     def _short_convs(self, param_dtype, rngs: nnx.Rngs):
         """The causal depthwise convs on q, k and v (kernel ``self.conv_size``, SiLU)."""
         HK, HV = self.num_heads * self.head_dim, self.num_v_heads * self.value_head_dim

@@ -117,3 +117,25 @@ def test_teacher_forced_logits_n_prompt():
             teacher_forced_logits(m, tok, n_prompt=n)
     logits, _ = teacher_forced_logits(m, tok, n_prompt=2)
     assert logits.shape == (1, 3, 50)
+
+
+def test_recurrent_decode_names_cache_state():
+    from gdn_jax.layers import GatedLinearAttention
+
+    layer = GatedLinearAttention(16, 2, rngs=nnx.Rngs(0))
+    cache = layer.init_cache(1)
+    with pytest.raises(ValueError, match="cache.state must have shape"):
+        layer.decode(jnp.ones((1, 1, 16)), cache._replace(state=jnp.zeros((1, 2, 8, 4))))
+    with pytest.raises(TypeError, match="cache.state is bfloat16"):
+        layer.decode(jnp.ones((1, 1, 16)), cache._replace(state=cache.state.astype(jnp.bfloat16)))
+    with pytest.raises(TypeError, match="use_short_conv"):
+        GatedLinearAttention(16, 2, use_short_conv="no", rngs=nnx.Rngs(0))
+
+
+def test_kernel_config_numpy_ints_and_warps():
+    from gdn_jax.ops import KernelConfig
+
+    k = KernelConfig(fwd_chunk=np.int64(32))
+    assert type(k.fwd_chunk) is int and k == KernelConfig(fwd_chunk=32) and hash(k) == hash(KernelConfig(fwd_chunk=32))
+    with pytest.raises(ValueError, match="warps_wy"):
+        KernelConfig(warps_wy=64)

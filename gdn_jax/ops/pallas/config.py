@@ -12,10 +12,12 @@ docstring below, in ``results/hopper_h200/`` (NOTE.md, HISTORY.md) and in
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .platform import PLATFORMS, is_tpu_layout
 
@@ -443,12 +445,14 @@ class KernelConfig:
             if val is None and name in _OPTIONAL_INTS:
                 continue
             want = f"a positive int{'' if name in _INTS else ' or None'}"
-            if isinstance(val, bool) or not isinstance(val, int):
+            if isinstance(val, (bool, np.bool_)) or not isinstance(val, numbers.Integral):
                 raise TypeError(f"KernelConfig.{name} must be {want}, got {val!r}")
             if val < 1:
                 raise ValueError(f"KernelConfig.{name} must be {want}, got {val!r}")
-            if name.startswith("warps_") and val & (val - 1):
-                raise ValueError(f"KernelConfig.{name} must be a power of two (Triton's num_warps), got {val!r}")
+            object.__setattr__(self, name, int(val))  # NumPy ints as Python ints (hash, repr, static args)
+            if name.startswith("warps_") and (val & (val - 1) or val > 32):
+                raise ValueError(f"KernelConfig.{name} must be a power of two <= 32 (Triton's num_warps: at most "
+                                 f"1024 threads), got {val!r}")
         if isinstance(self.grad_warpgroups, bool) or not isinstance(self.grad_warpgroups, int):
             raise TypeError(f"KernelConfig.grad_warpgroups must be 1 or 2, got {self.grad_warpgroups!r}")
         if self.grad_warpgroups not in (1, 2):
