@@ -94,7 +94,10 @@ sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see th
   # results (and unfinished runs' checkpoints) collect under /tmp; bundle_sweeps sends them back
   rm -rf "/tmp/$name" "/tmp/ckpt_$name"; mkdir -p "/tmp/ckpt_$name" /tmp/sweep_logs
   [ -d "results/$name" ] && cp -r "results/$name" "/tmp/$name"
-  [ -d ".base/ckpt_$name" ] && cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
+  # checkpoints of unfinished runs: .base/ckpt_<name> (carried), else results/resume/ckpt_<name> (committed at
+  # the end of a session whose runs were in flight: a new checkout has no .base)
+  if [ -d ".base/ckpt_$name" ]; then cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
+  elif [ -d "results/resume/ckpt_$name" ]; then cp -r "results/resume/ckpt_$name/." "/tmp/ckpt_$name/"; fi
   # SWEEP_ARGS_<step> (else SWEEP_ARGS): extra sweep flags, e.g. "--d_models 64 --workers_per_device 2"
   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
     --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \

@@ -6,7 +6,8 @@
 For every sweep in the archive (its folder name is its preset, e.g. ``zoology_mqar``):
 its runs go to ``results/<name>/runs/`` (a run folder that came back replaces the local one), its
 worker logs to ``results/<name>/``, its unfinished runs' checkpoints replace ``.base/ckpt_<name>/``
-(carry ``.base`` in the next call to resume them), the device's ``locks/`` and its (restricted)
+(carry ``.base`` in the next call to resume them; ``results/resume/ckpt_<name>/``, committed
+checkpoints a call without ``.base`` starts from, is removed: superseded), the device's ``locks/`` and its (restricted)
 ``sweep_config.json`` are dropped when a local one exists, and ``summarize`` of the whole preset
 rewrites ``summary.md`` / ``.json`` / ``.csv``, ``runs.csv`` and the plot. Prints each sweep's log tail
 and, per unfinished run, its step and best test accuracy so far (from its checkpoint).
@@ -58,6 +59,11 @@ def main(argv=None) -> None:
             shutil.rmtree(ckpt, ignore_errors=True)
             if os.path.isdir(os.path.join(tmp, f"ckpt_{name}")):
                 shutil.copytree(os.path.join(tmp, f"ckpt_{name}"), ckpt)
+            resume = os.path.join(args.root, "results", "resume", f"ckpt_{name}")
+            if os.path.isdir(resume):  # the call started from these; what came back supersedes them
+                shutil.rmtree(resume)
+                print(f"removed results/resume/ckpt_{name} (superseded by .base/ckpt_{name}): commit the removal, "
+                      f"carry .base next call")
             log = open(os.path.join(tmp, "sweep_logs", f"{name}.txt")).read().splitlines()
             print(f"--- {name}: log tail\n" + "\n".join(log[-6:]))
             summarize(apply_preset(SweepConfig(preset=name, out=dst), set()))

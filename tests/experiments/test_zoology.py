@@ -293,6 +293,8 @@ def test_device_sweep_step_round_trip(tmp_path):
     work.mkdir()
     for name in ("gdn_jax", "experiments", "benchmarks"):
         os.symlink(os.path.join(REPO, name), work / name)
+    # committed checkpoints (results/resume/, no .base): the step starts from them, unpack supersedes them
+    (work / "results" / "resume" / "ckpt_cpu_zoology_smoke" / "marker").mkdir(parents=True)
     out = tmp_path / "out"
     env = dict(os.environ, STEPS="sweep:cpu_zoology_smoke", LIMIT_SWEEP="240", OUT=str(out), JAX_PLATFORMS="cpu",
                SWEEP_ARGS_sweep_cpu_zoology_smoke="--mixers gdn --lrs 0.01 --shapes 16x2x16 --no-progress")
@@ -311,3 +313,5 @@ def test_device_sweep_step_round_trip(tmp_path):
     assert [p.parent.parent.name for p in runs] == ["mqar_gdn_d16_L16_N2"], runs
     summary = json.loads((res / "summary.json").read_text())
     assert [c["mixer"] for c in summary["cells"]] == ["gdn"] and (res / "summary.md").exists()
+    assert (work / ".base" / "ckpt_cpu_zoology_smoke" / "marker").is_dir()  # went out from results/resume
+    assert not (work / "results" / "resume" / "ckpt_cpu_zoology_smoke").exists() and "superseded" in u.stdout
