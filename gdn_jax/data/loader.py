@@ -85,7 +85,7 @@ class TaskLoader:
     MODES = ("fixed", "stream")
 
     def __init__(self, cfg, batch_size: int, *, mode: str = "fixed", start_step: int = 0):
-        if not callable(getattr(cfg, "generate", None)) or not hasattr(cfg, "seed"):
+        if isinstance(cfg, type) or not callable(getattr(cfg, "generate", None)) or not hasattr(cfg, "seed"):
             raise TypeError(f"cfg must be a task config (MQARConfig, NIAHConfig, StateTrackingConfig, ...), "
                             f"got {type(cfg).__name__}")
         if mode == "fixed" and not hasattr(cfg, "train_examples"):

@@ -19,6 +19,14 @@ def positive_int(name: str, value, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def rngs(value) -> None:
+    """A layer's ``rngs`` must be a ``flax.nnx.Rngs`` (TypeError otherwise, not an AttributeError later)."""
+    from flax import nnx
+
+    if not isinstance(value, nnx.Rngs):
+        raise TypeError(f"rngs must be a flax.nnx.Rngs (e.g. nnx.Rngs(0)), got {type(value).__name__} {value!r}")
+
+
 def flag(name: str, value) -> bool:
     """``value`` as a bool (TypeError for anything else: ``"no"`` or ``1`` would be read as True)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -84,6 +84,7 @@ class Attention(nnx.Module):
                  qk_norm: bool = False, output_gate: bool = False, norm_eps: float = 1e-6,
                  norm_style: str = "standard", bias: str = "", dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
+        _checks.rngs(rngs)
         _checks.positive_int("hidden_size", hidden_size)
         if not isinstance(bias, str) or set(bias) - set("qkvo") or len(set(bias)) != len(bias):
             raise ValueError(f"bias must be a string of distinct letters from 'qkvo' (the projections with a bias), "

@@ -164,6 +164,7 @@ class GatedDeltaNet(RecurrentMixer):
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
                  state_dtype=jnp.float32, rngs: nnx.Rngs):
+        _checks.rngs(rngs)
         _checks.one_of("decay", decay, DECAY_KINDS)
         for name, value in (("decay_per_channel", decay_per_channel), ("beta_per_channel", beta_per_channel),
                             ("allow_neg_eigval", allow_neg_eigval), ("use_short_conv", use_short_conv)):

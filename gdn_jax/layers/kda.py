@@ -45,6 +45,7 @@ class KimiDeltaAttention(GatedDeltaNet):
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(1.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
                  state_dtype=jnp.float32, rngs: nnx.Rngs):
+        _checks.rngs(rngs)
         _checks.one_of("backend", backend, BACKENDS)
         _checks.kernel_config(kernel_config, backend)
         for name, value in (("chunk_size", chunk_size), ("conv_size", conv_size)):

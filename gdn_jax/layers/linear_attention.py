@@ -64,6 +64,7 @@ class GatedLinearAttention(RecurrentMixer):
                  qk_l2norm: Optional[bool] = None, dt_input: bool = False,
                  dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        _checks.rngs(rngs)
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
         _checks.flag("use_short_conv", use_short_conv)
         _checks.one_of("backend", backend, LA_BACKENDS)

@@ -149,7 +149,8 @@ def gated_linear_attention(
         value heads, as in :func:`gdn_jax.ops.gated_delta_rule`).
       g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier;
         ``-inf`` allowed); the chunked form floors it at -87 (float32) / -1000 (float64), as
-        :func:`gdn_jax.ops.gated_delta_rule` does.
+        :func:`gdn_jax.ops.gated_delta_rule` does. Not checked (it may be traced): a positive g is
+        a growing state, and large ones overflow to inf on every backend.
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
       output_final_state: also return the final state.

@@ -139,3 +139,15 @@ def test_kernel_config_numpy_ints_and_warps():
     assert type(k.fwd_chunk) is int and k == KernelConfig(fwd_chunk=32) and hash(k) == hash(KernelConfig(fwd_chunk=32))
     with pytest.raises(ValueError, match="warps_wy"):
         KernelConfig(warps_wy=64)
+
+
+def test_layers_and_loader_type_errors():
+    from gdn_jax.data import MQARConfig, TaskLoader
+    from gdn_jax.layers import GatedLinearAttention, KimiDeltaAttention
+
+    for make in (lambda: GatedLinearAttention(16, 2, rngs=None), lambda: Attention(16, 2, rngs=0),
+                 lambda: GatedDeltaNet(16, 2, rngs=None), lambda: KimiDeltaAttention(16, 2, rngs=None)):
+        with pytest.raises(TypeError, match="rngs"):
+            make()
+    with pytest.raises(TypeError, match="task config"):
+        TaskLoader(MQARConfig, 2)
