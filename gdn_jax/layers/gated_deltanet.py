@@ -66,14 +66,10 @@ def head_dims(hidden_size: int, num_heads: int, head_dim: Optional[int], value_h
     return num_heads, head_dim, head_dim if value_head_dim is None else value_head_dim
 
 
-def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: float = 1e-3,
-                      dt_max: float = 0.1, A_init_range=(0.0, 16.0), param_dtype=jnp.float32):
-    """``(A_log [num_heads], dt_bias [n_dt])`` Params of the decay ``-exp(A_log) softplus(W x + dt_bias)``:
-    A ~ U(A_init_range) sampled in float32 and clipped to >= 1e-4; dt log-uniform in
-    [dt_min, dt_max] (>= 1e-4) and dt_bias = softplus^-1(dt) (Mamba2 / FLA init).
-
-    Raises ValueError / TypeError unless ``0 < dt_min <= dt_max`` (finite) and ``A_init_range`` is
-    a pair ``0 <= lo <= hi`` (finite; A = 0 gives no decay, clipped to 1e-4)."""
+def check_decay_init(dt_min, dt_max, A_init_range):
+    """The mamba2 decay's init arguments (:func:`mamba2_decay_init`): ``(dt_min, dt_max, (lo, hi))``
+    as floats, or ValueError / TypeError naming the argument. Layers call it whatever their decay,
+    so that a bad value is never silently ignored."""
     dt_min, dt_max = _checks.positive_float("dt_min", dt_min), _checks.positive_float("dt_max", dt_max)
     if dt_min > dt_max:
         raise ValueError(f"dt_min must be <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
@@ -85,6 +81,18 @@ def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: floa
             raise ValueError(f"{name} must be a finite number >= 0 (A = exp(A_log) > 0), got {x!r}")
     if lo > hi:
         raise ValueError(f"A_init_range must have lo <= hi, got {tuple(A_init_range)}")
+    return dt_min, dt_max, (float(lo), float(hi))
+
+
+def mamba2_decay_init(rngs: nnx.Rngs, num_heads: int, n_dt: int, *, dt_min: float = 1e-3,
+                      dt_max: float = 0.1, A_init_range=(0.0, 16.0), param_dtype=jnp.float32):
+    """``(A_log [num_heads], dt_bias [n_dt])`` Params of the decay ``-exp(A_log) softplus(W x + dt_bias)``:
+    A ~ U(A_init_range) sampled in float32 and clipped to >= 1e-4; dt log-uniform in
+    [dt_min, dt_max] (>= 1e-4) and dt_bias = softplus^-1(dt) (Mamba2 / FLA init).
+
+    Raises ValueError / TypeError unless ``0 < dt_min <= dt_max`` (finite) and ``A_init_range`` is
+    a pair ``0 <= lo <= hi`` (finite; A = 0 gives no decay, clipped to 1e-4)."""
+    dt_min, dt_max, (lo, hi) = check_decay_init(dt_min, dt_max, A_init_range)
     A = jax.random.uniform(rngs.params(), (num_heads,), jnp.float32, lo, hi)
     A_log = nnx.Param(jnp.log(jnp.maximum(A, 1e-4)).astype(param_dtype))
     u = jax.random.uniform(rngs.params(), (n_dt,), jnp.float32)
@@ -171,6 +179,7 @@ class GatedDeltaNet(RecurrentMixer):
             _checks.flag(name, value)
         if decay == "none" and decay_per_channel:
             raise ValueError("decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got decay='none'")
+        check_decay_init(dt_min, dt_max, A_init_range)  # used by decay="mamba2"; never silently ignored
         _checks.one_of("backend", backend, BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.kernel_config(kernel_config, backend)

@@ -12,7 +12,7 @@ from flax import nnx
 from ..ops import gated_linear_attention
 from ..ops.linear_attention import LA_BACKENDS
 from . import _checks
-from .gated_deltanet import head_dims, mamba2_decay_init, mamba2_log_decay
+from .gated_deltanet import check_decay_init, head_dims, mamba2_decay_init, mamba2_log_decay
 from .recurrent import GDNCache, RecurrentMixer
 
 LA_DECAY_KINDS = ("mamba2", "gla", "none")
@@ -42,7 +42,8 @@ class GatedLinearAttention(RecurrentMixer):
       Hardware-Efficient Training", eq. for q/k/v; FLA's ``GatedLinearAttention`` default
       ``use_short_conv=False``). The GLA gate ``log sigmoid(W_2 W_1 x + b) / 16`` with rank 16 is
       already that paper's ``alpha = sigmoid(.)^(1/tau)``, tau = 16; ``gate_low_rank`` and
-      ``gate_logit_normalizer`` set rank and tau.
+      ``gate_logit_normalizer`` set rank and tau (decay="gla" only, as ``dt_min``, ``dt_max``,
+      ``A_init_range`` are decay="mamba2"'s; all are checked whatever the decay).
     * ``qk_l2norm``: None (default: on for mamba2 / none, off for gla), True or False. Mamba2
       (Dao & Gu 2024, SSD: ``y = C h``, ``h <- exp(dt A) h + dt B x^T``) has no L2 norm on C, B (q, k).
     * ``dt_input`` (decay="mamba2" only): scale the input of the state update by the step size,
@@ -67,6 +68,7 @@ class GatedLinearAttention(RecurrentMixer):
         _checks.rngs(rngs)
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
         _checks.flag("use_short_conv", use_short_conv)
+        check_decay_init(dt_min, dt_max, A_init_range)  # used by decay="mamba2"; never silently ignored
         _checks.one_of("backend", backend, LA_BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.positive_int("conv_size", conv_size)

@@ -151,3 +151,15 @@ def test_layers_and_loader_type_errors():
             make()
     with pytest.raises(TypeError, match="task config"):
         TaskLoader(MQARConfig, 2)
+
+
+def test_decay_init_checked_whatever_the_decay():
+    """dt_min / dt_max / A_init_range are decay='mamba2''s, but a bad value is an error with any decay
+    (it used to be ignored silently with decay 'gla', 'none' or 'sigmoid')."""
+    from gdn_jax.layers import GatedLinearAttention
+
+    for make in (lambda: GatedLinearAttention(16, 2, decay="gla", dt_min=-1.0, rngs=nnx.Rngs(0)),
+                 lambda: GatedLinearAttention(16, 2, decay="none", A_init_range="x", rngs=nnx.Rngs(0)),
+                 lambda: GatedDeltaNet(16, 2, decay="sigmoid", dt_max=float("nan"), rngs=nnx.Rngs(0))):
+        with pytest.raises((ValueError, TypeError), match="dt_min|dt_max|A_init_range"):
+            make()
