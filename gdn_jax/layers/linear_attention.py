@@ -42,8 +42,9 @@ class GatedLinearAttention(RecurrentMixer):
       Hardware-Efficient Training", eq. for q/k/v; FLA's ``GatedLinearAttention`` default
       ``use_short_conv=False``). The GLA gate ``log sigmoid(W_2 W_1 x + b) / 16`` with rank 16 is
       already that paper's ``alpha = sigmoid(.)^(1/tau)``, tau = 16; ``gate_low_rank`` and
-      ``gate_logit_normalizer`` set rank and tau (decay="gla" only, as ``dt_min``, ``dt_max``,
-      ``A_init_range`` are decay="mamba2"'s; all are checked whatever the decay).
+      ``gate_logit_normalizer`` set rank and tau (decay="gla" only, default 16 and 16; ``dt_min``,
+      ``dt_max``, ``A_init_range`` are decay="mamba2"'s, default 1e-3, 0.1, (0, 16): given with
+      another decay, any of them is a ValueError).
     * ``qk_l2norm``: None (default: on for mamba2 / none, off for gla), True or False. Mamba2
       (Dao & Gu 2024, SSD: ``y = C h``, ``h <- exp(dt A) h + dt B x^T``) has no L2 norm on C, B (q, k).
     * ``dt_input`` (decay="mamba2" only): scale the input of the state update by the step size,
@@ -61,14 +62,24 @@ class GatedLinearAttention(RecurrentMixer):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,
                  value_head_dim: Optional[int] = None, *, decay: str = "gla", use_short_conv: bool = True,
                  conv_size: int = 4, backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
-                 gate_low_rank: int = 16, gate_logit_normalizer: float = 16.0,
+                 gate_low_rank: Optional[int] = None, gate_logit_normalizer: Optional[float] = None,
                  qk_l2norm: Optional[bool] = None, dt_input: bool = False,
-                 dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
+                 dt_min: Optional[float] = None, dt_max: Optional[float] = None, A_init_range=None,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.rngs(rngs)
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
         _checks.flag("use_short_conv", use_short_conv)
-        check_decay_init(dt_min, dt_max, A_init_range)  # used by decay="mamba2"; never silently ignored
+        # each decay's own options: given with another decay they are an error, never silently ignored
+        for name, value, owner in (("dt_min", dt_min, "mamba2"), ("dt_max", dt_max, "mamba2"),
+                                   ("A_init_range", A_init_range, "mamba2"), ("gate_low_rank", gate_low_rank, "gla"),
+                                   ("gate_logit_normalizer", gate_logit_normalizer, "gla")):
+            if value is not None and decay != owner:
+                raise ValueError(f"{name} is an option of decay={owner!r}; decay={decay!r} does not use it")
+        gate_low_rank = 16 if gate_low_rank is None else gate_low_rank
+        gate_logit_normalizer = 16.0 if gate_logit_normalizer is None else gate_logit_normalizer
+        dt_min, dt_max, A_init_range = (1e-3 if dt_min is None else dt_min, 0.1 if dt_max is None else dt_max,
+                                        (0.0, 16.0) if A_init_range is None else A_init_range)
+        check_decay_init(dt_min, dt_max, A_init_range)
         _checks.one_of("backend", backend, LA_BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.positive_int("conv_size", conv_size)

@@ -298,7 +298,8 @@ def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
         return GatedLinearAttention(
             cfg.d_model, cfg.num_heads, head_dim, value_head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
             conv_size=cfg.conv_size, qk_l2norm=cfg.la_qk_l2norm, dt_input=cfg.mamba2_dt_input and decay == "mamba2",
-            gate_low_rank=cfg.gla_gate_low_rank, gate_logit_normalizer=cfg.gla_gate_normalizer,
+            **(dict(gate_low_rank=cfg.gla_gate_low_rank, gate_logit_normalizer=cfg.gla_gate_normalizer)
+               if decay == "gla" else {}),
             backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),
             param_dtype=_dt(cfg.param_dtype), rngs=rngs,
         )

@@ -163,3 +163,14 @@ def test_decay_init_checked_whatever_the_decay():
                  lambda: GatedDeltaNet(16, 2, decay="sigmoid", dt_max=float("nan"), rngs=nnx.Rngs(0))):
         with pytest.raises((ValueError, TypeError), match="dt_min|dt_max|A_init_range"):
             make()
+
+
+def test_gla_options_of_another_decay_refused():
+    from gdn_jax.layers import GatedLinearAttention
+
+    for kw, name in ((dict(decay="mamba2", gate_low_rank=8), "gate_low_rank"), (dict(decay="gla", dt_max=0.2), "dt_max"),
+                     (dict(decay="none", A_init_range=(1.0, 2.0)), "A_init_range")):
+        with pytest.raises(ValueError, match=f"{name} is an option of decay"):
+            GatedLinearAttention(16, 2, rngs=nnx.Rngs(0), **kw)
+    GatedLinearAttention(16, 2, decay="gla", gate_low_rank=8, rngs=nnx.Rngs(0))
+    GatedLinearAttention(16, 2, decay="mamba2", dt_min=1e-2, rngs=nnx.Rngs(0))
