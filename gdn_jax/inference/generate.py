@@ -47,6 +47,8 @@ def _loop(model, cache, tok, keys, temperature, top_k, num_steps=None):
     Returns (output, cache)."""
     n = keys.shape[0]
     out = jnp.zeros((tok.shape[0], n), jnp.int32)
+    if n == 0:  # no step (generate with max_new_tokens=1): the loop body would still be traced
+        return out, cache
 
     def body(i, carry):
         cache, tok, out = carry

@@ -174,3 +174,13 @@ def test_gla_options_of_another_decay_refused():
             GatedLinearAttention(16, 2, rngs=nnx.Rngs(0), **kw)
     GatedLinearAttention(16, 2, decay="gla", gate_low_rank=8, rngs=nnx.Rngs(0))
     GatedLinearAttention(16, 2, decay="mamba2", dt_min=1e-2, rngs=nnx.Rngs(0))
+
+
+def test_generate_one_new_token():
+    """max_new_tokens=1 is the prefill's token alone (its decode loop has no step; it used to fail
+    tracing the empty loop), equal to the first token of a longer greedy generation."""
+    m = LM(LMConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2), rngs=nnx.Rngs(0))
+    prompt = jnp.array([[1, 2, 3]])
+    one = generate(m, prompt, 1, key=jax.random.key(0))
+    assert one.shape == (1, 1)
+    assert int(one[0, 0]) == int(generate(m, prompt, 3, key=jax.random.key(0))[0, 0])
