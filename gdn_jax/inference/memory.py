@@ -15,6 +15,8 @@ Formulas (L layers, context n, H heads, head dims K, V, batch B, short conv kern
 """
 from __future__ import annotations
 
+import numbers
+
 from typing import Dict, List
 
 import jax.numpy as jnp
@@ -45,10 +47,12 @@ def conv_cache_bytes(num_layers: int, num_heads: int, k_dim: int, v_dim: int = N
 
 
 def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size=None) -> int:
-    """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built): GDN
-    layers with grouped value heads (``num_v_heads``, ``value_head_dim``), attention layers with
-    their own head counts (``attn_num_heads``, ``attn_num_kv_heads`` for GQA, ``attn_head_dim``), the
-    GDN state in ``cfg.state_dtype``. ``conv_size`` defaults to ``cfg.conv_size``."""
+    """Bytes of ``LM(cfg).init_cache(batch, max_len)`` from the formulas (no arrays built): GDN and
+    DeltaNet layers with grouped value heads (``num_v_heads``, ``value_head_dim``) and their state
+    in ``cfg.state_dtype`` (KDA's too), mamba2 / gla / linear with a float32 state (gla's key dim
+    from ``gla_expand_k``), attention layers with their own head counts (``attn_num_heads``,
+    ``attn_num_kv_heads`` for GQA, ``attn_head_dim``). ``conv_size`` defaults to ``cfg.conv_size``.
+    ValueError unless ``batch``, ``max_len`` and ``conv_size`` are ints >= 1."""
     hd = cfg.head_dim or cfg.d_model // cfg.num_heads
     vd = getattr(cfg, "value_head_dim", None) or hd
     hv = getattr(cfg, "num_v_heads", None) or cfg.num_heads
@@ -59,15 +63,28 @@ def model_cache_bytes(cfg, batch: int, max_len: int, *, conv_size=None) -> int:
     nbytes = jnp.dtype(cfg.dtype).itemsize
     state_bytes = jnp.dtype(getattr(cfg, "state_dtype", "float32")).itemsize
     total = 0
+    for name, value in (("batch", batch), ("max_len", max_len), ("conv_size", conv_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    H = cfg.num_heads
+    expand_k = getattr(cfg, "gla_expand_k", None)
     for m in cfg.layer_mixers():
-        if m == "gdn":
-            total += gdn_state_bytes(1, hv, hd, vd, bytes_per_elem=state_bytes, batch=batch)
-            if cfg.use_short_conv:
-                total += (conv_size - 1) * (2 * cfg.num_heads * hd + hv * vd) * nbytes * batch
-        elif m in ("attention", "gated_attention"):
+        if m in ("attention", "gated_attention"):
             total += kv_cache_bytes(1, max_len, kv_heads, attn_hd, bytes_per_elem=nbytes, batch=batch)
+            continue
+        # recurrent mixers: state [B, Hv, K, V] + the q, k, v short-conv states [B, W-1, .]
+        if m in ("gdn", "deltanet"):  # grouped value heads, the cache state in cfg.state_dtype
+            heads_v, K, V, sb = hv, hd, vd, state_bytes
+        elif m == "kda":  # K = V, one value head per key head, state in cfg.state_dtype
+            heads_v, K, V, sb = H, hd, hd, state_bytes
+        elif m in ("mamba2", "gla", "linear"):  # float32 state; gla's key dim from gla_expand_k
+            K = int(cfg.d_model * expand_k / H) if (m == "gla" and expand_k is not None) else hd
+            heads_v, V, sb = H, hd, 4
         else:
             raise ValueError(f"no cache-size formula for mixer {m!r}")
+        total += gdn_state_bytes(1, heads_v, K, V, bytes_per_elem=sb, batch=batch)
+        if cfg.use_short_conv:
+            total += (conv_size - 1) * (2 * H * K + heads_v * V) * nbytes * batch
     return total + 4 * sum(m in ("attention", "gated_attention") for m in cfg.layer_mixers())  # int32 pos
 
 

@@ -50,8 +50,18 @@ def test_units_are_stated():
                                 dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", state_dtype="bfloat16"),
                                 dict(num_layers=4, hybrid_every=4, hybrid_mixer="gated_attention", num_v_heads=4,
                                      value_head_dim=8, attn_num_heads=4, attn_num_kv_heads=2, attn_head_dim=8,
-                                     conv_size=3)])
+                                     conv_size=3),
+                                dict(mixer="deltanet", num_v_heads=4), dict(mixer="kda", state_dtype="bfloat16"),
+                                dict(mixer="mamba2", dtype="bfloat16"), dict(mixer="gla", gla_expand_k=0.5),
+                                dict(mixer="linear", use_short_conv=False)])
 def test_formula_matches_real_cache(kw):
     cfg = LMConfig(d_model=32, num_heads=2, **kw)
     cache = LM(cfg, rngs=nnx.Rngs(0)).init_cache(2, 37)
     assert cache_nbytes(cache) == model_cache_bytes(cfg, 2, 37)
+
+
+def test_cache_formula_arguments():
+    cfg = LMConfig(d_model=32, num_heads=2)
+    for args in ((-1, 8), (1, -5), (1.5, 8)):
+        with pytest.raises(ValueError, match="batch|max_len"):
+            model_cache_bytes(cfg, *args)
