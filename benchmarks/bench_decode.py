@@ -94,6 +94,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="runs/bench_decode")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     tiny = args.tiny
     args.contexts = _ints("--contexts", args.contexts or ("64,128" if tiny else
                                                           ",".join(str(1024 << i) for i in range(8))))

@@ -91,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=FORMS,
                     help="other formulations of the diagonal sub-blocks (form_gram), at each sub-block size")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
 
     import jax
     import jax.numpy as jnp

@@ -214,6 +214,8 @@ def main(argv=None):
                          "or 'bwd grads, 1 WG;pallas'; an item starting with '=' matches a whole name only, "
                          "e.g. '=fwd WY' (default: every line)")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     only = [o.strip() for o in args.only.split(";" if ";" in args.only else ",") if o.strip()]
 
     t_only = [False]  # a shape only fwd_form "t" takes (K = 256): its stages, the whole op, jla
@@ -276,6 +278,7 @@ def main(argv=None):
         """Whether jitted f and g give the same arrays on A, bit for bit (every output)."""
         a, b = jax.jit(f)(A), jax.jit(g)(A)
         return all(bool(jnp.array_equal(a[key], b[key])) for key in b)
+    failed = []
     for shape in bp.parse_shapes(args.shapes, on_gpu=True):
         try:
             x = bp.make_inputs(shape)
@@ -576,8 +579,11 @@ def main(argv=None):
                         print(f"    timeline jla fwd+bwd: {timeline(jfb, args.timeline)}", flush=True)
                 except Exception as e:  # not installed / fails: say so, keep going
                     print(f"  jla: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        except Exception:
+        except Exception:  # one shape failing does not stop the others; the exit status says so
             traceback.print_exc()
+            failed.append(shape)
+    if failed:
+        raise SystemExit(f"bench_hopper_stages.py: {len(failed)} shape(s) failed (tracebacks above): {failed}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,8 @@ def main(argv=None):
                     help="--kernel state: the warp-specialised pass (KernelConfig.state_producer, the default since "
                          "2026-12-03) instead of the one-warpgroup pass, without the loads' knockouts")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
 
     import jax
     import jax.numpy as jnp

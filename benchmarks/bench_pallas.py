@@ -354,13 +354,18 @@ def _in_bytes(name, cfg):
 def parse_shapes(s, on_gpu):
     if not s:
         return SHAPES if on_gpu else TINY
+    table = SHAPES if on_gpu else TINY
     out = []
     for tok in s.split(","):
         tok = tok.strip()
-        if "x" in tok:
-            out.append(tuple(int(a) for a in tok.split("x")))
-        else:
-            out.append((SHAPES if on_gpu else TINY)[int(tok)])
+        try:
+            shape = tuple(int(a) for a in tok.split("x")) if "x" in tok else table[int(tok)]
+        except (ValueError, IndexError):
+            shape = None
+        if shape is None or len(shape) != 4 or min(shape) < 1:
+            raise SystemExit(f"--shapes: expected comma-separated BxTxHxD (four positive ints) or an index into "
+                             f"the {len(table)} default shapes, got {tok!r}")
+        out.append(shape)
     return out
 
 
@@ -401,6 +406,8 @@ def main(argv=None):
                     help="time the variants right after pallas, before FLA / jla / breakdown (FLA's first "
                          "Triton compile can take minutes on a fresh machine)")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
 
     on_gpu = jax.default_backend() == "gpu"
     shapes = parse_shapes(args.shapes, on_gpu)

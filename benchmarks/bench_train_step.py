@@ -46,6 +46,8 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps (jax.profiler) and print the device's top kernels by time")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.profile < 0:
         ap.error(f"--profile must be >= 0 (steps to trace; 0: no profile), got {args.profile}")
     for kv in args.env:

@@ -137,6 +137,12 @@ def main(argv=None):
     cases = CASES[:3] if (args.quick or not gpu) else CASES
     if args.cases:
         cases = [c for c in CASES if any(w in c[0] for w in args.cases)]
+    if not cases:
+        ap.error(f"--cases {args.cases} matches no case (cases: {', '.join(c[0] for c in CASES)})")
+    if not args.dtypes:
+        ap.error("--dtypes needs at least one dtype (e.g. bfloat16 float32)")
+    if args.key_dim is not None and args.key_dim < 1:
+        ap.error(f"--key_dim must be >= 1, got {args.key_dim}")
     if args.key_dim:
         cases = [(f"{c[0]}@k{args.key_dim}", *c[1:5], args.key_dim, *c[6:]) for c in cases]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {len(cases)} cases x {args.dtypes} x "

@@ -102,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="0")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
     rows = []
     for s in args.shapes.split(","):
