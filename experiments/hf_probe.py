@@ -80,6 +80,24 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write probe.json here")
     args = ap.parse_args(argv)
+    # the cheap arguments first: an error after loading and generating would lose that work
+    def ints(flag, text):
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"{flag} must be comma-separated ints, got {text!r}")
+
+    prompt_ids = ints("--prompt_ids", args.prompt_ids)
+    if args.prompt is None and not prompt_ids:
+        ap.error("--prompt_ids is empty (give ids, or --prompt with a tokenizer in the checkpoint folder)")
+    lengths = ints("--niah_lengths", args.niah_lengths)
+    if any(L < 12 for L in lengths):  # the key twice (4 tokens each) and a 4-token value
+        ap.error(f"--niah_lengths must be >= 12 each (keys, value and haystack), got {lengths}")
+    for flag, value in (("--trials", args.trials), ("--max_new_tokens", args.max_new_tokens)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a file, not a folder")
 
     t0 = time.time()
     model = hf.load_pretrained(args.path, backend=args.backend, dtype=args.dtype)
@@ -92,8 +110,11 @@ def main(argv=None):
 
         tok = AutoTokenizer.from_pretrained(args.path)
         ids = tok(args.prompt, return_tensors="np")["input_ids"].astype(np.int32)
+        if ids.size == 0:
+            ap.error(f"--prompt: the tokenizer of {args.path} gave no ids (no tokenizer files there?); use "
+                     f"--prompt_ids")
     else:
-        ids = np.asarray([[int(i) for i in args.prompt_ids.split(",")]], np.int32)
+        ids = np.asarray([prompt_ids], np.int32)
     result = {"path": args.path, "config": {k: str(v) for k, v in vars(cfg).items()}}
 
     backends = ["chunk", "auto"] + (["pallas"] if jax.default_backend() != "cpu" else [])
@@ -113,7 +134,7 @@ def main(argv=None):
     lo = 1000 if cfg.vocab_size > 20000 else 0
     hi = min(cfg.vocab_size, 30000) if cfg.vocab_size > 20000 else cfg.vocab_size
     result["niah"] = {}
-    for L in [int(x) for x in args.niah_lengths.split(",") if x]:
+    for L in lengths:
         acc = niah_probe(model, L, args.trials, args.seed, lo, hi)
         result["niah"][L] = acc
         print(f"NIAH L {L}: value-token accuracy {acc:.3f} over {args.trials} trials (chance ~{1 / (hi - lo):.1e})")

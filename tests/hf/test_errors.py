@@ -146,6 +146,10 @@ def test_hf_probe_script(ckpt, tmp_path):
     assert max(r["backend_rms_rel_vs_scan"].values()) <= 1e-5
     assert len(r["continuation_ids"]) == 4 and 0.0 <= r["niah"][24] <= 1.0
     assert os.path.exists(tmp_path / "out" / "probe.json")
+    # cheap arguments are checked before the checkpoint is loaded (a missing folder is never reached)
+    for argv in (["--trials", "0"], ["--niah_lengths", "8"], ["--prompt_ids", "1,x"], ["--max_new_tokens", "0"]):
+        with pytest.raises(SystemExit):
+            probe.main([str(tmp_path / "missing"), *argv])
 
 
 def test_default_head_dims_round_trip(tmp_path):
