@@ -47,10 +47,18 @@ def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
     if not os.path.isfile(f):
         raise FileNotFoundError(f"{path}: no summary.json (the folder of a finished experiments/sweep.py run)")
     with open(f) as fh:
-        s = json.load(fh)
+        try:
+            s = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from None
     if s.get("task") != "mqar":
         raise ValueError(f"{path}: not an MQAR sweep (task={s.get('task')!r})")
-    lengths = {(int(c["seq_len"]), int(c["num_kv_pairs"])) for c in s["cells"]}
+    if not s.get("cells"):
+        raise ValueError(f"{path}: no finished cell yet (summary.json lists none)")
+    try:
+        lengths = {(int(c["seq_len"]), int(c["num_kv_pairs"])) for c in s["cells"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{f}: a cell lacks seq_len / num_kv_pairs ({e!r})") from None
     if len(lengths) != 1:
         raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; compare one at a time")
     base = parse_overrides(RecallConfig, (s.get("sweep") or {}).get("base", []))  # the sweep's --base
@@ -155,6 +163,9 @@ def main(argv=None):
         if s2 != setting:
             ap.error(f"--extra {label}: its (seq_len, num_kv_pairs, vocab) {s2} differ from the main sweep's {setting}")
         extras.append((label, cells))
+    if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a folder; --out is a prefix (writes <out>.md and <out>.png), e.g. "
+                 f"{os.path.join(args.out, 'compare')}")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         ap.error(f"--out {args.out!r}: folder {out_dir} does not exist")
