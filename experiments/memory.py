@@ -9,8 +9,8 @@
     median of ``--reps`` calls) and the cache bytes of a GDN model, an attention model and a 3:1
     hybrid (every 4th layer gated attention) at each context of ``--contexts``. The attention
     KV cache has exactly ``context`` slots, filled with random keys/values (the cost does not depend on
-    the values) up to ``context - reps - 2``; each timed step writes the next slot (the last one
-    writes slot ``context - 1``), with the cache donated as a serving loop would. A masked
+    the values) up to ``context - reps - 2``; the compile step and each timed step write the next
+    slot (the last one writes slot ``context - 2``), with the cache donated as a serving loop would. A masked
     attention over the static ``context`` slots costs the same at every position. ``--state_dtype``
     and ``--decode_backend`` set the GDN layers' decode-state dtype and step backend. (The per-token
     cost inside ``generate``'s on-device loop, against its floor: ``benchmarks/bench_decode.py``.)
@@ -65,7 +65,7 @@ def measure(cfg: LMConfig, context: int, reps: int, seed: int = 0):
     cache = model.init_cache(1, context)
     key = jax.random.key(seed)
     filled = []
-    for c in cache:  # an attention cache holding context - 1 tokens: the step attends over all of it
+    for c in cache:  # an attention cache nearly full: the step attends over all its static slots
         if isinstance(c, KVCache):
             k1, k2, key = jax.random.split(key, 3)
             c = KVCache(jax.random.normal(k1, c.k.shape, c.k.dtype), jax.random.normal(k2, c.v.shape, c.v.dtype),
@@ -76,7 +76,7 @@ def measure(cfg: LMConfig, context: int, reps: int, seed: int = 0):
     tok = jnp.zeros((1,), jnp.int32)
     _, cache = jax.block_until_ready(step(state, tok, cache))  # compile
     times = []
-    for _ in range(reps):  # the last rep writes slot context - 1
+    for _ in range(reps):  # the last rep writes slot context - 2
         t0 = time.perf_counter()
         logits, cache = jax.block_until_ready(step(state, tok, cache))
         times.append(time.perf_counter() - t0)
@@ -101,7 +101,23 @@ def main(argv=None):
                     help="the measured GDN layers' decode-state dtype (the seed table is printed for both)")
     ap.add_argument("--decode_backend", default="auto", choices=("auto", "scan", "pallas"))
     args = ap.parse_args(argv)
-    contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts must be comma-separated ints, got {args.contexts!r}")
+    for flag, value in (("--reps", args.reps), ("--layers", args.layers), ("--heads", args.heads),
+                        ("--d_model", args.d_model), ("--vocab", args.vocab)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if min(contexts) < args.reps + 2:  # the timed steps write slots up to context - 2 of the attention cache
+        ap.error(f"--contexts must each be >= --reps + 2 = {args.reps + 2} (the timed decode steps fill the "
+                 f"attention cache), got {contexts}")
+    try:
+        model_configs(args)
+    except (ValueError, TypeError) as e:  # LMConfig's message names the field
+        ap.error(str(e))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a file, not a folder")
     os.makedirs(args.out, exist_ok=True)
 
     table = "\n\n".join(seed_table_markdown(state_dtype=sdt) for sdt in ("float32", "bfloat16"))
