@@ -65,3 +65,19 @@ def test_cache_formula_arguments():
     for args in ((-1, 8), (1, -5), (1.5, 8)):
         with pytest.raises(ValueError, match="batch|max_len"):
             model_cache_bytes(cfg, *args)
+
+
+def test_memory_script_checks_arguments_first(tmp_path):
+    """experiments/memory.py refuses bad flags before it measures anything (no output folder made)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "memory.py")
+    spec = importlib.util.spec_from_file_location("memory_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out"
+    for argv in (["--contexts", "128x"], ["--contexts", "8", "--reps", "20"], ["--reps", "0"], ["--dtype", "float33"]):
+        with pytest.raises(SystemExit):
+            mod.main([*argv, "--out", str(out)])
+    assert not out.exists()
