@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import training as T
+from gdn_jax.cli import exit_on_error
 from gdn_jax.data import make_test_set
 from gdn_jax.data.common import IGNORE_INDEX
 from gdn_jax.recall import RecallConfig, build
@@ -189,6 +190,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for b in args.key_bias:
         if b != "none" and (set(b) - set("qkvo") or len(set(b)) != len(b)):
             ap.error(f"--key_bias takes 'none' or letters of 'qkvo', got {b!r}")
+    # every run's config built and checked before the first one trains (a bad one would otherwise stop
+    # the grid after hours), its errors written as this script's flags
+    grid = []
+    with exit_on_error("attention_fillers.py", RecallConfig):
+        for L, N in zip(s["lengths"], s["pairs"]):
+            for b in args.key_bias:
+                cfg = RecallConfig(task="mqar", mixer="attention", vocab_size=s["vocab_size"], seq_len=L,
+                                   num_kv_pairs=N, random_non_queries=False, d_model=s["d_model"],
+                                   num_heads=s["num_heads"], attn_bias="" if b == "none" else b, lr=s["lr"],
+                                   warmup=s["warmup"], steps=s["steps"], max_steps=args.max_steps,
+                                   batch_size=s["batch_size"], seed=s["seed"], backend=args.backend, progress=False)
+                build(cfg)
+                grid.append((L, N, b, cfg))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a file, not a folder")
     os.makedirs(args.out, exist_ok=True)
     runs: List[Dict[str, Any]] = []
     res = {"settings": s, "key_bias": list(args.key_bias), "tiny": args.tiny, "jax_version": jax.__version__,
@@ -202,20 +218,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             json.dump(res, f, indent=1)
         plot(runs, os.path.join(args.out, "attention_fillers.png"))
 
-    for L, N in zip(s["lengths"], s["pairs"]):
-        for b in args.key_bias:
-            cfg = RecallConfig(task="mqar", mixer="attention", vocab_size=s["vocab_size"], seq_len=L, num_kv_pairs=N,
-                               random_non_queries=False, d_model=s["d_model"], num_heads=s["num_heads"],
-                               attn_bias="" if b == "none" else b, lr=s["lr"], warmup=s["warmup"], steps=s["steps"],
-                               max_steps=args.max_steps, batch_size=s["batch_size"], seed=s["seed"],
-                               backend=args.backend, progress=False)
-            print(f"L {L}, {N} pairs, bias {b}:", flush=True)
-            try:
-                runs.append(run_one(cfg, diag_every=s["diag_every"], diag_examples=s["diag_examples"],
-                                    diag_batch=s["diag_batch"]))
-            except (TypeError, ValueError) as e:
-                ap.error(str(e))
-            write()
+    for L, N, b, cfg in grid:
+        print(f"L {L}, {N} pairs, bias {b}:", flush=True)
+        with exit_on_error("attention_fillers.py", RecallConfig):
+            runs.append(run_one(cfg, diag_every=s["diag_every"], diag_examples=s["diag_examples"],
+                                diag_batch=s["diag_batch"]))
+        write()
     print(f"wrote {args.out}/attention_fillers.json and .png")
     return res
 
