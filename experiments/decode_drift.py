@@ -57,21 +57,38 @@ def main(argv=None):
     state_dtypes = [s for s in args.state_dtypes.split(",") if s]
     bad = [s for s in state_dtypes if s not in ("float32", "bfloat16")]
     if bad or not state_dtypes:
-        raise SystemExit(f"--state_dtypes must be a comma-separated subset of float32,bfloat16, got {args.state_dtypes!r}")
-    os.makedirs(args.out, exist_ok=True)
+        ap.error(f"--state_dtypes must be a comma-separated subset of float32,bfloat16, got {args.state_dtypes!r}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes:
+        ap.error("--dtypes needs at least one dtype (e.g. float32,bfloat16)")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     models = {"gdn": dict(mixer="gdn"), "hybrid_3to1": dict(hybrid_every=4, hybrid_mixer="gated_attention")}
+    try:  # every model config checked before anything runs (LMConfig names the field)
+        for dt in dtypes:
+            for kw in models.values():
+                for sdt in state_dtypes:
+                    LMConfig(d_model=64, num_heads=2, num_layers=4, dtype=dt, decode_backend=args.decode_backend,
+                             state_dtype=sdt, **kw)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a file, not a folder")
+    os.makedirs(args.out, exist_ok=True)
     tokens = jax.random.randint(jax.random.key(3), (1, args.steps + 1), 0, 256)
     out = dict(steps=args.steps, jax=jax.__version__, device=str(jax.devices()[0]), decode_backend=args.decode_backend,
                runs={})
     checkpoints = [1, 16, 64, 256, 1024, 4096]
 
     def report(key, r):
+        # first / last 256 steps (the growth check); they overlap when the run has fewer than 512 steps
         out["runs"][key] = dict(rel=r.tolist(), max=float(r.max()), mean=float(r.mean()),
-                                mean_first_256=float(r[:256].mean()), mean_last_256=float(r[-256:].mean()))
+                                mean_first_256=float(r[:256].mean()), mean_last_256=float(r[-256:].mean()),
+                                windows_overlap=len(r) < 512)
         at = ", ".join(f"step {s}: {r[s - 1]:.2e}" for s in checkpoints if s <= len(r))
         print(f"{key:44s} max {r.max():.2e}  mean {r.mean():.2e}  ({at})", flush=True)
 
-    for dt in args.dtypes.split(","):
+    for dt in dtypes:
         for name, kw in models.items():
             f32_logits = None
             for sdt in state_dtypes:
