@@ -76,7 +76,7 @@ def _names(name, text, allowed):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 1024,2048,...,131072; --tiny 64,128)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,64; --tiny 1,2)")
     ap.add_argument("--mixers", default="gdn,attention,hybrid", help="comma-separated: gdn, attention, hybrid")

@@ -179,7 +179,7 @@ def _traced(r, n):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixers", nargs="+", default=["gdn", "attention"])
     ap.add_argument("--d_model", type=int, default=128)
     ap.add_argument("--seq_len", type=int, default=512)

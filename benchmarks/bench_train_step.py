@@ -26,7 +26,7 @@ import time
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixers", nargs="+", default=["gdn", "deltanet", "mamba2", "gla", "linear", "attention"])
     ap.add_argument("--d_models", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seq_len", type=int, default=512)

@@ -115,7 +115,7 @@ def run_case(case, dtype, config):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=None,
                     help="KernelConfig field=value items, one config per argument ('' or defaults = the defaults)")
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])

@@ -94,7 +94,7 @@ def emulate(q, k, v, g, beta, *, form, C=64, m_split=False):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[4096])
     ap.add_argument("--D", type=int, nargs="+", default=[128])
     ap.add_argument("--heads", type=int, default=2)

@@ -98,7 +98,7 @@ def w_u(T, k, v, gam, beta):
 def main(argv=None):
     from bench_pallas import SHAPES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="0")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)

@@ -27,9 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files_at", help="folder with sweeps.tgz.part-* (the run tool's files_at)")
-    ap.add_argument("--root", default=".", help="checkout root (results/ and .base/ live here)")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--root", default=repo, help="checkout root (results/ and .base/ live here; default: this "
+                                                 "script's checkout, wherever it is run from)")
     args = ap.parse_args(argv)
     parts = sorted(glob.glob(os.path.join(args.files_at, "**", "sweeps.tgz.part-*"), recursive=True))
     if not parts:
@@ -38,8 +40,20 @@ def main(argv=None) -> None:
     from gdn_jax.sweep import PRESETS, SweepConfig, apply_preset, summarize
 
     with tempfile.TemporaryDirectory() as tmp:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            tar.extractall(tmp)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+                names = tar.getnames()
+                if len({os.path.dirname(p) for p in parts}) > 1:
+                    raise SystemExit(f"unpack_sweeps.py: sweeps.tgz.part-* in several folders under {args.files_at} "
+                                     f"(several calls' archives?): pass the folder of one call")
+                # members stay inside tmp (the "data" filter where this Python has it)
+                kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                if any(os.path.isabs(n) or ".." in n.split("/") for n in names):
+                    raise SystemExit("unpack_sweeps.py: the archive has paths outside its folder")
+                tar.extractall(tmp, **kw)
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise SystemExit(f"unpack_sweeps.py: the parts under {args.files_at} are not one whole archive "
+                             f"({type(e).__name__}: {e}); fetch the call's files again") from None
         names = open(os.path.join(tmp, "sweep_logs", "names")).read().split()
         for name in dict.fromkeys(names):
             if name not in PRESETS:

@@ -163,7 +163,7 @@ def plot(runs: Sequence[Dict[str, Any]], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/attention_fillers")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, a few steps")
     ap.add_argument("--key_bias", nargs="+", default=["none", "k"], help="attention biases: none, k, qkvo, ...")

@@ -47,7 +47,7 @@ def plot(out, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1024)
     ap.add_argument("--out", default="runs/decode_drift")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation / weight dtypes")

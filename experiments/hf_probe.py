@@ -68,7 +68,7 @@ def niah_probe(model, length: int, trials: int, seed: int, lo: int, hi: int, key
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="checkpoint directory: config.json + *.safetensors")
     ap.add_argument("--prompt", default=None, help="text prompt (needs the directory's tokenizer)")
     ap.add_argument("--prompt_ids", default="1,2,3,4,5,6,7,8", help="comma-separated token ids without a tokenizer")

@@ -88,7 +88,7 @@ def measure(cfg: LMConfig, context: int, reps: int, seed: int = 0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,2048,4096,8192", help="comma-separated contexts (GPU: up to 32768)")
     ap.add_argument("--out", default="runs/memory")
     ap.add_argument("--d_model", type=int, default=256)

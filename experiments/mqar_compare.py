@@ -141,7 +141,7 @@ def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str, published: bool 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", help="folder of the main sweep (with summary.json)")
     ap.add_argument("--extra", nargs="*", default=[], metavar="LABEL=FOLDER",
                     help="re-runs of some cells under another setting, as label=folder")

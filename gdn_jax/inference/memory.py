@@ -119,6 +119,9 @@ def seed_table(hybrid_every: int = 4, state_dtype: str = "float32") -> List[Dict
     """
     sb = _state_bytes(state_dtype)
     L, H, d, b, W = SEED["num_layers"], SEED["num_heads"], SEED["head_dim"], SEED["bytes_bf16"], SEED["conv_size"]
+    if isinstance(hybrid_every, bool) or not isinstance(hybrid_every, numbers.Integral) or not 1 <= hybrid_every <= L:
+        raise ValueError(f"hybrid_every must be an int in [1, {L}] (every hybrid_every-th layer attention), got "
+                         f"{hybrid_every!r}")
     n_attn = L // hybrid_every
     n_gdn = L - n_attn
     rows = []
@@ -131,7 +134,7 @@ def seed_table(hybrid_every: int = 4, state_dtype: str = "float32") -> List[Dict
         hkv = kv_cache_bytes(n_attn, n, H, d, bytes_per_elem=b)
         hg = gdn_state_bytes(n_gdn, H, d, bytes_per_elem=sb) + conv_cache_bytes(n_gdn, H, d, conv_size=W,
                                                                                  bytes_per_elem=b)
-        rows.append(dict(context=n, state_dtype=state_dtype, kv_full=kv, gdn_state_bf16=s16, gdn_state_f32=s32,
+        rows.append(dict(context=n, state_dtype=state_dtype, hybrid_every=hybrid_every, n_attn=n_attn, kv_full=kv, gdn_state_bf16=s16, gdn_state_f32=s32,
                          gdn_state=st, gdn_conv_bf16=conv, gdn_jax_total=st + conv, hybrid_kv=hkv, hybrid_gdn=hg,
                          hybrid_total=hkv + hg, ratio_seed=kv / s16, ratio_gdn_jax=kv / (st + conv),
                          ratio_hybrid=kv / (hkv + hg)))
@@ -143,16 +146,22 @@ def seed_table_markdown(rows=None, state_dtype: str = None) -> str:
     for gdn_jax's state in ``state_dtype`` (default: the rows' own, float32 without rows)."""
     if rows is None:
         rows = seed_table(state_dtype=state_dtype or "float32")
+    if not rows:
+        raise ValueError("rows is empty (seed_table() gives one row per context)")
     sdt = rows[0].get("state_dtype", "float32")
     if state_dtype is not None and state_dtype != sdt:
         raise ValueError(f"state_dtype {state_dtype!r} does not match the rows' ({sdt!r})")
     short = {"float32": "f32", "bfloat16": "bf16"}[sdt]
     r0 = rows[0]
+    every = r0.get("hybrid_every", 4)
+    n_attn = r0.get("n_attn", 48 // every)
+    hyb_label = f"{every - 1}:1 hybrid" if every > 1 else "all-attention \"hybrid\""
     out = [
         "Setting of the source notes (textbook §6.6.6): emb 2048, 16 heads x 128, 48 layers, bf16 activations/KV, batch 1. "
         f"gdn_jax's GDN state in {sdt}. GiB/MiB = 2^30/2^20 B, GB/MB = 10^9/10^6 B.",
         "",
-        f"| context | KV cache, 48 attention layers (bf16) | 3:1 hybrid: KV of 12 attention layers + 36 GDN layers ({short} state + bf16 conv) | KV / hybrid |",
+        f"| context | KV cache, 48 attention layers (bf16) | {hyb_label}: KV of {n_attn} attention layers + "
+        f"{48 - n_attn} GDN layers ({short} state + bf16 conv) | KV / hybrid |",
         "|---|---|---|---|",
     ]
     for r in rows:

@@ -81,3 +81,12 @@ def test_memory_script_checks_arguments_first(tmp_path):
         with pytest.raises(SystemExit):
             mod.main([*argv, "--out", str(out)])
     assert not out.exists()
+
+
+def test_seed_table_arguments_and_label():
+    for h in (0, -1, 49):
+        with pytest.raises(ValueError, match="hybrid_every"):
+            seed_table(hybrid_every=h)
+    with pytest.raises(ValueError, match="empty"):
+        seed_table_markdown([])
+    assert "1:1 hybrid: KV of 24 attention layers + 24 GDN layers" in seed_table_markdown(seed_table(hybrid_every=2))
