@@ -189,16 +189,19 @@ def main(argv=None):
     ap.add_argument("--train_examples", type=int, default=100_000)
     ap.add_argument("--steps", type=int, default=None, help="steps per timed loop (default 1000; --quick: 20)")
     ap.add_argument("--trace", type=int, default=0, help="also profile this many steps of the run's loop")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes for the flags not given (CPU smoke test)")
     args = ap.parse_args(argv)
     from gdn_jax.models import MIXERS
 
     bad = [m for m in args.mixers if m not in MIXERS]
     if bad:
         ap.error(f"--mixers must be among {sorted(MIXERS)}, got {bad}")
-    if args.quick:
-        args.d_model, args.seq_len, args.num_kv_pairs, args.vocab_size = 16, 32, 4, 64
-        args.batch_size, args.train_examples = 4, 64
+    if args.quick:  # tiny shapes for the flags not given (an explicit flag wins)
+        given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+        for k, v in dict(d_model=16, seq_len=32, num_kv_pairs=4, vocab_size=64, batch_size=4,
+                         train_examples=64).items():
+            if f"--{k}" not in given:
+                setattr(args, k, v)
     if args.steps is None:
         args.steps = 20 if args.quick else 1000
     if args.steps < 1 or args.trace < 0:

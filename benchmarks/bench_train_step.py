@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -38,7 +39,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kernel_config", default="", help="KernelConfig field=value items (',' within one, ';' between rows)")
     ap.add_argument("--env", nargs="*", default=[], help="KEY=VALUE switches set before tracing")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes for the flags not given (CPU smoke test)")
     ap.add_argument("--population", nargs="+", type=int, default=[1],
                     help="also time P independent runs trained together: the step vmapped over P stacked train "
                          "states on the same batch (one row per P; 'run-steps/s' = P x steps/s). Says whether a "
@@ -53,9 +54,11 @@ def main(argv=None):
     for kv in args.env:
         k, _, v = kv.partition("=")
         os.environ[k] = v
-    if args.quick:
-        args.d_models, args.seq_len, args.num_kv_pairs, args.vocab_size, args.batch_size, args.reps = \
-            [16], 32, 4, 64, 4, 2
+    if args.quick:  # tiny shapes for the flags not given (an explicit flag wins)
+        given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+        for k, v in dict(d_models=[16], seq_len=32, num_kv_pairs=4, vocab_size=64, batch_size=4, reps=2).items():
+            if f"--{k}" not in given:
+                setattr(args, k, v)
 
     import dataclasses
 
