@@ -221,7 +221,11 @@ def parse_overrides(cls: Type, overrides: Sequence[str]) -> Dict[str, Any]:
     Raises:
       ValueError: an item without ``=``, a name that is not a field of ``cls``, or a bad value; the
         message names the item or ``Cls.field``.
+      TypeError: ``overrides`` given as one string (it would be read character by character).
     """
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError(f"overrides must be a list of 'field=value' strings, got the string {overrides!r} (wrap it "
+                        f"in a list)")
     hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     out: Dict[str, Any] = {}

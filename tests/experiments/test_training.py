@@ -201,6 +201,8 @@ def test_cli_overrides():
     assert isinstance(c.lr, float) and isinstance(c.max_steps, int)
     assert parse_dataclass(_Cfg, ["--max_steps", "none"]).max_steps is None
     assert parse_dataclass(_Cfg, ["--steps", "7"], defaults=_Cfg(lr=1.0)) == _Cfg(lr=1.0, steps=7)
+    with pytest.raises(TypeError, match="list of 'field=value'"):
+        parse_overrides(_Cfg, "lr=1e-3")
     # a sequence flag given twice adds to the list (the sweep's --base a=1 --base b=2 keeps both)
     assert parse_dataclass(_Cfg, ["--sizes", "3", "--sizes", "4", "5"]).sizes == (3, 4, 5)
 
