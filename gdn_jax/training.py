@@ -39,6 +39,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gdn_jax.data.common import IGNORE_INDEX
+from gdn_jax.layers._checks import positive_int
 
 __all__ = [
     "IGNORE_INDEX",
@@ -94,14 +95,6 @@ def _finite(name: str, value, *, low: Optional[float] = None, high: Optional[flo
         where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if (low is not None or high is not None) else ""
         raise ValueError(f"{name} must be a finite number{where}, got {value!r}")
     return v
-
-
-def _count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def make_optimizer(
@@ -162,13 +155,13 @@ def make_schedule(lr: float, *, warmup_steps: int, total_steps: int, min_lr_rati
     ``steps_per_epoch`` None or an int >= 1 -- and ``warmup_steps`` 0 with ``steps_per_epoch`` (a
     warmup stepped once per epoch would hold the first epoch at lr 0)."""
     _finite("lr", lr, low=0.0, strict=True)
-    _count("total_steps", total_steps, 1)
-    _count("warmup_steps", warmup_steps, 0)
+    positive_int("total_steps", total_steps)
+    positive_int("warmup_steps", warmup_steps, minimum=0)
     if warmup_steps >= total_steps:
         raise ValueError(f"warmup_steps must be < total_steps (the cosine horizon), got {warmup_steps} >= {total_steps}")
     _finite("min_lr_ratio", min_lr_ratio, low=0.0, high=1.0)
     if steps_per_epoch is not None:
-        _count("steps_per_epoch", steps_per_epoch, 1)
+        positive_int("steps_per_epoch", steps_per_epoch)
         if warmup_steps:
             raise ValueError(f"warmup_steps must be 0 with steps_per_epoch (the schedule is stepped once per epoch, "
                              f"so a warmup would hold the first epoch at lr 0), got warmup_steps={warmup_steps}")

@@ -3,6 +3,7 @@ sharded index included) with the ``safetensors`` package: no hub access, no torc
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from typing import Dict, Tuple
 
@@ -13,6 +14,17 @@ class CheckpointError(ValueError):
     """A checkpoint gdn_jax cannot load as asked: a missing or unexpected tensor, a shape that does
     not match the config, a config field with a value gdn_jax does not implement. The message
     names the tensor or field and what was expected."""
+
+
+def config_int(value, name: str, *, source: str = "config.json", minimum: int = 1) -> int:
+    """An integer config field (JSON ints; a float with an integer value is taken), >= ``minimum``:
+    :class:`CheckpointError` naming ``source`` and ``name`` otherwise (a string or 32.5 would be
+    truncated or fail obscurely)."""
+    ok = not isinstance(value, bool) and (isinstance(value, numbers.Integral)
+                                          or (isinstance(value, numbers.Real) and float(value).is_integer()))
+    if not ok or int(value) < minimum:
+        raise CheckpointError(f"{source} {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..layers.kda import KimiDeltaAttention
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, config_int
 
 _RENAMES = {"f_a_proj.weight": "forget_gate.f_a_proj.weight", "f_b_proj.weight": "forget_gate.f_b_proj.weight",
             "dt_bias": "forget_gate.dt_bias", "A_log": "forget_gate.A_log"}
@@ -38,11 +38,9 @@ def _kda_sizes(hf_config: dict):
     if act != "silu":
         raise NotImplementedError(f"Kimi Linear config hidden_act {act!r} is not supported (the KDA short conv "
                                   "is SiLU)")
-    for name, v in (("hidden_size", d), ("linear_num_heads", H), ("linear_head_dim", K),
-                    ("linear_conv_kernel_dim", W)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or v < 1:
-            raise CheckpointError(f"Kimi Linear config {name} must be an integer >= 1, got {v!r}")
-    return int(d), int(H), int(K), int(W), float(hf_config.get("rms_norm_eps", 1e-5))
+    d, H, K, W = (config_int(v, name, source="Kimi Linear config") for name, v in
+                  (("hidden_size", d), ("linear_num_heads", H), ("linear_head_dim", K), ("linear_conv_kernel_dim", W)))
+    return d, H, K, W, float(hf_config.get("rms_norm_eps", 1e-5))
 
 
 def _normalise(sd: Dict[str, jnp.ndarray], prefix: str) -> Dict[str, jnp.ndarray]:

@@ -24,13 +24,12 @@ from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax import traverse_util
 
 from ..layers import GatedDeltaNet
 from ..models.lm import LM, LMConfig
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, config_int
 
 LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "gated_attention"}
 MIXER_TYPES = {v: k for k, v in LAYER_TYPES.items()}
@@ -49,14 +48,8 @@ def _field(tc: dict, name: str, default=None, required: bool = False):
 
 
 def _int_field(tc: dict, name: str, default=None, required: bool = False, minimum: int = 1) -> int:
-    """An integer field of config.json (JSON ints; a float with an integer value is taken), >= minimum:
-    CheckpointError naming it otherwise (a string or 32.5 would be truncated or fail obscurely)."""
-    v = _field(tc, name, default, required)
-    ok = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
-                                      or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
-    if not ok or int(v) < minimum:
-        raise CheckpointError(f"config.json {name} must be an integer >= {minimum}, got {v!r}")
-    return int(v)
+    """An integer field of config.json, >= minimum (:func:`.checkpoint.config_int`)."""
+    return config_int(_field(tc, name, default, required), name, minimum=minimum)
 
 
 def text_config(hf: dict) -> dict:

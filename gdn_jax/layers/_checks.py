@@ -29,8 +29,9 @@ def rngs(value) -> None:
 
 def flag(name: str, value) -> bool:
     """``value`` as a bool (TypeError for anything else: ``"no"`` or ``1`` would be read as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    from ..ops._common import check_flags
+
+    check_flags(**{name: value})
     return bool(value)
 
 
