@@ -4,9 +4,14 @@ Every field ``name: T = default`` of the dataclass becomes ``--name VALUE``:
 
 * ``bool`` fields: ``--name`` / ``--no-name`` (``argparse.BooleanOptionalAction``);
 * ``int`` / ``float`` / ``str``: parsed with that type;
-* ``Optional[T]``: ``T``, or ``none`` / ``None`` for None;
+* ``Optional[T]``: ``T``, or ``none`` / ``None`` for None (also ``--name none`` for a sequence);
 * ``Literal[...]``: restricted to those choices;
-* ``Tuple[T, ...]`` / ``List[T]``: several values (``--name a b c``).
+* ``Union[int, str]`` (scalars): the first member that parses the string, ``str`` last;
+* ``Tuple[T, ...]`` / ``List[T]``: several values (``--name a b c``; given twice, the values add up);
+* ``Tuple[T1, T2]`` (fixed length): exactly that many values, each parsed by its own type.
+
+Any other field type (a dict, a nested dataclass) is a ``TypeError`` naming the field when the
+parser is built, never a silent string.
 
 Unknown flags and abbreviations of flags are rejected (argparse exits with status 2).
 
@@ -69,30 +74,114 @@ def _unwrap_optional(tp):
     return tp, False
 
 
-def _scalar_parser(tp, optional: bool):
-    """``str -> value`` for a scalar field type; ``ValueError`` (a message without the field) if bad."""
-    if tp is bool:
-        def parse_bool(s: str):
+_SCALARS = (bool, int, float, str)
+_SEQUENCES = (tuple, list, typing.Sequence, Sequence)
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) is typing.Union or type(tp).__name__ == "UnionType"
+
+
+def _scalar_parser(tp, optional: bool, field: str = "field"):
+    """``str -> value`` for a scalar field type (``bool``, ``int``, ``float``, ``str``, a ``Literal``
+    of them, a ``Union`` of them); ``ValueError`` (a message without the field) if the string is bad,
+    ``TypeError`` naming ``field`` if the type is none of these."""
+    def none_or(parse):
+        def wrapped(s: str):
             if optional and s in _NONE:
                 return None
+            return parse(s)
+        wrapped.__name__ = parse.__name__
+        return wrapped
+
+    if tp is bool:
+        def parse_bool(s: str):
             if s.lower() in ("1", "true", "yes", "y", "on"):
                 return True
             if s.lower() in ("0", "false", "no", "n", "off"):
                 return False
             raise ValueError(f"not a boolean: {s!r}")
-        return parse_bool
-    base = tp if tp in (int, float, str) else str
+        parse_bool.__name__ = "bool"
+        return none_or(parse_bool)
+    if tp in (int, float, str):
+        def parse(s: str):
+            try:
+                return tp(s)
+            except ValueError as e:
+                raise ValueError(f"invalid {tp.__name__} value: {s!r}") from e
+        parse.__name__ = tp.__name__
+        return none_or(parse)
+    if typing.get_origin(tp) is typing.Literal:
+        choices = list(typing.get_args(tp))
+        convs = [_scalar_parser(t, False, field) for t in dict.fromkeys(type(c) for c in choices)]
 
-    def parse(s: str):
-        if optional and s in _NONE:
+        def parse_choice(s: str):
+            for conv in convs:
+                try:
+                    v = conv(s)
+                except ValueError:
+                    continue
+                if v in choices:
+                    return v
+            raise ValueError(f"invalid choice: {s!r} (choose from {', '.join(map(repr, choices))})")
+        parse_choice.__name__ = "choice"
+        return none_or(parse_choice)
+    if _is_union(tp) and all(a in _SCALARS for a in typing.get_args(tp)):
+        # the first member (in declared order, str last) that parses the string wins: Union[int, str]
+        # reads "3" as 3 and "abc" as "abc"; Union[int, float] reads "3" as 3 and "0.5" as 0.5
+        members = sorted(typing.get_args(tp), key=lambda a: a is str)
+        convs = [_scalar_parser(a, False, field) for a in members]
+
+        def parse_union(s: str):
+            for conv in convs:
+                try:
+                    return conv(s)
+                except ValueError:
+                    pass
+            raise ValueError(f"{s!r} is none of {', '.join(a.__name__ for a in members)}")
+        parse_union.__name__ = "|".join(a.__name__ for a in members)
+        return none_or(parse_union)
+    raise TypeError(f"{field}: the command line cannot parse a field of type {tp!r} (supported: bool, int, float, "
+                    f"str, Literal, a Union of these, Optional, Tuple[T, ...], Tuple[T1, T2, ...], List[T])")
+
+
+def _sequence_parser(tp, optional: bool, field: str = "field"):
+    """``(parse, nargs, fixed)`` for a sequence field type, or None if ``tp`` is not one: ``parse`` takes the
+    list of value strings and returns the field's container (a tuple for ``Tuple``, a list otherwise),
+    or None for a single ``none`` when the field is Optional; ``nargs`` is the count of a fixed-length
+    ``Tuple[T1, T2]`` (not Optional) or ``"+"``; ``fixed`` whether the length is fixed."""
+    origin = typing.get_origin(tp)
+    if origin not in _SEQUENCES and tp not in (tuple, list):
+        return None
+    args = typing.get_args(tp)
+    container = tuple if origin is tuple or tp is tuple else list
+    if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length: one type per position
+        elems = [_scalar_parser(a, False, field) for a in args]
+        n = len(elems)
+    else:
+        elems = [_scalar_parser(args[0] if args else str, False, field)]
+        n = None
+
+    def parse(values: Sequence[str]):
+        if optional and len(values) == 1 and values[0] in _NONE:
             return None
-        try:
-            return base(s)
-        except ValueError as e:
-            raise ValueError(f"invalid {base.__name__} value: {s!r}") from e
+        if n is not None and len(values) != n:
+            raise ValueError(f"expected {n} values, got {len(values)}: {list(values)!r}")
+        if n is None and not values:
+            raise ValueError("expected at least one value")
+        return container((elems[i] if n is not None else elems[0])(s) for i, s in enumerate(values))
+    return parse, ("+" if n is None or optional else n), n is not None
 
-    parse.__name__ = base.__name__
-    return parse
+
+def _value_parser(tp, field: str = "field"):
+    """``str -> value`` for any field type of :func:`add_dataclass_arguments` (Literal choices checked,
+    sequences comma-separated); ``ValueError`` (a message without the field) if bad."""
+    tp, optional = _unwrap_optional(tp)
+    seq = _sequence_parser(tp, optional, field)
+    if seq is not None:
+        parse_seq = seq[0]
+        return lambda s: parse_seq([x.strip() for x in s.split(",") if x.strip()])
+    return _scalar_parser(tp, optional, field)
 
 
 def _argparse_type(parse):
@@ -107,27 +196,23 @@ def _argparse_type(parse):
     return convert
 
 
-def _value_parser(tp):
-    """``str -> value`` for any field type of :func:`add_dataclass_arguments` (Literal choices checked,
-    sequences comma-separated); ``ValueError`` (a message without the field) if bad."""
-    tp, optional = _unwrap_optional(tp)
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        choices = list(typing.get_args(tp))
-        conv = _scalar_parser(type(choices[0]) if choices else str, optional)
+class _SequenceAction(argparse.Action):
+    """Parses a sequence flag's values with the field's element types; a variable-length flag given
+    twice (``--base a=1 --base b=2``) adds to the values given before (``none`` resets)."""
 
-        def parse_choice(s: str):
-            v = conv(s)
-            if v not in choices and not (optional and v is None):
-                raise ValueError(f"invalid choice: {v!r} (choose from {', '.join(map(repr, choices))})")
-            return v
-        return parse_choice
-    if origin in (tuple, list, typing.Sequence, Sequence):
-        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        elem = _scalar_parser(args[0] if args else str, False)
-        container = tuple if origin is tuple else list
-        return lambda s: container(elem(x.strip()) for x in s.split(",") if x.strip())
-    return _scalar_parser(tp, optional)
+    def __init__(self, option_strings, dest, parse_values=None, extend=True, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.parse_values, self.extend = parse_values, extend
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            value = self.parse_values(values)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        before = getattr(namespace, self.dest, None)
+        if self.extend and value is not None and isinstance(before, (list, tuple)):
+            value = type(value)(list(before) + list(value))
+        setattr(namespace, self.dest, value)
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults: Any = None) -> None:
@@ -137,33 +222,39 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
     namespace, and :func:`dataclass_from_args` fills the rest from ``defaults`` (an instance of
     ``cls``) or the dataclass defaults. Field docs for ``--help`` come from
     ``field.metadata["help"]`` if present.
+
+    Raises:
+      TypeError: a field whose type the command line cannot parse (a dict, a nested dataclass, ...),
+        naming ``Cls.field``.
     """
     hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
+        name = f"{cls.__name__}.{f.name}"
         tp, optional = _unwrap_optional(hints[f.name])
         default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
         help_ = f.metadata.get("help", "")
         help_ = f"{help_} (default: {default!r})".strip()
         flag = "--" + f.name
         kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
-        origin = typing.get_origin(tp)
+        seq = _sequence_parser(tp, optional, name)
         if tp is bool and not optional:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif origin is typing.Literal:
-            choices = list(typing.get_args(tp))
-            conv = type(choices[0]) if choices else str
-            parser.add_argument(flag, type=_argparse_type(_scalar_parser(conv, optional)),
-                                choices=choices + ([None] if optional else []), metavar="{" + ",".join(map(str, choices)) + "}", **kw)
-        elif origin in (tuple, list, typing.Sequence, Sequence):
-            args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-            elem = args[0] if args else str
-            # "extend": a flag given twice (--base a=1 --base b=2) adds to the list rather than replacing it
-            parser.add_argument(flag, type=_argparse_type(_scalar_parser(elem, False)), nargs="+", action="extend",
-                                metavar=elem.__name__.upper() if hasattr(elem, "__name__") else "VALUE", **kw)
+        elif seq is not None:
+            parse_seq, nargs, fixed = seq
+            args = [a for a in typing.get_args(tp) if a is not Ellipsis] or [str]
+            metavar = getattr(args[0], "__name__", "VALUE").upper() if len(set(args)) == 1 else "VALUE"
+            parser.add_argument(flag, nargs=nargs, action=_SequenceAction, parse_values=parse_seq, extend=not fixed,
+                                metavar=metavar, **kw)
         else:
-            parser.add_argument(flag, type=_argparse_type(_scalar_parser(tp, optional)), metavar=getattr(tp, "__name__", "VALUE").upper(), **kw)
+            parse = _scalar_parser(tp, optional, name)
+            if typing.get_origin(tp) is typing.Literal:
+                metavar = "{" + ",".join(map(str, typing.get_args(tp))) + "}"
+            else:
+                metavar = getattr(tp, "__name__", None) or parse.__name__
+                metavar = metavar.upper()
+            parser.add_argument(flag, type=_argparse_type(parse), metavar=metavar, **kw)
 
 
 def _field_default(f: dataclasses.Field):
@@ -236,7 +327,7 @@ def parse_overrides(cls: Type, overrides: Sequence[str]) -> Dict[str, Any]:
         if name not in names:
             raise ValueError(f"{name!r} is not a {cls.__name__} field (fields: {', '.join(sorted(names))})")
         try:
-            out[name] = _value_parser(hints[name])(value)
+            out[name] = _value_parser(hints[name], f"{cls.__name__}.{name}")(value)
         except ValueError as e:
             raise ValueError(f"{cls.__name__}.{name}: {e}") from None
     return out

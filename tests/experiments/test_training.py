@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Optional, Tuple
+from typing import Dict, List, Literal, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -233,6 +233,54 @@ def test_overrides_parse_by_field_type():
             apply_overrides(_Cfg(), [item])
     with pytest.raises(ValueError, match=r"RecallConfig\.data_mode: invalid choice: 'epochs'"):
         parse_overrides(RecallConfig, ["data_mode=epochs"])
+
+
+@dataclasses.dataclass
+class _Typed:
+    pair: Tuple[int, float] = (1, 0.5)
+    maybe_sizes: Optional[Tuple[int, ...]] = None
+    num: Union[int, str] = 3
+    ratio: Union[int, float] = 1
+    flags: Tuple[bool, ...] = (True,)
+    modes: Tuple[Literal["a", "b"], ...] = ("a",)
+    names: List[str] = dataclasses.field(default_factory=list)
+
+
+def test_cli_field_types():
+    """Fixed-length tuples, Optional sequences, scalar Unions and Literal elements parse by their types,
+    on the command line and as field=value overrides."""
+    c = parse_dataclass(_Typed, ["--pair", "2", "0.25", "--maybe_sizes", "3", "4", "--num", "7", "--ratio", "0.5",
+                                 "--flags", "no", "1", "--modes", "b", "a", "--names", "x", "y"])
+    assert c == _Typed(pair=(2, 0.25), maybe_sizes=(3, 4), num=7, ratio=0.5, flags=(False, True), modes=("b", "a"),
+                       names=["x", "y"])
+    assert type(c.pair[0]) is int and type(c.pair[1]) is float and type(c.num) is int and type(c.names) is list
+    assert parse_dataclass(_Typed, ["--num", "abc", "--ratio", "4"]).num == "abc"
+    assert type(parse_dataclass(_Typed, ["--ratio", "4"]).ratio) is int
+    assert parse_dataclass(_Typed, ["--maybe_sizes", "none"], defaults=_Typed(maybe_sizes=(1,))).maybe_sizes is None
+    assert parse_dataclass(_Typed, ["--pair", "5", "1", "--pair", "6", "2"]).pair == (6, 2.0)  # fixed: replaced
+    assert parse_overrides(_Typed, ["pair=3,1.5", "maybe_sizes=none", "num=x", "modes=b"]) == dict(
+        pair=(3, 1.5), maybe_sizes=None, num="x", modes=("b",))
+    assert parse_overrides(_Typed, ["maybe_sizes=5,6"]) == dict(maybe_sizes=(5, 6))
+    for item, msg in [("pair=1", r"_Typed\.pair: expected 2 values, got 1"), ("pair=1,2,3", "expected 2 values"),
+                      ("pair=x,1", "invalid int"), ("ratio=abc", "'abc' is none of int, float"),
+                      ("modes=a,c", "invalid choice: 'c'"), ("maybe_sizes=1,none", "invalid int"),
+                      ("maybe_sizes=", "at least one value")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_overrides(_Typed, [item])
+    for argv in (["--pair", "1"], ["--pair", "1", "2", "3"], ["--ratio", "x"], ["--modes", "c"],
+                 ["--maybe_sizes", "1", "none"]):
+        with pytest.raises(SystemExit) as e:
+            parse_dataclass(_Typed, argv)
+        assert e.value.code == 2
+
+    @dataclasses.dataclass
+    class Nested:
+        table: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    with pytest.raises(TypeError, match=r"Nested\.table: the command line cannot parse a field of type"):
+        parse_dataclass(Nested, [])
+    with pytest.raises(TypeError, match=r"Nested\.table"):
+        parse_overrides(Nested, ["table=a"])
 
 
 def test_library_errors_become_exit_messages():
