@@ -351,7 +351,7 @@ def _in_bytes(name, cfg):
 # ---------------------------------------------------------------------------
 
 
-def parse_shapes(s, on_gpu):
+def parse_shapes(s, on_gpu, flag="--shapes"):
     if not s:
         return SHAPES if on_gpu else TINY
     table = SHAPES if on_gpu else TINY
@@ -363,7 +363,7 @@ def parse_shapes(s, on_gpu):
         except (ValueError, IndexError):
             shape = None
         if shape is None or len(shape) != 4 or min(shape) < 1:
-            raise SystemExit(f"--shapes: expected comma-separated BxTxHxD (four positive ints) or an index into "
+            raise SystemExit(f"{flag}: expected comma-separated BxTxHxD (four positive ints) or an index into "
                              f"the {len(table)} default shapes, got {tok!r}")
         out.append(shape)
     return out

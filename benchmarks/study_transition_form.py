@@ -99,6 +99,10 @@ def main(argv=None):
     ap.add_argument("--D", type=int, nargs="+", default=[128])
     ap.add_argument("--heads", type=int, default=2)
     args = ap.parse_args(argv)
+    if any(t < 64 or t % 64 for t in args.T):
+        ap.error(f"--T: positive multiples of the chunk size 64, got {args.T}")
+    if any(d < 1 for d in args.D) or args.heads < 1:
+        ap.error(f"--D and --heads must be >= 1, got --D {args.D} --heads {args.heads}")
     jax.config.update("jax_enable_x64", True)  # the WY maths in float64 (T exact), as the reference
     gates = {"issue logsigmoid(N(0,1))/4": ("logsigmoid", 0.0, 0.25), "strong": "strong", "weak": "weak"}
     print(f"{'T':>6} {'D':>4} {'gates':<28} {'form':<22} {'o':>9} {'S':>9}   (rel. RMS vs float64)")

@@ -19,3 +19,10 @@ def test_study_transition_form_runs_and_matches_reference():
     for r in rows:
         o, S = float(r[-2]), float(r[-1])
         assert 0 < o <= 5e-3 and 0 < S <= 5e-3, r
+
+
+def test_study_transition_form_rejects_bad_sizes():
+    for args in (["--T", "0"], ["--T", "100"], ["--D", "0"], ["--heads", "0"]):
+        p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "study_transition_form.py"), *args],
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "error: --" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
