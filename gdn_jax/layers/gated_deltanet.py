@@ -66,10 +66,18 @@ def head_dims(hidden_size: int, num_heads: int, head_dim: Optional[int], value_h
     return num_heads, head_dim, head_dim if value_head_dim is None else value_head_dim
 
 
-def check_decay_init(dt_min, dt_max, A_init_range):
+def check_decay_init(dt_min=None, dt_max=None, A_init_range=None, *, decay: str = "mamba2"):
     """The mamba2 decay's init arguments (:func:`mamba2_decay_init`): ``(dt_min, dt_max, (lo, hi))``
-    as floats, or ValueError / TypeError naming the argument. Layers call it whatever their decay,
-    so that a bad value is never silently ignored."""
+    as floats, None taking the defaults ``1e-3``, ``0.1``, ``(0, 16)``; ValueError / TypeError naming
+    the argument if a value is bad, or if any of them is given (not None) while the layer's ``decay``
+    is not ``"mamba2"`` (it would be silently ignored)."""
+    if decay != "mamba2":
+        for name, value in (("dt_min", dt_min), ("dt_max", dt_max), ("A_init_range", A_init_range)):
+            if value is not None:
+                raise ValueError(f"{name} is an option of decay='mamba2'; decay={decay!r} does not use it")
+    dt_min = 1e-3 if dt_min is None else dt_min
+    dt_max = 0.1 if dt_max is None else dt_max
+    A_init_range = (0.0, 16.0) if A_init_range is None else A_init_range
     dt_min, dt_max = _checks.positive_float("dt_min", dt_min), _checks.positive_float("dt_max", dt_max)
     if dt_min > dt_max:
         raise ValueError(f"dt_min must be <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
@@ -158,7 +166,8 @@ class GatedDeltaNet(RecurrentMixer):
       kernel_config: a :class:`gdn_jax.ops.KernelConfig` for the Pallas kernels (backend "pallas"
         or "auto"), passed to the op; None: the defaults.
       norm_eps: RMSNorm epsilon.
-      dt_min, dt_max, A_init_range: the mamba2 decay's init (see :func:`mamba2_decay_init`).
+      dt_min, dt_max, A_init_range: the mamba2 decay's init (see :func:`mamba2_decay_init`; None:
+        1e-3, 0.1, (0, 16)); decay="mamba2" only: given with another decay, a ValueError.
       dtype: computation dtype of the projections (the recurrence accumulates in float32).
       param_dtype: parameter dtype.
       rngs: ``nnx.Rngs``.
@@ -169,7 +178,7 @@ class GatedDeltaNet(RecurrentMixer):
                  decay_per_channel: bool = False, beta_per_channel: bool = False,
                  allow_neg_eigval: bool = False, use_short_conv: bool = True, conv_size: int = 4,
                  backend: str = "auto", chunk_size: int = 64, kernel_config=None, norm_eps: float = 1e-6,
-                 dt_min: float = 1e-3, dt_max: float = 0.1, A_init_range=(0.0, 16.0),
+                 dt_min: Optional[float] = None, dt_max: Optional[float] = None, A_init_range=None,
                  dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
                  state_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.rngs(rngs)
@@ -179,7 +188,8 @@ class GatedDeltaNet(RecurrentMixer):
             _checks.flag(name, value)
         if decay == "none" and decay_per_channel:
             raise ValueError("decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got decay='none'")
-        check_decay_init(dt_min, dt_max, A_init_range)  # used by decay="mamba2"; never silently ignored
+        # decay="mamba2"'s init (None: its defaults); given with another decay, a ValueError
+        dt_min, dt_max, A_init_range = check_decay_init(dt_min, dt_max, A_init_range, decay=decay)
         _checks.one_of("backend", backend, BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.kernel_config(kernel_config, backend)

@@ -70,16 +70,13 @@ class GatedLinearAttention(RecurrentMixer):
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
         _checks.flag("use_short_conv", use_short_conv)
         # each decay's own options: given with another decay they are an error, never silently ignored
-        for name, value, owner in (("dt_min", dt_min, "mamba2"), ("dt_max", dt_max, "mamba2"),
-                                   ("A_init_range", A_init_range, "mamba2"), ("gate_low_rank", gate_low_rank, "gla"),
+        for name, value, owner in (("gate_low_rank", gate_low_rank, "gla"),
                                    ("gate_logit_normalizer", gate_logit_normalizer, "gla")):
             if value is not None and decay != owner:
                 raise ValueError(f"{name} is an option of decay={owner!r}; decay={decay!r} does not use it")
         gate_low_rank = 16 if gate_low_rank is None else gate_low_rank
         gate_logit_normalizer = 16.0 if gate_logit_normalizer is None else gate_logit_normalizer
-        dt_min, dt_max, A_init_range = (1e-3 if dt_min is None else dt_min, 0.1 if dt_max is None else dt_max,
-                                        (0.0, 16.0) if A_init_range is None else A_init_range)
-        check_decay_init(dt_min, dt_max, A_init_range)
+        dt_min, dt_max, A_init_range = check_decay_init(dt_min, dt_max, A_init_range, decay=decay)
         _checks.one_of("backend", backend, LA_BACKENDS)
         _checks.positive_int("chunk_size", chunk_size)
         _checks.positive_int("conv_size", conv_size)

@@ -153,27 +153,35 @@ def test_layers_and_loader_type_errors():
         TaskLoader(MQARConfig, 2)
 
 
-def test_decay_init_checked_whatever_the_decay():
-    """dt_min / dt_max / A_init_range are decay='mamba2''s, but a bad value is an error with any decay
-    (it used to be ignored silently with decay 'gla', 'none' or 'sigmoid')."""
+def test_decay_init_of_another_decay_refused():
+    """dt_min / dt_max / A_init_range are decay='mamba2''s: given with another decay they are a
+    ValueError, good value or bad (they used to be ignored silently with decay 'gla', 'none' or
+    'sigmoid'); gate_low_rank / gate_logit_normalizer are decay='gla''s."""
     from gdn_jax.layers import GatedLinearAttention
 
-    for make in (lambda: GatedLinearAttention(16, 2, decay="gla", dt_min=-1.0, rngs=nnx.Rngs(0)),
-                 lambda: GatedLinearAttention(16, 2, decay="none", A_init_range="x", rngs=nnx.Rngs(0)),
-                 lambda: GatedDeltaNet(16, 2, decay="sigmoid", dt_max=float("nan"), rngs=nnx.Rngs(0))):
-        with pytest.raises((ValueError, TypeError), match="dt_min|dt_max|A_init_range"):
+    for make, name in ((lambda: GatedLinearAttention(16, 2, decay="gla", dt_min=-1.0, rngs=nnx.Rngs(0)), "dt_min"),
+                       (lambda: GatedLinearAttention(16, 2, decay="none", A_init_range="x", rngs=nnx.Rngs(0)),
+                        "A_init_range"),
+                       (lambda: GatedDeltaNet(16, 2, decay="sigmoid", dt_max=float("nan"), rngs=nnx.Rngs(0)), "dt_max"),
+                       (lambda: GatedDeltaNet(16, 2, decay="sigmoid", dt_max=0.2, rngs=nnx.Rngs(0)), "dt_max"),
+                       (lambda: GatedDeltaNet(16, 2, decay="none", dt_min=1e-2, rngs=nnx.Rngs(0)), "dt_min"),
+                       (lambda: GatedDeltaNet(16, 2, decay="none", A_init_range=(0.0, 16.0), rngs=nnx.Rngs(0)),
+                        "A_init_range")):
+        with pytest.raises(ValueError, match=f"{name} is an option of decay='mamba2'"):
             make()
-
-
-def test_gla_options_of_another_decay_refused():
-    from gdn_jax.layers import GatedLinearAttention
-
     for kw, name in ((dict(decay="mamba2", gate_low_rank=8), "gate_low_rank"), (dict(decay="gla", dt_max=0.2), "dt_max"),
                      (dict(decay="none", A_init_range=(1.0, 2.0)), "A_init_range")):
         with pytest.raises(ValueError, match=f"{name} is an option of decay"):
             GatedLinearAttention(16, 2, rngs=nnx.Rngs(0), **kw)
     GatedLinearAttention(16, 2, decay="gla", gate_low_rank=8, rngs=nnx.Rngs(0))
     GatedLinearAttention(16, 2, decay="mamba2", dt_min=1e-2, rngs=nnx.Rngs(0))
+    # with decay="mamba2" the values are used: dt_bias = softplus^-1(dt), dt in [dt_min, dt_max]
+    layer = GatedDeltaNet(16, 2, decay="mamba2", dt_min=0.05, dt_max=0.05, A_init_range=(2.0, 2.0), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(jax.nn.softplus(layer.dt_bias[...])), 0.05, rtol=1e-5)
+    np.testing.assert_allclose(np.exp(np.asarray(layer.A_log[...])), 2.0, rtol=1e-5)
+    for bad in (dict(dt_max=float("nan")), dict(dt_min=0.5, dt_max=0.1), dict(A_init_range=(5.0, 1.0))):
+        with pytest.raises((ValueError, TypeError), match="dt_min|dt_max|A_init_range"):
+            GatedDeltaNet(16, 2, decay="mamba2", rngs=nnx.Rngs(0), **bad)
 
 
 def test_generate_one_new_token():
