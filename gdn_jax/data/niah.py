@@ -180,8 +180,8 @@ class NIAHConfig:
 
     vocab_size: int = 256
     seq_len: int = 1024
-    value_len: int = 1
     key_len: int = 1
+    value_len: int = 1
     depth: Optional[float] = None
     test_examples: int = 1000
     seed: int = 0

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..ops._common import poison_if_invalid
@@ -35,8 +38,17 @@ class KVCache(NamedTuple):
 def rope(x, positions, *, rot_dim: int, theta: float = 10000.0):
     """Rotary position embedding (rotate-half form) on the first ``rot_dim`` channels.
 
-    x ``[B, T, N, D]``, positions ``[B, T]`` or ``[T]`` (integer) -> x's shape and dtype.
+    x ``[B, T, N, D]``, positions ``[B, T]`` or ``[T]`` (integer) -> x's shape and dtype. Su et al.
+    2021 (RoFormer), with the two halves of the rotated channels paired (GPT-NeoX / Qwen).
+
+    Raises:
+      ValueError: ``rot_dim`` not an even integer in ``[0, D]``, or ``theta`` not a positive finite number.
     """
+    D = x.shape[-1]
+    if isinstance(rot_dim, bool) or not isinstance(rot_dim, (int, np.integer)) or not 0 <= rot_dim <= D or rot_dim % 2:
+        raise ValueError(f"rope: rot_dim must be an even integer in [0, D={D}], got {rot_dim!r}")
+    if not (isinstance(theta, (int, float, np.integer, np.floating)) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope: theta must be a positive number, got {theta!r}")
     if rot_dim == 0:
         return x
     half = rot_dim // 2
@@ -86,6 +98,8 @@ class Attention(nnx.Module):
                  rngs: nnx.Rngs):
         _checks.rngs(rngs)
         _checks.positive_int("hidden_size", hidden_size)
+        for name, value in (("qk_norm", qk_norm), ("output_gate", output_gate)):
+            _checks.flag(name, value)
         if not isinstance(bias, str) or set(bias) - set("qkvo") or len(set(bias)) != len(bias):
             raise ValueError(f"bias must be a string of distinct letters from 'qkvo' (the projections with a bias), "
                              f"got {bias!r}")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops.packing import seq_info
+from . import _checks
 
 
 class ShortConv(nnx.Module):
@@ -29,12 +30,21 @@ class ShortConv(nnx.Module):
 
     Shapes: ``x [B, T, D]`` -> ``[B, T, D]`` in x's dtype. ``cache``, when given, is the last W-1
     inputs ``[B, W-1, D]`` preceding x (decode); the call then also returns the new cache.
+
+    Raises:
+      ValueError / TypeError: ``channels`` or ``kernel_size`` not a positive integer, ``init_std``
+        not a finite number >= 0, ``activation`` not a bool, ``rngs`` not an ``nnx.Rngs``.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True,
                  init_std: float = 0.2, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if kernel_size < 1:
-            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        _checks.rngs(rngs)
+        _checks.positive_int("channels", channels)
+        _checks.positive_int("kernel_size", kernel_size)
+        _checks.flag("activation", activation)
+        if init_std != 0:
+            _checks.positive_float("init_std", init_std)
+        param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         w = init_std * jax.random.normal(rngs.params(), (kernel_size, channels), param_dtype)
         w = w.at[-1].set(1.0)
         self.weight = nnx.Param(w)  # [W, D]; weight[-1] multiplies the current token

@@ -35,8 +35,12 @@ class KimiDeltaAttention(GatedDeltaNet):
       hidden_size, num_heads: d and H.
       head_dim: K = V (default ``hidden_size // num_heads``).
       gate_rank: r of the two low-rank gates (default head_dim, as in Kimi Linear).
-      use_short_conv, conv_size, backend, chunk_size, kernel_config, norm_eps, dt_min, dt_max,
-      A_init_range, dtype, param_dtype, decode_backend, state_dtype, rngs: as in :class:`GatedDeltaNet`.
+      dt_min, dt_max, A_init_range: the decay's init (:func:`~gdn_jax.layers.gated_deltanet.mamba2_decay_init`):
+        ``dt = softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]`` (default 1e-3, 0.1, as in
+        GatedDeltaNet) and ``A = exp(A_log) ~ U(A_init_range)``, default ``(1, 16)`` (GatedDeltaNet's:
+        ``(0, 16)``).
+      use_short_conv, conv_size, backend, chunk_size, kernel_config, norm_eps, dtype, param_dtype,
+      decode_backend, state_dtype, rngs: as in :class:`GatedDeltaNet`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,

@@ -91,10 +91,9 @@ class GatedLinearAttention(RecurrentMixer):
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
         self.conv_size = conv_size
         self.gate_logit_normalizer = gate_logit_normalizer
-        if qk_l2norm is not None and not isinstance(qk_l2norm, bool):
-            raise ValueError(f"qk_l2norm must be None, True or False, got {qk_l2norm!r}")
-        if not isinstance(dt_input, bool):
-            raise ValueError(f"dt_input must be a bool, got {dt_input!r}")
+        if qk_l2norm is not None:
+            qk_l2norm = _checks.flag("qk_l2norm", qk_l2norm)
+        dt_input = _checks.flag("dt_input", dt_input)
         if dt_input and decay != "mamba2":
             raise ValueError(f"dt_input=True (Mamba2's dt-scaled input) needs decay='mamba2', got decay={decay!r}")
         self.use_qk_l2norm = (decay != "gla") if qk_l2norm is None else qk_l2norm

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import _checks
+
 NORM_STYLES = ("standard", "zero_centered")
 
 
@@ -14,10 +16,24 @@ class ZeroCenteredRMSNorm(nnx.Module):
     (Qwen3-Next / Qwen3.5's ``RMSNorm``: the parameter is stored as the offset from 1 and starts at 0).
 
     The parameter is named ``scale`` like ``nnx.RMSNorm``'s, so code that reads norm weights by
-    path works for both styles."""
+    path works for both styles.
+
+    Args:
+      dim: the normalised (last) axis's size. epsilon: added to ``mean(x^2)`` (> 0).
+      dtype: the output's dtype (None: x's). param_dtype: the scale's. rngs: unused (the scale
+        starts at 0), accepted for the signature of ``nnx.RMSNorm``.
+
+    Raises:
+      ValueError / TypeError: ``dim`` not a positive integer, ``epsilon`` not a positive finite
+        number, a dtype that is not a floating dtype.
+    """
 
     def __init__(self, dim: int, *, epsilon: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs = None):
+        _checks.positive_int("dim", dim)
+        _checks.positive_float("epsilon", epsilon)
+        dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+        param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
         self.epsilon, self.dtype = epsilon, dtype
 

@@ -146,10 +146,9 @@ class LMConfig:
         if self.pos_embedding == "learned" and self.max_seq_len is None:
             raise ValueError("LMConfig.max_seq_len must be set with pos_embedding='learned' (the number of learned "
                              "positions)")
-        if self.la_qk_l2norm is not None and not isinstance(self.la_qk_l2norm, bool):
-            raise ValueError(f"LMConfig.la_qk_l2norm must be None, True or False, got {self.la_qk_l2norm!r}")
-        if not isinstance(self.mamba2_dt_input, bool):
-            raise ValueError(f"LMConfig.mamba2_dt_input must be a bool, got {self.mamba2_dt_input!r}")
+        if self.la_qk_l2norm is not None:
+            _checks.flag("LMConfig.la_qk_l2norm", self.la_qk_l2norm)
+        _checks.flag("LMConfig.mamba2_dt_input", self.mamba2_dt_input)
         _checks.positive_int("gla_gate_low_rank", self.gla_gate_low_rank)
         _checks.positive_float("gla_gate_normalizer", self.gla_gate_normalizer)
         if self.gla_expand_k is not None:
@@ -403,8 +402,11 @@ def _check_token_array(tokens):
     """``tokens``: a non-empty integer array ``[B, T]`` (TypeError / ValueError otherwise)."""
     if not (hasattr(tokens, "ndim") and hasattr(tokens, "dtype")):
         raise TypeError(f"tokens must be an integer array [B, T] (a NumPy or JAX array), got {type(tokens).__name__}")
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array [B, T], got dtype {tokens.dtype} (shape "
+                        f"{tuple(tokens.shape)})")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be an integer array [B, T], got shape {tuple(tokens.shape)}")
     if 0 in tokens.shape:
         raise ValueError(f"tokens must have B >= 1 and T >= 1 (an empty batch or empty prompt), got shape "
                          f"{tuple(tokens.shape)}")

@@ -200,7 +200,8 @@ def test_published_linear_attention_options():
                        (dict(mamba2_dt_input=1), "mamba2_dt_input"),
                        (dict(gla_gate_normalizer=0.0), "gla_gate_normalizer"),
                        (dict(gla_expand_k=0.3), "gla_expand_k")):
-        with pytest.raises(ValueError, match=field):
+        # a flag of the wrong type is a TypeError (as in the layers), a bad value a ValueError
+        with pytest.raises(TypeError if field in ("la_qk_l2norm", "mamba2_dt_input") else ValueError, match=field):
             LMConfig(**bad)
     with pytest.raises(ValueError, match="dt_input"):
         GatedLinearAttention(16, 2, decay="gla", dt_input=True, rngs=nnx.Rngs(0))

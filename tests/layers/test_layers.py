@@ -138,8 +138,10 @@ def test_lm_bf16_and_errors():
     model = LM(cfg, rngs=nnx.Rngs(0))
     out = model(jnp.zeros((1, 9), jnp.int32))
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(TypeError, match="tokens must be an integer array"):  # a dtype error: TypeError
         model(jnp.zeros((1, 9), jnp.float32))
+    with pytest.raises(ValueError, match=r"tokens must be an integer array \[B, T\], got shape \(9,\)"):
+        model(jnp.zeros((9,), jnp.int32))
     with pytest.raises(ValueError, match="unknown mixer"):
         LM(LMConfig(mixer="nope"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="x must have shape"):

@@ -82,6 +82,53 @@ def test_lm_config_checks(kw, exc, match):
         LMConfig(**{**SMALL, "d_model": 64}, **kw)
 
 
+def _small_layer(name, **kw):
+    from gdn_jax.layers import GatedLinearAttention, ShortConv, ZeroCenteredRMSNorm
+
+    make = dict(attention=lambda: Attention(16, 2, rngs=nnx.Rngs(0), **kw),
+                gla=lambda: GatedLinearAttention(16, 2, rngs=nnx.Rngs(0), **kw),
+                conv=lambda: ShortConv(**{"channels": 8, "rngs": nnx.Rngs(0), **kw}),
+                norm=lambda: ZeroCenteredRMSNorm(**{"dim": 8, **kw}))[name]
+    return make()
+
+
+@pytest.mark.parametrize("name, kw, exc, match", [
+    ("attention", dict(qk_norm="no"), TypeError, "qk_norm must be a bool"),
+    ("attention", dict(output_gate=1), TypeError, "output_gate must be a bool"),
+    ("gla", dict(qk_l2norm=1), TypeError, "qk_l2norm must be a bool"),
+    ("gla", dict(dt_input="yes", decay="mamba2"), TypeError, "dt_input must be a bool"),
+    ("conv", dict(channels=0), ValueError, "channels must be >= 1"),
+    ("conv", dict(kernel_size=2.5), TypeError, "kernel_size must be an int"),
+    ("conv", dict(init_std=-0.1), ValueError, "init_std"),
+    ("conv", dict(activation="no"), TypeError, "activation must be a bool"),
+    ("conv", dict(rngs=None), TypeError, "rngs must be a flax.nnx.Rngs"),
+    ("norm", dict(dim=-1), ValueError, "dim must be >= 1"),
+    ("norm", dict(epsilon=0.0), ValueError, "epsilon"),
+    ("norm", dict(dtype="int32"), ValueError, "dtype must be a floating dtype"),
+])
+def test_building_blocks_check_arguments(name, kw, exc, match):
+    """Every public layer names a bad argument when built (a string flag used to switch an option on,
+    ShortConv(0, 4) was accepted, a float kernel size failed inside JAX)."""
+    with pytest.raises(exc, match=match):
+        _small_layer(name, **kw)
+
+
+def test_rope_checks_rot_dim():
+    from gdn_jax.layers.attention import rope
+
+    x = jnp.ones((1, 3, 2, 8))
+    for rot_dim in (3, 10, -2, 2.0, True):
+        with pytest.raises(ValueError, match="rot_dim must be an even integer in \\[0, D=8\\]"):
+            rope(x, jnp.arange(3), rot_dim=rot_dim)
+    with pytest.raises(ValueError, match="theta"):
+        rope(x, jnp.arange(3), rot_dim=8, theta=0.0)
+    assert rope(x, jnp.arange(3), rot_dim=4).shape == x.shape and rope(x, jnp.arange(3), rot_dim=0) is x
+    # position 0 is the identity, position 1 rotates the pair (x1, x2) = (1, 1) of frequency 1 by 1 rad
+    y = rope(x, jnp.arange(3), rot_dim=2)
+    np.testing.assert_allclose(y[0, 0], x[0, 0], rtol=0)
+    np.testing.assert_allclose(y[0, 1, 0, :2], [np.cos(1) - np.sin(1), np.sin(1) + np.cos(1)], rtol=1e-6)
+
+
 def test_lm_token_and_cache_arguments():
     m = LM(LMConfig(**SMALL, mixer="deltanet"), rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="tokens"):
