@@ -24,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 import shutil
 import sys
 import time
+import typing
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import jax
@@ -196,18 +198,47 @@ def max_seq_len(cfg: RecallConfig) -> int:
     return cfg.seq_len
 
 
+def _check_field_types(cfg) -> None:
+    """TypeError naming ``Cls.field`` for a value that is not of its dataclass field's type: ``int``
+    fields take integers (not bools), ``float`` fields real numbers (not bools), ``bool`` fields
+    bools, ``str`` fields strings, ``Optional[...]`` also None (Literal fields: strings; their choices
+    are checked by the value checks)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, value = hints.get(f.name), getattr(cfg, f.name)
+        args = typing.get_args(tp)
+        if type(None) in args:
+            if value is None:
+                continue
+            rest = [a for a in args if a is not type(None)]
+            tp = rest[0] if len(rest) == 1 else None
+        if typing.get_origin(tp) is typing.Literal:
+            tp = type(typing.get_args(tp)[0])
+        ok = {int: lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool),
+              float: lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool),
+              bool: lambda x: isinstance(x, (bool, np.bool_)),
+              str: lambda x: isinstance(x, str)}.get(tp)
+        if ok is not None and not ok(value):
+            raise TypeError(f"{type(cfg).__name__}.{f.name} must be {'a' if tp is not int else 'an'} {tp.__name__}"
+                            f"{' or None' if type(None) in args else ''}, got {type(value).__name__} {value!r}")
+
+
 def validate(cfg: RecallConfig) -> None:
     """Check the settings of ``cfg`` that the task and model configs do not check themselves (those
     are checked when :func:`build` makes them: the task's sizes, the model's backend options).
 
     Raises:
-      ValueError: naming the field (``RecallConfig.<field>``) and the rule it breaks.
+      TypeError: a field whose value is not of the field's type (``lr="x"``, ``steps=1.5``,
+        ``resume="no"``), naming the field (``RecallConfig.<field>``).
+      ValueError: naming the field and the rule it breaks.
     """
     from gdn_jax.models.lm import MIXERS
     from gdn_jax.ops import BACKENDS
 
     def bad(name: str, rule: str, note: str = ""):
         raise ValueError(f"RecallConfig.{name} must be {rule}, got {getattr(cfg, name)!r}{note}")
+
+    _check_field_types(cfg)
 
     if cfg.task not in TASK_CONFIGS:
         bad("task", f"one of {TASKS}")
@@ -226,8 +257,9 @@ def validate(cfg: RecallConfig) -> None:
                  "test_examples", "log_every", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             bad(name, ">= 1")
-    if cfg.d_model % cfg.num_heads:
-        bad("d_model", f"divisible by RecallConfig.num_heads {cfg.num_heads}", " (head dim = d_model / num_heads)")
+    if cfg.head_dim is None and cfg.d_model % cfg.num_heads:
+        bad("d_model", f"divisible by RecallConfig.num_heads {cfg.num_heads}",
+            " (head dim = d_model / num_heads; or set RecallConfig.head_dim)")
     if not 0 <= cfg.warmup < cfg.steps:
         bad("warmup", f"in [0, RecallConfig.steps) = [0, {cfg.steps})",
             " (the default warmup is 200 steps: pass a smaller RecallConfig.warmup with a short RecallConfig.steps)")

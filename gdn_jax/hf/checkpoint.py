@@ -91,8 +91,9 @@ def write_checkpoint(path: str, config: dict, tensors: Dict[str, jnp.ndarray]) -
     """Write ``config.json`` and one ``model.safetensors`` (metadata format "pt", as transformers
     expects) into the directory ``path`` (created if needed)."""
     _, save_file = _safetensors()
+    text = json.dumps(config, indent=2, sort_keys=True)  # before any file is opened: no half-written config
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
+        fh.write(text)
     save_file({k: jnp.asarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})

@@ -34,7 +34,8 @@ class LMConfig:
       decay, decay_per_channel, beta_per_channel, allow_neg_eigval: GatedDeltaNet options
         (``deltanet`` takes beta_per_channel and allow_neg_eigval; README "Layer and models").
       norm_eps: RMSNorm epsilon. embed_init_std: token-embedding init std (tied LM head).
-      dtype / param_dtype: computation / parameter dtypes.
+      dtype / param_dtype: computation / parameter dtypes, a name (``"bfloat16"``) or a floating
+        dtype (``jnp.bfloat16``), stored by name.
 
     Options for imported checkpoints (``gdn_jax.hf``; the defaults keep the original model):
       norm_style: ``"standard"`` RMSNorm ``x/rms * w`` or ``"zero_centered"`` ``x/rms * (1 + w)``
@@ -173,8 +174,8 @@ class LMConfig:
         _checks.positive_float("embed_init_std", self.embed_init_std)
         if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) or self.mlp_ratio < 0:
             raise ValueError(f"mlp_ratio must be a number >= 0, got {self.mlp_ratio!r}")
-        for name in ("dtype", "param_dtype"):
-            _checks.float_dtype(name, getattr(self, name))
+        for name in ("dtype", "param_dtype"):  # stored by name ("bfloat16"): a jnp dtype given is equal to it
+            object.__setattr__(self, name, _checks.float_dtype(name, getattr(self, name)).name)
         if not isinstance(self.mixer, (str, tuple, list)) or not isinstance(self.hybrid_mixer, str):
             raise TypeError(f"mixer must be a name or a tuple of names and hybrid_mixer a name, got "
                             f"{self.mixer!r}, {self.hybrid_mixer!r}")
@@ -210,6 +211,7 @@ class LMConfig:
         sdt = _checks.decode_options(self.decode_backend, self.state_dtype, K=K, V=self.value_head_dim or K,
                                      dtype=self.dtype, owner="LMConfig: ",
                                      check_kernel=bool(set(mixers) & {"gdn", "deltanet", "kda"}))
+        object.__setattr__(self, "state_dtype", jnp.dtype(sdt).name)  # by name, as dtype / param_dtype
         fixed = sorted(set(mixers) & {"mamba2", "gla", "linear"})
         if sdt != jnp.dtype(jnp.float32) and fixed:
             raise ValueError(f"state_dtype={self.state_dtype!r} is implemented for the delta-rule mixers (gdn, "

@@ -235,8 +235,15 @@ def test_recall_rejects_bad_settings(tmp_path):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
-    with pytest.raises(TypeError, match="mqar.*seq_len must be an integer"):
-        build(RecallConfig(seq_len=64.0))
+    # a value of the wrong type: TypeError naming the field (lr="x" used to fail in math.isfinite)
+    for kw, msg in [(dict(seq_len=64.0), r"RecallConfig\.seq_len must be an int, got float 64\.0"),
+                    (dict(lr="x"), r"RecallConfig\.lr must be a float, got str 'x'"),
+                    (dict(resume="no"), r"RecallConfig\.resume must be a bool"),
+                    (dict(max_time_s="1"), r"RecallConfig\.max_time_s must be a float or None")]:
+        with pytest.raises(TypeError, match=msg):
+            build(RecallConfig(out=str(tmp_path), **kw))
+    # head_dim set: d_model need not be a multiple of num_heads
+    assert build(RecallConfig(out=str(tmp_path), d_model=30, num_heads=4, head_dim=8))[2].head_dim == 8
     # the command line: the same checks, as an exit message naming the flags (nothing trains)
     import runpy
 

@@ -194,3 +194,16 @@ def test_config_and_tensors_types(ckpt):
         hf.kda_from_hf({}, None)
     with pytest.raises(CheckpointError, match="full_attention_interval"):
         hf.config_from_hf({**{k: v for k, v in cfg.items() if k != "layer_types"}, "full_attention_interval": 0})
+
+
+def test_dtype_objects_in_lm_config_export(tmp_path):
+    """LMConfig takes jnp dtypes as well as names and stores the name: the config is equal to the
+    named one and save_pretrained writes it (it used to fail in json.dump, leaving config.json cut)."""
+    kw = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "gated_attention"),
+              mlp_hidden_size=48, norm_style="zero_centered")
+    cfg = LMConfig(**kw, param_dtype=jnp.bfloat16, dtype=jnp.float32, state_dtype=jnp.float32)
+    assert cfg == LMConfig(**kw, param_dtype="bfloat16") and cfg.param_dtype == "bfloat16"
+    hf.save_pretrained(LM(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "ck"))
+    with open(tmp_path / "ck" / "config.json") as fh:
+        assert json.load(fh)["dtype"] == "bfloat16"
+    assert hf.load_pretrained(str(tmp_path / "ck")).cfg.param_dtype == "bfloat16"
