@@ -54,6 +54,15 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     ``train_d64_*_4061e56.txt``) pallas took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56).
     Float32 heads below 32 stay on chunk (not measured).
 
+    Args:
+      backend: ``"auto"``, ``"scan"``, ``"chunk"`` or ``"pallas"``.
+      forms: the call's :class:`GateForms` (per-channel g / beta), from ``check_inputs``.
+      chunk_size, K, V: the call's chunk and head dims (pallas covers only some).
+      dtype: the dtype that decides ``"auto"``: :func:`gated_delta_rule` passes ``v.dtype``, or
+        float64 when any input is float64 (so auto goes by v's dtype, not q's).
+      platform: ``"gpu"`` / ``"cuda"`` / ``"rocm"`` / ``"tpu"`` / ``"cpu"``; None:
+        ``jax.default_backend()``.
+
     Raises:
       ValueError: unknown backend name.
       NotImplementedError: an explicit backend that cannot take the call's options.
@@ -178,12 +187,18 @@ def gated_delta_rule(
 
     Raises:
       TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size, a
-        non-bool use_qk_l2norm / output_final_state / mask_nonfinite.
+        non-bool use_qk_l2norm / output_final_state / mask_nonfinite, a scale that is not a real
+        number (Python, NumPy or 0-d array), a kernel_config that is not a :class:`KernelConfig`.
       ValueError: wrong ranks or mismatched B/T/H/K/V (the message names the argument and gives the
-        shape received and expected), chunk_size <= 0, cu_seqlens with B != 1 or not from 0 to T
-        or decreasing, initial_state of the wrong shape, unknown backend, a kernel_config with
-        a backend other than pallas / auto.
-      NotImplementedError: an explicit backend that does not take the call's gate forms.
+        shape received and expected), T = 0 or zero heads / channels, chunk_size <= 0, cu_seqlens
+        with B != 1 or not from 0 to T or decreasing, initial_state of the wrong shape, a
+        non-finite concrete scale, unknown backend, a kernel_config with a backend other than
+        pallas / auto.
+      NotImplementedError: an explicit backend that does not take the call: per-value-channel beta
+        (pallas, chunk), per-key-channel g (pallas), and for pallas a chunk_size other than
+        :data:`~gdn_jax.ops.pallas.SUPPORTED_CHUNK_SIZES`, a head dim K or V that is not a multiple
+        of 16 up to the kernels' maximum, float64 inputs (the message names the option and the
+        backend that takes it).
     """
     check_flags(use_qk_l2norm=use_qk_l2norm, output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
     # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
