@@ -62,7 +62,15 @@ def kda_to_hf(layer: KimiDeltaAttention, prefix: str = "") -> Dict[str, jnp.ndar
     """The ``KimiLinearDeltaAttention`` state dict (transformers names, each key prefixed with
     ``prefix``) of a :class:`KimiDeltaAttention`. Only tensors: the config that goes with them must
     carry the layer's ``norm_eps`` as ``rms_norm_eps`` (the layer's default is 1e-6; a config
-    without the field means transformers' default, 1e-5, in :func:`kda_from_hf` as in transformers)."""
+    without the field means transformers' default, 1e-5, in :func:`kda_from_hf` as in transformers).
+
+    Raises:
+      CheckpointError: a layer built with ``use_short_conv=False`` (Kimi Linear's layer always has
+        the short convolution: there is no checkpoint form without it).
+    """
+    if not layer.use_short_conv:
+        raise CheckpointError("kda_to_hf: KimiDeltaAttention.use_short_conv=False has no Kimi Linear counterpart "
+                              "(KimiLinearDeltaAttention always has the q / k / v short convolutions)")
     T = lambda lin: jnp.swapaxes(lin.kernel[...], 0, 1)
     H = layer.num_heads
     conv = jnp.concatenate([c.weight[...] for c in (layer.q_conv, layer.k_conv, layer.v_conv)], axis=1)
@@ -85,8 +93,16 @@ def kda_from_hf(state_dict: Dict[str, jnp.ndarray], hf_config: dict, *, prefix: 
     for a full Kimi Linear checkpoint; other keys are ignored); ``hf_config``: the Kimi Linear
     ``config.json`` dict (``hidden_size``, ``linear_num_heads`` / ``linear_head_dim`` /
     ``linear_conv_kernel_dim`` or its ``linear_attn_config``, ``rms_norm_eps``). ``layer_kw``:
-    ``backend``, ``chunk_size``, ``dtype``, ... of the layer. A missing, unexpected or mis-shaped
-    tensor raises :class:`CheckpointError` naming it and the expected shape."""
+    ``backend``, ``chunk_size``, ``dtype``, ... of the layer (not ``use_short_conv``: the checkpoint
+    has the convolutions). ``param_dtype``: the layer's parameter dtype; None: ``q_proj.weight``'s
+    (float32 if the state dict has none).
+
+    Raises:
+      CheckpointError: a missing, unexpected or mis-shaped tensor (naming it and the expected
+        shape), no tensor under ``prefix``, a config field missing or not a positive integer.
+      NotImplementedError: a config whose ``hidden_act`` is not ``"silu"``.
+      TypeError: ``hf_config`` not a dict, ``state_dict`` not a mapping.
+    """
     d, H, K, W, eps = _kda_sizes(hf_config)
     t = _normalise(state_dict, prefix)
     if not t:

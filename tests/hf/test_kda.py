@@ -123,3 +123,15 @@ def test_kda_mixer_in_lm_decodes():
     _, cache = model.prefill(tok[:, :-1], max_len=12)
     step, _ = model.decode_step(tok[:, -1], cache)
     assert rms_rel(step, full[:, -1]) <= 1e-5
+
+
+def test_kda_to_hf_refuses_layer_without_conv():
+    """Kimi Linear's layer always has the short convolutions: a layer without them has no checkpoint
+    form (it used to fail with an AttributeError)."""
+    from flax import nnx
+
+    from gdn_jax.hf import CheckpointError, kda_to_hf
+    from gdn_jax.layers import KimiDeltaAttention
+
+    with pytest.raises(CheckpointError, match="use_short_conv=False has no Kimi Linear counterpart"):
+        kda_to_hf(KimiDeltaAttention(32, 2, use_short_conv=False, rngs=nnx.Rngs(0)))
