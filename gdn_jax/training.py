@@ -50,6 +50,7 @@ __all__ = [
     "decay_mask",
     "evaluate",
     "lm_loss",
+    "make_lm_loss",
     "make_eval_step",
     "make_mesh",
     "make_optimizer",
@@ -296,21 +297,30 @@ def shard_batch(batch, mesh: Mesh):
 
 def prefetch_batches(batch_fn: Callable[[int], Any], steps: Sequence[int], mesh: Mesh, *,
                      depth: int = 3, workers: int = 2) -> Iterator[Tuple[int, Any]]:
-    """Yield ``(step, shard_batch(batch_fn(step), mesh))`` for ``steps``, producing up to ``depth``
-    batches ahead in ``workers`` background threads (``batch_fn`` is never called from the
-    consumer's thread; it must be safe to call from several threads at once when ``workers > 1``).
+    """Yield ``(step, shard_batch(batch_fn(step), mesh))`` for ``steps``, keeping the next
+    ``max(depth, workers) + 1`` batches in production in ``workers`` background threads
+    (``batch_fn`` is never called from the consumer's thread; it must be safe to call from several
+    threads at once when ``workers > 1``). ``depth <= 0``: no threads, each batch made when it is
+    asked for (synchronous).
 
     Since ``batch_fn`` is a pure function of the step, prefetching (with any number of workers)
     does not change the data or its order. Two workers by default: with one, on one H200 at the
     MQAR L 512 shape, the loop waited 8 s of 30 for its batches; numpy's generators and sorts
     release the GIL, so a second thread can overlap the first (not yet measured on the GPU).
 
-    Raises:
-      ValueError: ``workers < 1``.
+    Raises (when called, before the first batch):
+      TypeError / ValueError: ``workers`` not an integer >= 1, ``depth`` not an integer.
     """
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
+        raise TypeError(f"prefetch_batches: workers must be an integer >= 1, got {workers!r}")
     if workers < 1:
-        raise ValueError(f"prefetch_batches: workers must be >= 1, got {workers}")
-    steps = list(steps)
+        raise ValueError(f"prefetch_batches: workers must be an integer >= 1, got {workers!r}")
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Integral):
+        raise TypeError(f"prefetch_batches: depth must be an integer, got {depth!r}")
+    return _prefetch(batch_fn, list(steps), mesh, int(depth), int(workers))
+
+
+def _prefetch(batch_fn, steps, mesh, depth, workers):
     if depth <= 0:
         for s in steps:
             yield s, shard_batch(batch_fn(s), mesh)
@@ -543,6 +553,10 @@ def evaluate(eval_step, state: TrainState, dataset=None, *, batch_size: int = 0,
     targets, so one compiled shape serves every batch); metrics are averaged over all labelled
     positions. Returns ``{"loss", "accuracy", "count"}`` as Python numbers. ``batches``: the
     batches already on the devices (:func:`device_eval_batches`) instead of ``dataset``.
+
+    Raises:
+      ValueError: neither ``batches`` nor a ``dataset`` with ``batch_size >= 1``; labelled positions
+        beyond the eval step's ``max_scored`` (they would be left out of the metrics silently).
     """
     if batches is None:
         if dataset is None or batch_size < 1:

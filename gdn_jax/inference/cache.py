@@ -3,11 +3,12 @@
 Each is defined beside the layer that owns it and re-exported here:
 
 * :class:`~gdn_jax.layers.GDNCache` (``gdn_jax/layers/recurrent.py``) — a recurrent layer
-  (GatedDeltaNet, GatedLinearAttention): the state ``[B, H, K, V]`` (float32) and the short-conv
+  (GatedDeltaNet, GatedLinearAttention): the state ``[B, H, K, V]`` (the layer's ``state_dtype``,
+  float32 by default; bfloat16 possible for the delta-rule layers) and the short-conv
   states, the last ``conv_size - 1`` inputs of the q, k and v convolutions (``[B, W-1, H*K]`` /
   ``[B, W-1, H*V]`` in the layer's compute dtype; ``None`` without short conv).
 * :class:`~gdn_jax.layers.KVCache` (``gdn_jax/layers/attention.py``) — an attention layer: keys and
-  values ``[B, max_len, N, D]`` (compute dtype) of a static maximum length, and ``pos`` (int32
+  values ``[B, max_len, N_kv, D]`` (compute dtype; N_kv the key/value heads under grouped-query attention) of a static maximum length, and ``pos`` (int32
   scalar), the number of positions written so far (positions ``>= pos`` are masked out).
 
 A model's cache is a tuple with one entry per layer.

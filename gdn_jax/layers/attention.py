@@ -18,11 +18,11 @@ from .norm import NORM_STYLES, rms_norm
 
 class KVCache(NamedTuple):
     """Attention layer cache of static maximum length ``max_len``: keys and values
-    ``[B, max_len, N, D]`` (compute dtype) and ``pos`` (int32 scalar), the number of positions
+    ``[B, max_len, N_kv, D]`` (compute dtype; N_kv = ``num_kv_heads``) and ``pos`` (int32 scalar), the number of positions
     written so far (slots ``>= pos`` are masked out)."""
 
-    k: jax.Array  # [B, max_len, N, D]
-    v: jax.Array  # [B, max_len, N, D]
+    k: jax.Array  # [B, max_len, N_kv, D]
+    v: jax.Array  # [B, max_len, N_kv, D]
     pos: jax.Array  # int32 scalar: tokens written so far
 
     @property

@@ -117,8 +117,16 @@ def test_prefetch_workers_same_batches(setup, mode):
         want = ref.batch(s)
         np.testing.assert_array_equal(np.asarray(b.inputs), want.inputs)
         np.testing.assert_array_equal(np.asarray(b.targets), want.targets)
+    # bad arguments raise when called, not at the first next() of the generator
     with pytest.raises(ValueError, match="workers"):
-        list(T.prefetch_batches(loader.batch, range(2), setup["mesh"], workers=0))
+        T.prefetch_batches(loader.batch, range(2), setup["mesh"], workers=0)
+    for kw in (dict(workers=1.5), dict(depth="3")):
+        with pytest.raises(TypeError, match="workers|depth"):
+            T.prefetch_batches(loader.batch, range(2), setup["mesh"], **kw)
+    # depth 0: synchronous, the same batches
+    got0 = list(T.prefetch_batches(loader.batch, range(3), setup["mesh"], depth=0))
+    assert [s for s, _ in got0] == [0, 1, 2]
+    np.testing.assert_array_equal(np.asarray(got0[2][1].inputs), ref.batch(2).inputs)
 
 
 def test_checkpoint_resume_bit_identical(setup, tmp_path):
