@@ -441,6 +441,17 @@ def _started(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
     return bool(run_config(cfg, cell, lr).resume)
 
 
+def _checkpoint_step(cfg: SweepConfig, cell: Cell, lr: float) -> Optional[int]:
+    """The latest checkpointed step of an interrupted run (its orbax step folders), or None."""
+    rc = run_config(cfg, cell, lr)
+    ckpt = rc.ckpt_dir or os.path.join(rc.out, "ckpt")
+    try:
+        steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+    except OSError:
+        return None
+    return max(steps) if steps else None
+
+
 def _skipped(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
     """With ``skip_lrs_after_target``: the rate has no results, was never started, and another rate of
     the cell reached the target. A started rate (``--lrs_in_parallel``: running beside the one that
@@ -635,21 +646,26 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
 
 def summarize(cfg: SweepConfig) -> Dict[str, Any]:
     """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
-    learning rate per cell), ``accuracy_vs_dmodel.png`` and, with several learning rates,
+    learning rate per cell; ``unfinished``: cells with runs still to finish, ``in_progress``: the
+    interrupted runs and their checkpointed step, ``not_started``: cells with no run begun), ``accuracy_vs_dmodel.png`` and, with several learning rates,
     ``accuracy_vs_lr.png`` (every run; :func:`plot_lrs`). Returns the summary (its ``metric``: the
     task's headline metric, ``best_test_accuracy`` or, for state tracking, ``best_scaled_accuracy``)."""
     from gdn_jax.data import TASK_CONFIGS
 
     metric = "best_" + TASK_CONFIGS[cfg.task].metric
     scaled = metric == "best_scaled_accuracy"
-    rows, best, failed, pending = [], [], [], []
+    rows, best, failed, pending, in_progress = [], [], [], [], []
     for cell in cells(cfg):
-        runs = []
+        runs, started = [], False
         for lr in cfg.lrs:
             r = _load(_results_path(cfg, cell, lr))
             if r is None:
                 if os.path.exists(os.path.join(os.path.dirname(_results_path(cfg, cell, lr)), "error.txt")):
                     failed.append(f"{cell.name} lr {lr:g}")
+                step = _checkpoint_step(cfg, cell, lr)
+                if step is not None:  # interrupted (time budget, a stopped process): resumes from its checkpoint
+                    in_progress.append(f"{cell.name} lr {lr:g} (checkpoint at step {step})")
+                    started = True
                 continue
             row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model, seq_len=cell.seq_len,
                        num_kv_pairs=cell.num_kv_pairs, neg_eigval=cell.neg_eigval, lr=lr,
@@ -662,7 +678,7 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                        backend=",".join(r.get("backend_resolved") or []) or "-")
             rows.append(row)
             runs.append(row)
-        if runs and not cell_done(cfg, cell):
+        if (runs or started) and not cell_done(cfg, cell):
             pending.append(cell.name)
         if runs:
             # best LR: highest best-over-evaluations test accuracy, then highest final accuracy, then fewest steps
@@ -675,8 +691,9 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                 w.writeheader()
                 w.writerows(data)
     summary = {"task": cfg.task, "metric": metric,
-               "failed": failed, "unfinished": pending,
-               "not_started": [c.name for c in cells(cfg) if c.name not in {b["cell"] for b in best}],
+               "failed": failed, "unfinished": pending, "in_progress": in_progress,
+               "not_started": [c.name for c in cells(cfg) if c.name not in {b["cell"] for b in best}
+                               and c.name not in pending],
                "cells": best, "sweep": dataclasses.asdict(cfg)}
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -708,12 +725,14 @@ def _hit_budget(r: Dict[str, Any]) -> bool:
 def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequence[str], metric: str) -> str:
     """``summary.md``: one table per (seq_len, kv pairs), mixers x d_model, each cell its best run's
     accuracy % (steps or epochs, lr); ``‡``: hit the step / epoch budget without reaching the target;
-    ``(partial)``: learning rates still to run; ``—``: not run yet."""
+    ``(partial)``: learning rates still to run; ``— (in progress)``: no run finished yet, one
+    checkpointed; ``—``: not run yet."""
     key = metric
     grid = cells(cfg)
     by = {b["cell"]: b for b in best}
     out = [f"# {cfg.task} sweep `{cfg.out}` ({metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
-           f"without reaching the target; (partial) = learning rates still to run; — = not run yet)\n"]
+           f"without reaching the target; (partial) = learning rates still to run; — (in progress) = no run "
+           f"finished yet, one checkpointed; — = not run yet)\n"]
     for L, n in sorted({(c.seq_len, c.num_kv_pairs) for c in grid}):
         sel = [c for c in grid if (c.seq_len, c.num_kv_pairs) == (L, n)]
         ds = sorted({c.d_model for c in sel})
@@ -726,7 +745,7 @@ def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequen
                 c = next((c for c in sel if c.label == lab and c.d_model == d), None)
                 b = by.get(c.name) if c else None
                 if b is None:
-                    row.append("—")
+                    row.append("— (in progress)" if c is not None and c.name in pending else "—")
                     continue
                 v = b.get(key)
                 amount = f"{b['epochs']:g} ep" if b.get("epochs") is not None else f"{b['steps']} steps"

@@ -127,13 +127,16 @@ def test_zoology_smoke_budget_resume_and_table(tmp_path):
     cut = dict(kw, base=("session_time_s=0.001",))
     s1 = S.run_sweep(S.apply_preset(S.SweepConfig(**cut), explicit=explicit))
     assert not (run_dir / "results.json").exists() and os.listdir(ckpt_dir)
-    assert s1["cells"] == [] and s1["not_started"] == ["mqar_attention_d16_L16_N2"]
+    # the interrupted run is in progress, not "not started" (it was reported as not started until 2026-12-05)
+    step = max(int(x) for x in os.listdir(ckpt_dir) if x.isdigit())
+    assert s1["cells"] == [] and s1["not_started"] == [] and s1["unfinished"] == ["mqar_attention_d16_L16_N2"]
+    assert s1["in_progress"] == [f"mqar_attention_d16_L16_N2 lr 0.01 (checkpoint at step {step})"]
+    assert "| attention | — (in progress) |" in open(tmp_path / "summary.md").read()
     # benchmarks/unpack_sweeps.py's progress line of an unfinished run, read from its checkpoint
     spec = importlib.util.spec_from_file_location("unpack_sweeps", os.path.join(REPO, "benchmarks", "unpack_sweeps.py"))
     us = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(us)
     (row,) = us.in_flight(str(tmp_path / "ckpt"))
-    step = max(int(x) for x in os.listdir(ckpt_dir) if x.isdigit())
     assert row.startswith(f"mqar_attention_d16_L16_N2/lr0.01: step {step}, best test acc ") and row.endswith(" s"), row
     s2 = S.run_sweep(S.apply_preset(S.SweepConfig(**kw), explicit=explicit))
     r = json.load(open(run_dir / "results.json"))
