@@ -351,9 +351,14 @@ def as_flags(message: str, cls: Type) -> str:
 def exit_on_error(prog: str, cls: Optional[Type] = None) -> Iterator[None]:
     """Turn a ``ValueError``/``TypeError`` raised inside into ``SystemExit("<prog>: error: <message>")``
     (exit status 1), the message's ``Cls.field`` names written as flags (:func:`as_flags`) when
-    ``cls`` is the script's config dataclass. For scripts: library code raises, the script exits."""
+    ``cls`` is the script's config dataclass, and a ``KeyboardInterrupt`` (Ctrl-C) into one line
+    ``<prog>: interrupted: <message>`` and exit status 130 (no traceback). For scripts: library code
+    raises, the script exits."""
     try:
         yield
     except (ValueError, TypeError) as e:
         msg = str(e) if cls is None else as_flags(str(e), cls)
         raise SystemExit(f"{prog}: error: {msg}") from None
+    except KeyboardInterrupt as e:  # Ctrl-C: a line (the library says where it checkpointed), status 130
+        print(f"{prog}: interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

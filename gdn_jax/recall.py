@@ -28,7 +28,9 @@ import numbers
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import typing
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -410,7 +412,8 @@ class _Run:
         self.data_wait_s = 0.0  # time the loop waited for its next batch this session
         self.fetch_s = 0.0  # time spent fetching train metrics to the host this session
         self.first_step_s: Optional[float] = None
-        self.stopped_by_time = self.diverged = self.interrupted = False
+        self.stopped_by_time = self.diverged = False
+        self.interrupted: Optional[str] = None  # "session_time" or "sigint": checkpointed, unfinished
 
     # -- restore or init ----------------------------------------------------------------------------
 
@@ -520,6 +523,18 @@ class _Run:
         self.t0 = time.perf_counter()
         bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not cfg.progress,
                    dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")
+        # Ctrl-C (SIGINT) stops at the end of the step in flight and run() checkpoints it; a second
+        # Ctrl-C aborts at once (no checkpoint). Only the main thread can take signals.
+        sigint: List[bool] = []
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                if sigint:
+                    raise KeyboardInterrupt
+                sigint.append(True)
+                print(f"\n{cfg.task} {mixer_label(cfg)}: interrupted; checkpointing after this step (Ctrl-C again "
+                      f"to abort without a checkpoint)", file=sys.stderr, flush=True)
+            previous = signal.signal(signal.SIGINT, on_sigint)
         try:
             while True:
                 t_wait = time.perf_counter()
@@ -538,7 +553,12 @@ class _Run:
                 bar.update(1)
                 if self._after_step(bar):
                     break
+                if sigint:
+                    self.interrupted = "sigint"
+                    break
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             if hasattr(batches, "close"):
                 batches.close()
             bar.close()
@@ -549,7 +569,7 @@ class _Run:
         out_of_time = cfg.max_time_s is not None and self.wall() > cfg.max_time_s
         is_eval = step % cfg.eval_every == 0
         if cfg.session_time_s is not None and time.perf_counter() - self.t0 > cfg.session_time_s and not is_eval:
-            self.interrupted = True  # run() checkpoints; the run stays unfinished (a resume continues it)
+            self.interrupted = "session_time"  # run() checkpoints; the run stays unfinished (a resume continues it)
             return True
         if step % cfg.log_every == 0 or is_eval or step == self.stop:
             self.stage()
@@ -598,14 +618,15 @@ class _Run:
         self.ckpt_s += time.perf_counter() - t
 
     def suspend(self) -> Dict[str, Any]:
-        """End an interrupted session (``session_time_s``): fetch the metrics, checkpoint the current
-        step, write no results.json; returns a short record (``interrupted: True``)."""
+        """End an interrupted session (``session_time_s`` spent, or Ctrl-C): fetch the metrics,
+        checkpoint the current step, write no results.json; returns a short record (``interrupted: True``)."""
         self.flush()
         self.save()
         self.ckpt.close()
-        print(f"{self.cfg.task} {mixer_label(self.cfg)} d={self.cfg.d_model} lr={self.cfg.lr:g}: session time "
-              f"{self.cfg.session_time_s:g} s used; checkpointed at step {self.step} in {self.ckpt.directory} "
-              f"(resume to continue)", file=sys.stderr, flush=True)
+        why = (f"session time {self.cfg.session_time_s:g} s used" if self.interrupted == "session_time"
+               else "interrupted")
+        print(f"{self.cfg.task} {mixer_label(self.cfg)} d={self.cfg.d_model} lr={self.cfg.lr:g}: {why}; checkpointed "
+              f"at step {self.step} in {self.ckpt.directory} (resume to continue)", file=sys.stderr, flush=True)
         return {"interrupted": True, "steps": self.step, "out": os.path.abspath(self.out),
                 "ckpt_dir": self.ckpt.directory, "wall_s": round(self.wall(), 3)}
 
@@ -696,6 +717,8 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     With ``session_time_s`` a session that runs out of time checkpoints its step and returns
     ``({"interrupted": True, "steps": ..., ...}, state)`` without writing results.json: the run is
     unfinished, and a ``resume`` continues it (:mod:`gdn_jax.sweep` runs a grid in pieces so).
+    Ctrl-C (SIGINT, in the main thread) does the same at the end of the step in flight, then raises
+    ``KeyboardInterrupt`` (its message names the checkpoint); a second Ctrl-C aborts at once.
 
     Raises:
       ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
@@ -705,7 +728,10 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     r.restore_or_init()
     r.train()
     if r.interrupted:
-        return r.suspend(), r.state
+        rec = r.suspend()
+        if r.interrupted == "sigint":  # the caller is interrupted too, once the step is safe on disk
+            raise KeyboardInterrupt(f"checkpointed at step {rec['steps']} in {rec['ckpt_dir']}; resume to continue")
+        return rec, r.state
     r.finish()
     results = r.results()
     r.write_outputs(results)

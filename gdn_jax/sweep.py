@@ -609,7 +609,14 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
         for cell in grid:
             if not cell_done(cfg, cell):
                 bar.set_postfix_str(cell.name)
-                if not run_cell(cfg, cell):
+                try:
+                    ok = run_cell(cfg, cell)
+                except KeyboardInterrupt:  # Ctrl-C: the run checkpointed its step (recall.run); summary so far
+                    bar.close()
+                    summarize(cfg)
+                    raise KeyboardInterrupt("the same command continues the sweep (the run in progress resumes "
+                                            "from its checkpoint)") from None
+                if not ok:
                     print(f"sweep: session time spent in {cell.name} (SweepConfig.time_budget_s or the run's "
                           f"session_time_s); run the same command again to continue", file=sys.stderr)
                     break
@@ -626,11 +633,25 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             procs.append((subprocess.Popen([sys.executable, script, *argv, "--worker_index", str(i), "--no-progress"],
                                            env=env, stdout=log, stderr=subprocess.STDOUT), log))
         done = bar.n
-        while any(p.poll() is None for p, _ in procs):
-            time.sleep(2.0)
-            now = sum(cell_done(cfg, c) for c in grid)
-            bar.update(now - done)
-            done = now
+        try:
+            while any(p.poll() is None for p, _ in procs):
+                time.sleep(2.0)
+                now = sum(cell_done(cfg, c) for c in grid)
+                bar.update(now - done)
+                done = now
+        except KeyboardInterrupt:  # Ctrl-C reaches the workers too: each checkpoints its run; wait for them
+            print("sweep: interrupted; waiting for the workers to checkpoint their runs (Ctrl-C again to kill them)",
+                  file=sys.stderr, flush=True)
+            try:
+                for p, _ in procs:
+                    p.wait()
+            except KeyboardInterrupt:
+                for p, _ in procs:
+                    p.kill()
+            for _, log in procs:
+                log.close()
+            summarize(cfg)
+            raise KeyboardInterrupt("the same command continues the sweep") from None
         for p, log in procs:
             log.close()
         bar.update(sum(cell_done(cfg, c) for c in grid) - done)

@@ -353,6 +353,36 @@ def test_script_end_to_end_and_resume(tmp_path):
     assert res_b["evals"][-1]["test_loss"] == res["evals"][-1]["test_loss"]
 
 
+def test_script_ctrl_c_checkpoints_and_resumes(tmp_path):
+    """Ctrl-C (SIGINT) stops the run at the end of the step in flight, checkpoints it and exits with
+    status 130 and one line (no traceback); --resume continues from that step. (It used to print a
+    KeyboardInterrupt traceback and keep only the last evaluation's checkpoint.)"""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    args = [sys.executable, SCRIPT, *TINY_ARGS, "--steps", "100000", "--eval_every", "5", "--out", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = out / "ckpt"
+    t0 = time.time()
+    while not (ckpt.is_dir() and any(n.isdigit() for n in os.listdir(ckpt))):  # training: a first checkpoint
+        assert p.poll() is None and time.time() - t0 < 300, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "mqar.py: interrupted: checkpointed at step" in err, err[-3000:]
+    step = int(err.split("mqar.py: interrupted: checkpointed at step ")[1].split()[0])
+    assert step >= 5 and max(int(n) for n in os.listdir(ckpt) if n.isdigit()) == step
+    assert not (out / "results.json").exists()
+    mod = _load_script()
+    res, _ = mod.run(parse_dataclass(mod.Config, TINY_ARGS + ["--steps", str(step + 2), "--eval_every", "5",
+                                                             "--out", str(out), "--resume"]))
+    assert res["resumed_from"] == step and res["steps"] == step + 2
+
+
 def test_script_sharded_subprocess(tmp_path):
     """The script on 2 forced host devices: batches split over "data", results report 2 devices."""
     code = textwrap.dedent(f"""
