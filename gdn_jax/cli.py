@@ -37,8 +37,11 @@ import argparse
 import builtins
 import contextlib
 import dataclasses
+import inspect
+import io
 import re
 import sys
+import tokenize
 import typing
 from typing import Any, Dict, Iterator, Optional, Sequence, Type, TypeVar
 
@@ -221,20 +224,22 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
     Options default to ``argparse.SUPPRESS``: only the flags actually given appear in the parsed
     namespace, and :func:`dataclass_from_args` fills the rest from ``defaults`` (an instance of
     ``cls``) or the dataclass defaults. Field docs for ``--help`` come from
-    ``field.metadata["help"]`` if present.
+    ``field.metadata["help"]`` if present, else from the comments beside the field in the source
+    (the lines right above it and the end of its line).
 
     Raises:
       TypeError: a field whose type the command line cannot parse (a dict, a nested dataclass, ...),
         naming ``Cls.field``.
     """
     hints = _type_hints(cls)
+    comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         name = f"{cls.__name__}.{f.name}"
         tp, optional = _unwrap_optional(hints[f.name])
         default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
-        help_ = f.metadata.get("help", "")
+        help_ = f.metadata.get("help", comments.get(f.name, "")).replace("%", "%%")
         help_ = f"{help_} (default: {default!r})".strip()
         flag = "--" + f.name
         kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
@@ -255,6 +260,34 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
                 metavar = getattr(tp, "__name__", None) or parse.__name__
                 metavar = metavar.upper()
             parser.add_argument(flag, type=_argparse_type(parse), metavar=metavar, **kw)
+
+
+def _field_comments(cls) -> Dict[str, str]:
+    """``{field: text}`` of the comments written beside each field of dataclass ``cls`` in its source:
+    the comment lines right above the field (not a ``# -- section --`` heading) and the comment at
+    the end of its line (``{}`` when the source cannot be read). ``--help`` shows them when a field has no ``metadata["help"]``."""
+    try:
+        src = inspect.getsource(cls)
+        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError, SyntaxError):
+        return {}
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in toks if t.type == tokenize.COMMENT}
+    lines = src.splitlines()
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: Dict[str, str] = {}
+    for i, line in enumerate(lines, start=1):
+        m = re.match(r"^(\s+)(\w+)\s*:", line)
+        if not m or m.group(2) not in names or m.group(2) in out:
+            continue
+        above, j = [], i - 1
+        while j >= 1 and lines[j - 1].strip().startswith("#"):
+            if not comments.get(j, "").startswith("--"):  # "# -- section --" heads a group of fields
+                above.insert(0, comments.get(j, ""))
+            j -= 1
+        text = " ".join(x for x in above + [comments.get(i, "") if not line.strip().startswith("#") else ""] if x)
+        if text:
+            out[m.group(2)] = text
+    return out
 
 
 def _field_default(f: dataclasses.Field):

@@ -91,72 +91,72 @@ class RecallConfig:
       modulus, train_min_len, train_max_len, test_min_len, test_max_len.
     """
 
-    task: Literal["mqar", "niah", "state_tracking"] = "mqar"
-    # task: MQAR (Zoology) and NIAH
-    vocab_size: int = 256
-    seq_len: int = 64
-    num_kv_pairs: int = 8
-    power_a: float = 0.01
+    task: Literal["mqar", "niah", "state_tracking"] = "mqar"  # the synthetic task (gdn_jax.data.TASK_CONFIGS)
+    # -- task: MQAR (Zoology) and NIAH --
+    vocab_size: int = 256  # MQAR / NIAH: token ids in [0, vocab_size) (also the model's vocabulary)
+    seq_len: int = 64  # tokens per example
+    num_kv_pairs: int = 8  # MQAR: key-value pairs per example
+    power_a: float = 0.01  # MQAR: query-position power law p(i) ~ (i + 1)^(power_a - 1) (Zoology)
     random_non_queries: bool = True  # MQAR: non-query tokens of the query region random (True) or 0 (False)
-    # task: NIAH
-    key_len: int = 1
-    value_len: int = 1
+    # -- task: NIAH --
+    key_len: int = 1  # NIAH: tokens of the needle's key
+    value_len: int = 1  # NIAH: tokens of the needle's value
     depth: Optional[float] = None  # None: random needle depth; else fixed relative depth in [0, 1]
-    # task: state tracking (running sum mod `modulus` at every position; parity = 2)
-    modulus: int = 2
-    train_min_len: int = 3
-    train_max_len: int = 40
-    test_min_len: int = 40
-    test_max_len: int = 256
-    # model
-    d_model: int = 128
-    num_layers: int = 2
-    num_heads: int = 2
+    # -- task: state tracking --
+    modulus: int = 2  # state tracking: the running sum mod `modulus` at every position (parity: 2)
+    train_min_len: int = 3  # state tracking: shortest training sequence
+    train_max_len: int = 40  # state tracking: longest training sequence
+    test_min_len: int = 40  # state tracking: shortest test sequence (length generalisation)
+    test_max_len: int = 256  # state tracking: longest test sequence
+    # -- model --
+    d_model: int = 128  # model width
+    num_layers: int = 2  # mixer blocks
+    num_heads: int = 2  # heads of each mixer
     mixer: str = "gdn"  # gdn, deltanet, mamba2, gla, linear, attention, gated_attention (gdn_jax.models.MIXERS)
     hybrid_every: int = 0  # > 0: every hybrid_every-th layer is `hybrid_mixer` (4 with 4 layers: 3:1)
-    hybrid_mixer: str = "gated_attention"
+    hybrid_mixer: str = "gated_attention"  # the mixer of every hybrid_every-th layer
     allow_neg_eigval: bool = False  # GDN/DeltaNet: beta in (0, 2) (negative eigenvalues)
-    mlp_ratio: float = 0.0
-    use_short_conv: bool = True
+    mlp_ratio: float = 0.0  # MLP hidden size / d_model after each mixer (0: no MLP, as Zoology)
+    use_short_conv: bool = True  # the mixers' short causal convolution on q, k, v
     backend: str = "auto"  # GDN op backend: auto / scan / chunk / pallas
-    chunk_size: int = 64
+    chunk_size: int = 64  # the chunked / Pallas backends' chunk
     head_dim: Optional[int] = None  # per-head key dim (default d_model // num_heads)
-    # baselines as published (gdn_jax.models.LMConfig; defaults keep gdn_jax's forms)
+    # -- baselines as published (gdn_jax.models.LMConfig; defaults keep gdn_jax's forms) --
     attn_bias: str = ""  # attention projections with a bias, letters of "qkvo" ("qkvo": Zoology's MHA)
     pos_embedding: str = "none"  # "learned": absolute position embeddings (Zoology), max_seq_len from the task
     rope_fraction: Optional[float] = None  # attention's RoPE share (0: no RoPE, as Zoology's MHA)
     la_qk_l2norm: Optional[bool] = None  # mamba2/gla/linear q,k L2 norm (None: mixer default)
     mamba2_dt_input: bool = False  # mamba2: input scaled by dt (Mamba2's discretisation)
-    gla_gate_low_rank: int = 16
-    gla_gate_normalizer: float = 16.0
+    gla_gate_low_rank: int = 16  # gla: rank of the forget gate's projection
+    gla_gate_normalizer: float = 16.0  # gla: tau of log sigmoid(.) / tau
     gla_expand_k: Optional[float] = None  # gla key dim / d_model (None: 1; the GLA paper: 0.5)
-    # optimisation (AdamW, warmup + cosine; no decay on 1-D params)
-    lr: float = 3e-3
-    warmup: int = 200
+    # -- optimisation (AdamW, warmup + cosine; no decay on 1-D params) --
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    warmup: int = 200  # linear warmup steps
     steps: int = 3000  # cosine horizon (and the default number of steps)
     max_steps: Optional[int] = None  # stop here instead of at `steps` (the schedule is unchanged)
-    batch_size: int = 64
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.98
-    grad_clip: float = 1.0
-    min_lr_ratio: float = 0.1
+    batch_size: int = 64  # training examples per step
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on 1-D parameters)
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.98  # Adam second-moment decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0: none)
+    min_lr_ratio: float = 0.1  # the cosine's final lr / peak lr
     lr_per_epoch: bool = False  # data_mode="fixed": the schedule stepped once per epoch (Zoology's cosine)
-    # data
+    # -- data --
     data_mode: Literal["stream", "fixed"] = "stream"  # fresh batch every step / Zoology's fixed train set (MQAR)
     train_examples: int = 100_000  # size of the fixed training set (data_mode="fixed", MQAR only)
-    test_examples: int = 1000
-    eval_batch_size: int = 200
-    # loop / output
-    eval_every: int = 250
+    test_examples: int = 1000  # held-out test set size
+    eval_batch_size: int = 200  # test examples per evaluation batch
+    # -- loop / output --
+    eval_every: int = 250  # steps between evaluations (each followed by a checkpoint)
     target_accuracy: float = 0.99  # early stop once test accuracy reaches this
     max_time_s: Optional[float] = None  # stop (then evaluate) once this run's wall time exceeds this
     log_every: int = 10  # steps between progress-bar / train-curve updates
     seed: int = 0  # data (MQAR seed) and model init
     out: Optional[str] = None  # output dir (default runs/<task>)
     ckpt_dir: Optional[str] = None  # default <out>/ckpt
-    resume: bool = False
-    keep_checkpoints: int = 3
+    resume: bool = False  # continue from the latest checkpoint (False: a fresh run removes old checkpoints)
+    keep_checkpoints: int = 3  # checkpoints kept on disk
     progress: bool = True  # tqdm bar
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)

@@ -58,29 +58,29 @@ class SweepConfig:
 
     ``preset`` fills every field the command line did not set from :data:`PRESETS`."""
 
-    preset: Optional[str] = None
-    task: str = "mqar"
-    mixers: Tuple[str, ...] = ("gdn", "deltanet", "mamba2", "gla", "attention")
-    d_models: Tuple[int, ...] = (64, 128)
-    seq_lens: Tuple[int, ...] = (64,)
-    num_kv_pairs: Tuple[int, ...] = (8,)
-    lrs: Tuple[float, ...] = (3e-3,)
+    preset: Optional[str] = None  # a named grid (PRESETS); flags given on the command line override its fields
+    task: str = "mqar"  # mqar, niah or state_tracking
+    mixers: Tuple[str, ...] = ("gdn", "deltanet", "mamba2", "gla", "attention")  # LM mixers; "hybrid": GDN 3:1 attention
+    d_models: Tuple[int, ...] = (64, 128)  # model widths of the grid
+    seq_lens: Tuple[int, ...] = (64,)  # sequence lengths of the grid
+    num_kv_pairs: Tuple[int, ...] = (8,)  # MQAR key-value pairs of the grid
+    lrs: Tuple[float, ...] = (3e-3,)  # learning rates; each cell reports its best
     neg_eigval: Tuple[bool, ...] = (False,)  # beta in (0,1) / (0,2); True only for gdn, deltanet, hybrid
     # (seq_len, kv pairs[, batch size]) points "LxN" / "LxNxB" instead of the seq_lens x num_kv_pairs product
     shapes: Tuple[str, ...] = ()
     epochs: Optional[int] = None  # data_mode=fixed: steps = epochs x (train_examples // batch), eval once per epoch
-    base: Tuple[str, ...] = ()
-    skip_lrs_after_target: bool = True
+    base: Tuple[str, ...] = ()  # RecallConfig field=value settings of every run (e.g. steps=2000 batch_size=128)
+    skip_lrs_after_target: bool = True  # a cell's remaining learning rates are skipped once one reaches the target
     # workers claim single (cell, learning rate) runs, not whole cells: a cell's rates train at once
     # (a cell at four rates no longer runs four runs one after the other). With skip_lrs_after_target
     # a rate not yet started is skipped once another one reached the target; rates already running
     # finish (that compute is spent; use it where no rate is expected to reach the target early)
     lrs_in_parallel: bool = False
-    out: str = "runs/sweep"
+    out: str = "runs/sweep"  # the sweep's folder: runs/, summary.md / .json / .csv, plots
     ckpt_root: Optional[str] = None  # checkpoints under <ckpt_root>/<cell>/lr<lr> (default: inside each run's out)
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
     workers_per_device: int = 1  # >1: that many worker processes share each accelerator (small models)
-    progress: bool = True
+    progress: bool = True  # tqdm progress bars
     time_budget_s: Optional[float] = None  # stop (checkpointing the current run) after this many seconds
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
     deadline: Optional[float] = None  # internal: time.time() at which time_budget_s ends (set by the parent)

@@ -291,6 +291,30 @@ def test_cli_field_types():
         parse_overrides(Nested, ["table=a"])
 
 
+@dataclasses.dataclass
+class _Commented:
+    # -- a section heading, not a field's doc --
+    lr: float = 1e-3  # peak learning rate
+    # several lines above a field
+    # are its doc too
+    steps: int = 10
+    seed: int = 0
+
+
+def test_help_from_field_comments():
+    """--help shows the comments written beside each field (metadata["help"] wins when given)."""
+    from gdn_jax.cli import make_parser
+
+    text = " ".join(make_parser(_Commented).format_help().split())
+    assert "--lr FLOAT peak learning rate (default: 0.001)" in text
+    assert "--steps INT several lines above a field are its doc too (default: 10)" in text
+    assert "--seed INT (default: 0)" in text and "section heading" not in text
+    from gdn_jax.recall import RecallConfig
+
+    rc = " ".join(make_parser(RecallConfig).format_help().split())
+    assert "--eval_every INT steps between evaluations" in rc and "--resume, --no-resume continue from the latest" in rc
+
+
 def test_library_errors_become_exit_messages():
     """Scripts turn a library ValueError/TypeError into an exit message, fields written as flags."""
     assert as_flags("_Cfg.lr must be > 0 (_Cfg.nope, Other.lr, x_Cfg.steps)", _Cfg) == \
