@@ -597,7 +597,7 @@ class _Run:
 
     def evaluate(self) -> Dict[str, Any]:
         """Test loss and accuracy at the current step (appended to the history), then a checkpoint."""
-        cfg, step = self.cfg, self.step
+        step = self.step
         self.flush()
         t_eval = time.perf_counter()
         ev = T.evaluate(self.eval_step, self.state, batches=self.test_batches)

@@ -10,7 +10,7 @@ The rest of Kimi Linear (MLA attention, MoE) is not supported.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import jax
 import jax.numpy as jnp

@@ -20,7 +20,7 @@ Layouts (read from transformers' ``modeling_qwen3_5.py`` / ``modeling_qwen3_next
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp

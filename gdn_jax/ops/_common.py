@@ -139,11 +139,24 @@ def check_step_inputs(q, k, v, g, beta, state) -> GateForms:
       TypeError: an argument is not a floating-point array. ValueError: a shape that does not fit.
     """
     _check_arrays((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)))
-    lead, K, V = _check_qkv(q, k, v, ("B", "H"))
+    lead, K, V = _check_qkv(q, k, v, ("B", "Hk"))
     forms = _gate_forms(g, beta, lead, K, V, ("B", "H"))
     if tuple(state.shape) != lead + (K, V):
         raise ValueError(f"state must have shape [B, H, K, V] = {lead + (K, V)}, got shape {_shape(state)}")
     return forms
+
+
+def check_cu_values(cu_seqlens, T: int) -> None:
+    """Concrete ``cu_seqlens`` (traced ones are checked on the device, :func:`~gdn_jax.ops.packing.seq_info`):
+    ValueError unless they start at 0, end at ``T`` and never decrease (compared as signed integers:
+    an unsigned array's decrease would wrap around in ``np.diff``)."""
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        return
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    if cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu.tolist()}")
+    if np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
 
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale) -> GateForms:
@@ -157,7 +170,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         (``[N,H,K,V]`` with ``cu_seqlens`` of length N+1), or ``chunk_size`` <= 0.
     """
     _check_arrays((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
-    (B, T, H), K, V = _check_qkv(q, k, v, ("B", "T", "H"))
+    (B, T, H), K, V = _check_qkv(q, k, v, ("B", "T", "Hk"))
     if T == 0:
         raise ValueError(f"q has T = 0 tokens (shape {_shape(q)}); need T >= 1")
     forms = _gate_forms(g, beta, (B, T, H), K, V, ("B", "T", "H"))
@@ -178,12 +191,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         if B != 1:
             raise ValueError(f"cu_seqlens (packed sequences) needs batch size B = 1, got q of shape {_shape(q)}")
         n_states = cu_seqlens.shape[0] - 1
-        if not isinstance(cu_seqlens, jax.core.Tracer):
-            cu = np.asarray(cu_seqlens)
-            if cu[0] != 0 or cu[-1] != T:
-                raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu.tolist()}")
-            if np.any(np.diff(cu) < 0):
-                raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+        check_cu_values(cu_seqlens, T)
 
     if initial_state is not None:
         if not hasattr(initial_state, "dtype"):

@@ -594,6 +594,9 @@ VALIDATION = [
     ("cu_seqlens-end", _set(cu_seqlens=_cu([0, 4, _T - 1])), ValueError, "cu_seqlens"),
     ("cu_seqlens-end-over", _set(cu_seqlens=_cu([0, 4, _T + 2])), ValueError, "cu_seqlens"),
     ("cu_seqlens-decreasing", _set(cu_seqlens=_cu([0, 5, 3, _T])), ValueError, "cu_seqlens"),
+    # unsigned: np.diff wraps around instead of going negative (it used to pass the check, then give NaN)
+    ("cu_seqlens-decreasing-uint32", _set(cu_seqlens=lambda _: np.asarray([0, 5, 3, _T], np.uint32)), ValueError,
+     "non-decreasing"),
     ("cu_seqlens-initial_state-N", lambda a, kw: kw.update(cu_seqlens=jnp.asarray([0, 3, _T], jnp.int32),
                                                            initial_state=jnp.zeros((3, _H, _K, _V), F32)),
      ValueError, "initial_state"),

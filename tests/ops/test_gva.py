@@ -72,6 +72,17 @@ def test_gva_pallas_kernel_variants(kernel_config):
     check(x, run(x, "pallas", kernel_config=kernel_config))
 
 
+def test_gva_tpu_layout_under_x64():
+    """jax_enable_x64 on: the head-major (TPU) layout's key-head index map keeps its int32 arithmetic
+    (a Python int constant became int64 and lax.div refused the mix, 2026-12-05); float32 inputs,
+    forward and gradients against the float64 reference."""
+    x = gva_inputs(seed_of("gva-x64"), 1, 40, 1, 2, 16, 16)
+    with jax.enable_x64(True):
+        got = run(x, "pallas", kernel_config=KernelConfig(platform="tpu_interpret"))
+    assert got[0].dtype == F32
+    check(x, got)
+
+
 def test_gva_pallas_bf16_and_per_channel_decay_chunk():
     x = gva_inputs(seed_of("gva-bf16"), 1, 50, 2, 2, 64, 64, dtype=BF16)
     check(x, run(x, "pallas", chunk_size=32))

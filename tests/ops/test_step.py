@@ -58,7 +58,7 @@ def test_step_bf16_inputs_scale_and_errors():
         gated_delta_rule_step(q, q, q, jnp.zeros((B, H, 3)), jnp.ones((B, H)), jnp.zeros((B, H, K, V)))
     with pytest.raises(TypeError):
         gated_delta_rule_step(q, q, q, jnp.zeros((B, H), jnp.int32), jnp.ones((B, H)), jnp.zeros((B, H, K, V)))
-    with pytest.raises(ValueError, match=r"k must have the shape of q \[B, H, K\]"):
+    with pytest.raises(ValueError, match=r"k must have the shape of q \[B, Hk, K\]"):
         gated_delta_rule_step(q, q[..., :2], q, jnp.zeros((B, H)), jnp.ones((B, H)), jnp.zeros((B, H, K, V)))
     with pytest.raises(ValueError, match=r"beta must have shape \[B, H\]"):
         gated_delta_rule_step(q, q, q, jnp.zeros((B, H)), jnp.ones((B, H, V + 1)), jnp.zeros((B, H, K, V)))

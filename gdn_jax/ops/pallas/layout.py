@@ -39,7 +39,10 @@ def token_spec(call: KernelCall, rows, cols, f, key: bool = False):
     if key and G > 1:
         def index_map_hm(*g):  # truncating lax.div / rem (bh >= 0): Mosaic lowers floor division via sign
             bh, r, c = f(*g)
-            return (lax.div(bh, H) * (H // G) + lax.div(lax.rem(bh, H), G), r, c)
+            # the constants in bh's dtype (int32): a Python int is int64 under jax_enable_x64 and lax.div
+            # / rem take no mixed dtypes
+            Hc, Gc, HGc = (lax.convert_element_type(x, bh.dtype) for x in (H, G, H // G))
+            return (lax.div(bh, Hc) * HGc + lax.div(lax.rem(bh, Hc), Gc), r, c)
 
         return pl.BlockSpec((None, rows, cols), index_map_hm)
     return pl.BlockSpec((None, rows, cols), lambda *g: f(*g))
