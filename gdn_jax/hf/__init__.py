@@ -16,7 +16,8 @@ from .qwen import config_from_hf, from_hf, hf_config_of, to_hf
 
 def load_pretrained(path: str, **overrides):
     """``LM`` of the checkpoint directory ``path`` (``config.json`` + ``*.safetensors``, sharded or
-    not). ``overrides``: ``backend``, ``chunk_size``, ``kernel_config``, ``dtype``, ``param_dtype``."""
+    not). ``overrides``: ``backend``, ``chunk_size``, ``kernel_config``, ``dtype``, ``param_dtype``,
+    ``decode_backend``, ``state_dtype``."""
     cfg, tensors = read_checkpoint(path)
     return from_hf(cfg, tensors, **overrides)
 

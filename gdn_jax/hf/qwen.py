@@ -132,7 +132,7 @@ def gva_supported() -> bool:
 def config_from_hf(hf: dict, **overrides) -> LMConfig:
     """The :class:`~gdn_jax.models.LMConfig` of a Qwen3.5 / Qwen3-Next ``config.json`` dict.
     ``overrides`` set LMConfig fields that do not change the architecture (``backend``,
-    ``chunk_size``, ``kernel_config``, ``dtype``, ``param_dtype``)."""
+    ``chunk_size``, ``kernel_config``, ``dtype``, ``param_dtype``, ``decode_backend``, ``state_dtype``)."""
     tc = text_config(hf)
     n = _int_field(tc, "num_hidden_layers", required=True)
     lt = _layer_types(tc, n)
@@ -169,10 +169,11 @@ def config_from_hf(hf: dict, **overrides) -> LMConfig:
         attn_num_heads=N, attn_num_kv_heads=Nkv, attn_head_dim=D, rope_theta=theta, rope_fraction=frac,
         conv_size=_int_field(tc, "linear_conv_kernel_dim", 4),
     )
-    bad = sorted(set(overrides) - {"backend", "chunk_size", "kernel_config", "dtype", "param_dtype"})
+    allowed = ("backend", "chunk_size", "kernel_config", "dtype", "param_dtype", "decode_backend", "state_dtype")
+    bad = sorted(set(overrides) - set(allowed))
     if bad:
-        raise ValueError(f"config_from_hf overrides {bad} would change the architecture; allowed: backend, "
-                         "chunk_size, kernel_config, dtype, param_dtype")
+        raise ValueError(f"config_from_hf overrides {bad} are not run-time options (an LMConfig field that the "
+                         f"checkpoint fixes, or no LMConfig field); allowed: {', '.join(allowed)}")
     return LMConfig(**{**kw, **overrides})
 
 

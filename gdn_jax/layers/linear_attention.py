@@ -57,6 +57,22 @@ class GatedLinearAttention(RecurrentMixer):
     (:class:`gdn_jax.layers.GDNCache`: float32 state ``[B,H,K,V]`` + short-conv states); the three
     paths share the projections, short conv, decay and output, and a decode step is the op's scan
     backend on one token.
+
+    Args:
+      hidden_size, num_heads: d and H (one value head per key head).
+      head_dim: K (default ``hidden_size // num_heads``). value_head_dim: V (default K).
+      decay: ``"gla"`` (default), ``"mamba2"`` or ``"none"`` (the forms above).
+      use_short_conv, conv_size: the short causal conv on q, k, v (on, kernel 4).
+      backend: the op's, ``"auto"`` / ``"scan"`` / ``"chunk"``
+        (:func:`gdn_jax.ops.gated_linear_attention`). chunk_size: the chunked form's chunk (64).
+      norm_eps: the output RMSNorm's epsilon.
+      gate_low_rank, gate_logit_normalizer, qk_l2norm, dt_input, dt_min, dt_max, A_init_range: the
+        options above (None: the decay's default; another decay's option is a ValueError).
+      dtype, param_dtype: compute and parameter dtypes. rngs: ``nnx.Rngs``.
+
+    Raises:
+      ValueError / TypeError: a bad argument, named (sizes, dtypes, an unknown decay or backend,
+        a non-bool flag, an option of another decay).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None,

@@ -194,6 +194,9 @@ class LMConfig:
         if "kda" in mixers and (self.num_v_heads is not None or self.value_head_dim is not None):
             raise ValueError("LMConfig.num_v_heads / value_head_dim are gdn / deltanet options; mixer 'kda' "
                              "(Kimi Delta Attention) has K = V and one value head per key head: leave them None")
+        if "kda" in mixers and (self.allow_neg_eigval or self.beta_per_channel):
+            raise ValueError("LMConfig.allow_neg_eigval / beta_per_channel are gdn / deltanet options; mixer 'kda' "
+                             "(Kimi Delta Attention) has one beta in (0, 1) per head: leave them False")
         if "gdn" in mixers and self.decay == "none" and self.decay_per_channel:
             raise ValueError("LMConfig.decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got "
                              "decay='none'")
@@ -244,16 +247,27 @@ MixerFactory = Callable[[LMConfig, int, nnx.Rngs], nnx.Module]
 MIXERS: Dict[str, MixerFactory] = {}
 
 
-def register_mixer(name: str, factory: Optional[MixerFactory] = None):
+def register_mixer(name: str, factory: Optional[MixerFactory] = None, *, overwrite: bool = False):
     """Register a token mixer: ``factory(cfg, layer_index, rngs) -> nnx.Module``.
 
     The module is called as ``mixer(x, cu_seqlens=None)`` with ``x [B, T, d_model]`` and returns
     the same shape; for decoding it also needs ``init_cache(batch, max_len)``,
     ``prefill(x, max_len=...) -> (y, cache)`` and ``decode(x_t, cache) -> (y_t, cache)`` (README
     "Inference"). Usable as a decorator.
+
+    Raises:
+      ValueError: ``name`` is already registered (a built-in such as ``"gdn"`` included) and
+        ``overwrite`` is False: replacing a mixer changes every model built by that name.
+      TypeError: ``name`` not a non-empty string, or ``factory`` not callable.
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_mixer: name must be a non-empty string, got {name!r}")
+    if name in MIXERS and not overwrite:
+        raise ValueError(f"register_mixer: mixer {name!r} is already registered; pass overwrite=True to replace it")
 
     def deco(f):
+        if not callable(f):
+            raise TypeError(f"register_mixer: factory must be callable (cfg, layer_index, rngs) -> module, got {f!r}")
         MIXERS[name] = f
         return f
 
@@ -340,7 +354,8 @@ def _kda(cfg: LMConfig, i: int, rngs: nnx.Rngs):
     """Kimi Delta Attention (Kimi Linear's KDA layer): per-key-channel decay and sigmoid output gate,
     both from low-rank projections (rank head_dim)."""
     return KimiDeltaAttention(cfg.d_model, cfg.num_heads, cfg.head_dim, use_short_conv=cfg.use_short_conv,
-                              conv_size=cfg.conv_size, backend=cfg.backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps,
+                              conv_size=cfg.conv_size, backend=cfg.backend, chunk_size=cfg.chunk_size,
+                              kernel_config=cfg.kernel_config, norm_eps=cfg.norm_eps,
                               dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype),
                               decode_backend=cfg.decode_backend, state_dtype=_dt(cfg.state_dtype), rngs=rngs)
 
@@ -427,7 +442,18 @@ def _check_token_range(tokens, vocab_size: int):
 class LM(nnx.Module):
     """Token embedding, N pre-norm blocks, final RMSNorm and an LM head (tied by default).
 
-    ``tokens [B, T] int -> logits [B, T, vocab_size]`` (float32).
+    ``tokens [B, T] int -> logits [B, T, vocab_size]`` (float32); ``cu_seqlens`` (int ``[N + 1]``,
+    B = 1): packed sequences, every mixer restarting at each boundary.
+
+    Args:
+      cfg: the :class:`LMConfig` (checked when it is made; mixers by name from :data:`MIXERS`).
+      rngs: ``nnx.Rngs`` of the initialisation.
+
+    Decoding: :meth:`init_cache`, :meth:`prefill`, :meth:`decode_step` (README "Inference").
+
+    Raises (calls):
+      TypeError: tokens not an integer array. ValueError: tokens not ``[B, T]`` with B, T >= 1, or
+      concrete ids outside ``[0, vocab_size)``; a malformed ``cu_seqlens``.
     """
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):

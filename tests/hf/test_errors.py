@@ -109,8 +109,11 @@ def test_directory_errors(ckpt, tmp_path):
 
 def test_overrides_and_export_checked(ckpt):
     cfg, t = ckpt
-    with pytest.raises(ValueError, match=r"overrides \['num_layers'\] would change the architecture"):
+    with pytest.raises(ValueError, match=r"overrides \['num_layers'\] are not run-time options"):
         hf.from_hf(cfg, t, num_layers=3)
+    # run-time options: the decode path's backend and state dtype
+    m = hf.from_hf(cfg, t, decode_backend="scan", state_dtype="bfloat16")
+    assert (m.cfg.decode_backend, m.cfg.state_dtype) == ("scan", "bfloat16")
     plain = LM(LMConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2, mixer="attention", mlp_ratio=2),
                rngs=nnx.Rngs(0))
     with pytest.raises(CheckpointError, match=r"LMConfig.norm_style = 'standard' has no qwen3_5_text counterpart"):

@@ -247,7 +247,14 @@ def test_mixer_without_decode_is_a_clear_error():
         def __call__(self, x, *, cu_seqlens=None):
             return x
 
-    register_mixer("_plain_no_decode", lambda cfg, i, rngs: Plain(cfg))
+    register_mixer("_plain_no_decode", lambda cfg, i, rngs: Plain(cfg), overwrite=True)
+    # a registered name (a built-in included) is not replaced by accident
+    with pytest.raises(ValueError, match="'gdn' is already registered; pass overwrite=True"):
+        register_mixer("gdn", lambda cfg, i, rngs: Plain(cfg))
+    with pytest.raises(ValueError, match="already registered"):
+        register_mixer("_plain_no_decode")(lambda cfg, i, rngs: Plain(cfg))
+    with pytest.raises(TypeError, match="callable"):
+        register_mixer("_not_callable", 3)
     model = LM(LMConfig(d_model=16, num_heads=2, num_layers=1, mixer="_plain_no_decode"), rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="has no init_cache"):
         model.init_cache(1, 8)

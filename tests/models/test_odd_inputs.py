@@ -74,6 +74,8 @@ def test_gdn_layer_arguments_checked_at_construction(kw, match):
     (dict(num_v_heads=3), ValueError, "num_v_heads"),
     (dict(mixer="attention", attn_num_heads=3), ValueError, "attn_num_heads"),
     (dict(mixer="kda", num_v_heads=4), ValueError, "kda"),
+    (dict(mixer="kda", allow_neg_eigval=True), ValueError, "allow_neg_eigval / beta_per_channel are gdn"),
+    (dict(mixer="kda", beta_per_channel=True, backend="scan"), ValueError, "mixer 'kda'"),
     (dict(allow_neg_eigval=1), TypeError, "allow_neg_eigval"),
     (dict(decay="none", decay_per_channel=True), ValueError, "decay_per_channel"),
 ])
