@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import contextlib
 import dataclasses
@@ -41,6 +42,7 @@ import inspect
 import io
 import re
 import sys
+import textwrap
 import tokenize
 import typing
 from typing import Any, Dict, Iterator, Optional, Sequence, Type, TypeVar
@@ -154,9 +156,12 @@ def _sequence_parser(tp, optional: bool, field: str = "field"):
     or None for a single ``none`` when the field is Optional; ``nargs`` is the count of a fixed-length
     ``Tuple[T1, T2]`` (not Optional) or ``"+"``; ``fixed`` whether the length is fixed."""
     origin = typing.get_origin(tp)
-    if origin not in _SEQUENCES and tp not in (tuple, list):
+    if origin not in _SEQUENCES and tp not in (tuple, list, typing.Tuple, typing.List):
         return None
     args = typing.get_args(tp)
+    if not args:  # bare list / tuple / List / Tuple, and Tuple[()] (no args on Python >= 3.11)
+        raise TypeError(f"{field}: a sequence field needs its element type for the command line (e.g. "
+                        f"Tuple[int, ...] or List[str]), got {tp!r}")
     container = tuple if origin is tuple or tp is tuple else list
     if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length: one type per position
         elems = [_scalar_parser(a, False, field) for a in args]
@@ -239,8 +244,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
         name = f"{cls.__name__}.{f.name}"
         tp, optional = _unwrap_optional(hints[f.name])
         default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
-        help_ = f.metadata.get("help", comments.get(f.name, "")).replace("%", "%%")
-        help_ = f"{help_} (default: {default!r})".strip()
+        help_ = f.metadata.get("help", comments.get(f.name, ""))
+        help_ = f"{help_} (default: {default!r})".strip().replace("%", "%%")  # argparse formats help with %
         flag = "--" + f.name
         kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
         seq = _sequence_parser(tp, optional, name)
@@ -265,28 +270,33 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults
 def _field_comments(cls) -> Dict[str, str]:
     """``{field: text}`` of the comments written beside each field of dataclass ``cls`` in its source:
     the comment lines right above the field (not a ``# -- section --`` heading) and the comment at
-    the end of its line (``{}`` when the source cannot be read). ``--help`` shows them when a field has no ``metadata["help"]``."""
+    the end of its line (``{}`` when the source cannot be read). Fields are the annotated
+    assignments of the class body itself (not of its methods). ``--help`` shows them when a field
+    has no ``metadata["help"]``."""
     try:
-        src = inspect.getsource(cls)
+        src = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(src)
         toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
     except (OSError, TypeError, tokenize.TokenError, IndentationError, SyntaxError):
         return {}
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef)), [])
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in toks if t.type == tokenize.COMMENT}
     lines = src.splitlines()
     names = {f.name for f in dataclasses.fields(cls)}
     out: Dict[str, str] = {}
-    for i, line in enumerate(lines, start=1):
-        m = re.match(r"^(\s+)(\w+)\s*:", line)
-        if not m or m.group(2) not in names or m.group(2) in out:
+    for node in body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in names):
             continue
+        i = node.lineno
         above, j = [], i - 1
         while j >= 1 and lines[j - 1].strip().startswith("#"):
             if not comments.get(j, "").startswith("--"):  # "# -- section --" heads a group of fields
                 above.insert(0, comments.get(j, ""))
             j -= 1
-        text = " ".join(x for x in above + [comments.get(i, "") if not line.strip().startswith("#") else ""] if x)
+        end = getattr(node, "end_lineno", i) or i
+        text = " ".join(x for x in above + [comments.get(end, "")] if x)
         if text:
-            out[m.group(2)] = text
+            out[node.target.id] = text
     return out
 
 

@@ -162,6 +162,15 @@ class RecallConfig:
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
 
 
+    def __post_init__(self):
+        # NumPy scalars (np.int64(40), np.float32(3e-3), np.bool_) as Python ones: a field is written
+        # to JSON (results, checkpoint metadata), which takes no NumPy scalar
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.generic):
+                setattr(self, f.name, value.item())
+
+
 #: Fields that may differ between a run and its resumption without changing the result.
 RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints",
                                 "progress", "log_every", "eval_every", "target_accuracy", "eval_batch_size",
@@ -414,6 +423,7 @@ class _Run:
         self.first_step_s: Optional[float] = None
         self.stopped_by_time = self.diverged = False
         self.interrupted: Optional[str] = None  # "session_time" or "sigint": checkpointed, unfinished
+        self.sigint = False  # a Ctrl-C arrived during train()
 
     # -- restore or init ----------------------------------------------------------------------------
 
@@ -440,6 +450,11 @@ class _Run:
             self.resumed = True
             self.history = meta.get("history", self.history)
             self.wall_before = float(meta.get("wall_s", 0.0))
+            # a session suspended between log points: its train losses since the last evaluation and
+            # the metrics of the steps since the last log point, as if it had not stopped
+            self.since_eval = [float(x) for x in meta.get("since_eval", [])]
+            self.pending = [{k: jax.numpy.asarray(v, jax.numpy.float32 if k != "unscored" else jax.numpy.int32)
+                             for k, v in m.items()} for m in meta.get("pending", [])]
             old = meta.get("config", {})
             diff = {k: (old[k], v) for k, v in dataclasses.asdict(cfg).items()
                     if k in old and old[k] != v and k not in RESUME_FREE_FIELDS}
@@ -553,10 +568,11 @@ class _Run:
                 bar.update(1)
                 if self._after_step(bar):
                     break
-                if sigint:
+                if sigint and self.step < self.stop:  # at the last step the run finishes instead
                     self.interrupted = "sigint"
                     break
         finally:
+            self.sigint = bool(sigint)  # also when the step that ended the run saw the Ctrl-C
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
             if hasattr(batches, "close"):
@@ -609,19 +625,23 @@ class _Run:
         self.save()
         return rec
 
-    def save(self) -> None:
-        """A checkpoint of the current state (with the history and wall time), timed in ``ckpt_s``."""
+    def save(self, pending: Optional[List[Dict[str, float]]] = None) -> None:
+        """A checkpoint of the current state (with the history, the train losses since the last
+        evaluation, ``pending`` per-step metrics not yet in a train-curve point, and the wall time),
+        timed in ``ckpt_s``."""
         cfg, step = self.cfg, self.step
         t = time.perf_counter()
         self.ckpt.save(self.state, {"config": dataclasses.asdict(cfg), "history": self.history, "wall_s": self.wall(),
-                                    "loader_step": step, "data_mode": cfg.data_mode}, step=step)
+                                    "loader_step": step, "data_mode": cfg.data_mode,
+                                    "since_eval": list(self.since_eval), "pending": pending or []}, step=step)
         self.ckpt_s += time.perf_counter() - t
 
     def suspend(self) -> Dict[str, Any]:
         """End an interrupted session (``session_time_s`` spent, or Ctrl-C): fetch the metrics,
         checkpoint the current step, write no results.json; returns a short record (``interrupted: True``)."""
-        self.flush()
-        self.save()
+        self.fetch()  # the finished train-curve points; the steps since the last one stay per step:
+        pending = [{k: v.item() for k, v in m.items()} for m in jax.device_get(self.pending)]
+        self.save(pending)  # a resumed run makes the same curve points and evaluation losses
         self.ckpt.close()
         why = (f"session time {self.cfg.session_time_s:g} s used" if self.interrupted == "session_time"
                else "interrupted")
@@ -718,7 +738,11 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     ``({"interrupted": True, "steps": ..., ...}, state)`` without writing results.json: the run is
     unfinished, and a ``resume`` continues it (:mod:`gdn_jax.sweep` runs a grid in pieces so).
     Ctrl-C (SIGINT, in the main thread) does the same at the end of the step in flight, then raises
-    ``KeyboardInterrupt`` (its message names the checkpoint); a second Ctrl-C aborts at once.
+    ``KeyboardInterrupt`` (its message names the checkpoint; a Ctrl-C in the step that ends the run
+    lets it finish and write its results first); a second Ctrl-C aborts without a new checkpoint
+    (a checkpoint write in flight completes). A resumed run's history (train curve, evaluation
+    losses) is the uninterrupted run's: the per-step metrics since the last curve point and the
+    losses since the last evaluation travel in the checkpoint.
 
     Raises:
       ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
@@ -726,7 +750,11 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     """
     r = _Run(cfg)
     r.restore_or_init()
-    r.train()
+    try:
+        r.train()
+    except KeyboardInterrupt:  # a second Ctrl-C: no new checkpoint, but a write in flight completes
+        r.ckpt.close()
+        raise
     if r.interrupted:
         rec = r.suspend()
         if r.interrupted == "sigint":  # the caller is interrupted too, once the step is safe on disk
@@ -735,4 +763,6 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     r.finish()
     results = r.results()
     r.write_outputs(results)
+    if r.sigint:  # Ctrl-C in the run's last step: it finished and wrote its results; stop the caller
+        raise KeyboardInterrupt(f"the run finished at step {r.step} (results in {os.path.abspath(r.out)})")
     return results, r.state

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..ops.packing import seq_info
@@ -42,8 +45,9 @@ class ShortConv(nnx.Module):
         _checks.positive_int("channels", channels)
         _checks.positive_int("kernel_size", kernel_size)
         _checks.flag("activation", activation)
-        if init_std != 0:
-            _checks.positive_float("init_std", init_std)
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float, np.integer, np.floating)) or not (
+                math.isfinite(init_std) and init_std >= 0):
+            raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
         param_dtype = _checks.float_dtype("param_dtype", param_dtype)
         w = init_std * jax.random.normal(rngs.params(), (kernel_size, channels), param_dtype)
         w = w.at[-1].set(1.0)

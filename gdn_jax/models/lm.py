@@ -268,6 +268,8 @@ def register_mixer(name: str, factory: Optional[MixerFactory] = None, *, overwri
     def deco(f):
         if not callable(f):
             raise TypeError(f"register_mixer: factory must be callable (cfg, layer_index, rngs) -> module, got {f!r}")
+        if name in MIXERS and not overwrite:  # checked again: another registration may have come between
+            raise ValueError(f"register_mixer: mixer {name!r} is already registered; pass overwrite=True to replace it")
         MIXERS[name] = f
         return f
 

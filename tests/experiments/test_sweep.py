@@ -242,6 +242,11 @@ def test_recall_rejects_bad_settings(tmp_path):
                     (dict(max_time_s="1"), r"RecallConfig\.max_time_s must be a float or None")]:
         with pytest.raises(TypeError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
+    # NumPy scalars become Python ones (they reach JSON: results, checkpoint metadata)
+    import numpy as np
+
+    rc = RecallConfig(steps=np.int64(40), lr=np.float32(3e-3), resume=np.bool_(False))
+    assert type(rc.steps) is int and type(rc.lr) is float and type(rc.resume) is bool
     # head_dim set: d_model need not be a multiple of num_heads
     assert build(RecallConfig(out=str(tmp_path), d_model=30, num_heads=4, head_dim=8))[2].head_dim == 8
     # the command line: the same checks, as an exit message naming the flags (nothing trains)

@@ -282,6 +282,13 @@ def test_cli_field_types():
         assert e.value.code == 2
 
     @dataclasses.dataclass
+    class Bare:
+        items: list = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match=r"Bare\.items: a sequence field needs its element type"):
+        parse_dataclass(Bare, [])
+
+    @dataclasses.dataclass
     class Nested:
         table: Dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -299,6 +306,11 @@ class _Commented:
     # are its doc too
     steps: int = 10
     seed: int = 0
+    fmt: str = "%d items"  # 50% of the help text is a percent sign
+
+    def __post_init__(self):
+        seed: int = self.seed  # a method's annotated local, not a field's doc
+        del seed
 
 
 def test_help_from_field_comments():
@@ -308,7 +320,8 @@ def test_help_from_field_comments():
     text = " ".join(make_parser(_Commented).format_help().split())
     assert "--lr FLOAT peak learning rate (default: 0.001)" in text
     assert "--steps INT several lines above a field are its doc too (default: 10)" in text
-    assert "--seed INT (default: 0)" in text and "section heading" not in text
+    assert "--seed INT (default: 0)" in text and "section heading" not in text and "annotated local" not in text
+    assert "--fmt STR 50% of the help text is a percent sign (default: '%d items')" in text
     from gdn_jax.recall import RecallConfig
 
     rc = " ".join(make_parser(RecallConfig).format_help().split())
@@ -375,6 +388,48 @@ def test_script_end_to_end_and_resume(tmp_path):
     assert _tree_equal(state_a, state_b)
     assert res_b["final_test_accuracy"] == res["final_test_accuracy"]
     assert res_b["evals"][-1]["test_loss"] == res["evals"][-1]["test_loss"]
+
+
+def test_suspended_session_history_identical(tmp_path):
+    """A session stopped between log points and evaluations (session_time_s) and resumed gives the
+    uninterrupted run's train curve and evaluation losses exactly (the per-step metrics since the
+    last curve point and the losses since the last evaluation travel in the checkpoint; until
+    2026-12-05 the stop added a curve point and the evaluation's mean loss lost the steps before it)."""
+    mod = _load_script()
+    common = TINY_ARGS + ["--steps", "14", "--eval_every", "7", "--log_every", "3"]
+    full, _ = mod.run(parse_dataclass(mod.Config, common + ["--out", str(tmp_path / "a")]))
+    cut = parse_dataclass(mod.Config, common + ["--out", str(tmp_path / "b"), "--session_time_s", "1e-6"])
+    rec, _ = mod.run(cut)
+    assert rec["interrupted"] and rec["steps"] == 1
+    res, _ = mod.run(parse_dataclass(mod.Config, common + ["--out", str(tmp_path / "b"), "--resume"]))
+    assert res["resumed_from"] == 1
+    assert res["train_curve"] == full["train_curve"]
+    assert [(e["step"], e["loss"], e["test_loss"]) for e in res["evals"]] == \
+        [(e["step"], e["loss"], e["test_loss"]) for e in full["evals"]]
+
+
+def test_ctrl_c_in_the_last_step_finishes_then_stops(tmp_path, monkeypatch):
+    """A Ctrl-C during the step that ends the run (here the last one): the run finishes and writes
+    its results, then KeyboardInterrupt stops the caller (a sweep must not go on to its next run)."""
+    import signal
+
+    from gdn_jax import recall
+
+    mod = _load_script()
+    after = recall._Run._after_step
+
+    def after_step(self, bar):
+        stop = after(self, bar)
+        if self.step == self.stop:
+            signal.raise_signal(signal.SIGINT)  # runs the run's handler, as a Ctrl-C would
+        return stop
+
+    monkeypatch.setattr(recall._Run, "_after_step", after_step)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt, match="the run finished at step 6"):
+        mod.run(parse_dataclass(mod.Config, TINY_ARGS + ["--steps", "6", "--eval_every", "3", "--out", str(out)]))
+    assert json.load(open(out / "results.json"))["steps"] == 6
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
 
 
 def test_script_ctrl_c_checkpoints_and_resumes(tmp_path):

@@ -255,6 +255,10 @@ def test_mixer_without_decode_is_a_clear_error():
         register_mixer("_plain_no_decode")(lambda cfg, i, rngs: Plain(cfg))
     with pytest.raises(TypeError, match="callable"):
         register_mixer("_not_callable", 3)
+    d1, d2 = register_mixer("_twice"), register_mixer("_twice")  # two decorators of one name
+    d1(lambda cfg, i, rngs: Plain(cfg))
+    with pytest.raises(ValueError, match="'_twice' is already registered"):
+        d2(lambda cfg, i, rngs: Plain(cfg))
     model = LM(LMConfig(d_model=16, num_heads=2, num_layers=1, mixer="_plain_no_decode"), rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="has no init_cache"):
         model.init_cache(1, 8)

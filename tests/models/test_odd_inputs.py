@@ -101,7 +101,7 @@ def _small_layer(name, **kw):
     ("gla", dict(dt_input="yes", decay="mamba2"), TypeError, "dt_input must be a bool"),
     ("conv", dict(channels=0), ValueError, "channels must be >= 1"),
     ("conv", dict(kernel_size=2.5), TypeError, "kernel_size must be an int"),
-    ("conv", dict(init_std=-0.1), ValueError, "init_std"),
+    ("conv", dict(init_std=-0.1), ValueError, "init_std must be a finite number >= 0"),
     ("conv", dict(activation="no"), TypeError, "activation must be a bool"),
     ("conv", dict(rngs=None), TypeError, "rngs must be a flax.nnx.Rngs"),
     ("norm", dict(dim=-1), ValueError, "dim must be >= 1"),
