@@ -125,3 +125,19 @@ def test_bench_hopper_stages_transition_lines():
     m = re.search(r"transition vs default pass rel_rms: o ([0-9.e+-]+)  final ([0-9.e+-]+)", text)
     assert m and 0 < float(m.group(1)) <= 4e-3 and float(m.group(2)) <= 4e-3, text
     assert "fwd form transition" in text, text
+
+
+def _knockouts(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_knockouts.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_bench_knockouts_shape():
+    """``--shape`` is honoured with ``--interpret`` (it was ignored until 2026-12-05) and checked."""
+    res = _knockouts("--interpret", "--kernel", "wy", "--shape", "1x64x1x64", "--reps", "1")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "knockouts of the wy kernel at (1, 64, 1, 64)" in res.stdout, res.stdout
+    for shape in ("1x64", "1x64x1x64,1x64x1x64", "0x64x1x64"):
+        res = _knockouts("--interpret", "--shape", shape)
+        assert res.returncode != 0 and "--shape" in res.stderr and "Traceback" not in res.stderr, res.stderr
