@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +40,13 @@ def rope(x, positions, *, rot_dim: int, theta: float = 10000.0):
     2021 (RoFormer), with the two halves of the rotated channels paired (GPT-NeoX / Qwen).
 
     Raises:
-      ValueError: ``rot_dim`` not an even integer in ``[0, D]``, or ``theta`` not a positive finite number.
+      ValueError: ``rot_dim`` not an even integer in ``[0, D]``, or ``theta`` not a positive finite number
+        (TypeError if it is not a number).
     """
     D = x.shape[-1]
     if isinstance(rot_dim, bool) or not isinstance(rot_dim, (int, np.integer)) or not 0 <= rot_dim <= D or rot_dim % 2:
         raise ValueError(f"rope: rot_dim must be an even integer in [0, D={D}], got {rot_dim!r}")
-    if not (isinstance(theta, (int, float, np.integer, np.floating)) and math.isfinite(theta) and theta > 0):
-        raise ValueError(f"rope: theta must be a positive number, got {theta!r}")
+    _checks.positive_float("theta", theta)
     if rot_dim == 0:
         return x
     half = rot_dim // 2
