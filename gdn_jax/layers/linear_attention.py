@@ -3,6 +3,7 @@ per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gat
 (README "Baseline mixers")."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import jax
@@ -45,7 +46,8 @@ class GatedLinearAttention(RecurrentMixer):
       ``gate_logit_normalizer`` set rank and tau (decay="gla" only, default 16 and 16; ``dt_min``,
       ``dt_max``, ``A_init_range`` are decay="mamba2"'s, default 1e-3, 0.1, (0, 16): given with
       another decay, any of them is a ValueError).
-    * ``qk_l2norm``: None (default: on for mamba2 / none, off for gla), True or False. Mamba2
+    * ``use_qk_l2norm`` (the op's name; ``qk_l2norm`` is its deprecated old name): None (default:
+      on for mamba2 / none, off for gla), True or False. Mamba2
       (Dao & Gu 2024, SSD: ``y = C h``, ``h <- exp(dt A) h + dt B x^T``) has no L2 norm on C, B (q, k).
     * ``dt_input`` (decay="mamba2" only): scale the input of the state update by the step size,
       ``v_t <- dt_t v_t`` with ``dt_t = softplus(W_a x + dt_bias)`` per head, the discretised
@@ -66,7 +68,7 @@ class GatedLinearAttention(RecurrentMixer):
       backend: the op's, ``"auto"`` / ``"scan"`` / ``"chunk"``
         (:func:`gdn_jax.ops.gated_linear_attention`). chunk_size: the chunked form's chunk (64).
       norm_eps: the output RMSNorm's epsilon.
-      gate_low_rank, gate_logit_normalizer, qk_l2norm, dt_input, dt_min, dt_max, A_init_range: the
+      gate_low_rank, gate_logit_normalizer, use_qk_l2norm, dt_input, dt_min, dt_max, A_init_range: the
         options above (None: the decay's default; another decay's option is a ValueError).
       dtype, param_dtype: compute and parameter dtypes. rngs: ``nnx.Rngs``.
 
@@ -79,10 +81,16 @@ class GatedLinearAttention(RecurrentMixer):
                  value_head_dim: Optional[int] = None, *, decay: str = "gla", use_short_conv: bool = True,
                  conv_size: int = 4, backend: str = "auto", chunk_size: int = 64, norm_eps: float = 1e-6,
                  gate_low_rank: Optional[int] = None, gate_logit_normalizer: Optional[float] = None,
-                 qk_l2norm: Optional[bool] = None, dt_input: bool = False,
+                 use_qk_l2norm: Optional[bool] = None, dt_input: bool = False,
                  dt_min: Optional[float] = None, dt_max: Optional[float] = None, A_init_range=None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, qk_l2norm: Optional[bool] = None):
         _checks.rngs(rngs)
+        if qk_l2norm is not None:  # the layer's name before 2026-12-05; the op's name is use_qk_l2norm
+            if use_qk_l2norm is not None:
+                raise ValueError("give use_qk_l2norm or its old name qk_l2norm, not both")
+            warnings.warn("GatedLinearAttention(qk_l2norm=...) is renamed use_qk_l2norm (the op's name)",
+                          DeprecationWarning, stacklevel=2)
+            use_qk_l2norm = qk_l2norm
         _checks.one_of("decay", decay, LA_DECAY_KINDS)
         _checks.flag("use_short_conv", use_short_conv)
         # each decay's own options: given with another decay they are an error, never silently ignored
@@ -107,12 +115,12 @@ class GatedLinearAttention(RecurrentMixer):
         self.decay, self.use_short_conv, self.backend, self.chunk_size = decay, use_short_conv, backend, chunk_size
         self.conv_size = conv_size
         self.gate_logit_normalizer = gate_logit_normalizer
-        if qk_l2norm is not None:
-            qk_l2norm = _checks.flag("qk_l2norm", qk_l2norm)
+        if use_qk_l2norm is not None:
+            use_qk_l2norm = _checks.flag("use_qk_l2norm", use_qk_l2norm)
         dt_input = _checks.flag("dt_input", dt_input)
         if dt_input and decay != "mamba2":
             raise ValueError(f"dt_input=True (Mamba2's dt-scaled input) needs decay='mamba2', got decay={decay!r}")
-        self.use_qk_l2norm = (decay != "gla") if qk_l2norm is None else qk_l2norm
+        self.use_qk_l2norm = (decay != "gla") if use_qk_l2norm is None else use_qk_l2norm
         self.dt_input = dt_input
         self.dtype = dtype
         lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -314,7 +314,7 @@ def _linear_attention_factory(decay: str, doc: str) -> MixerFactory:
             value_head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
         return GatedLinearAttention(
             cfg.d_model, cfg.num_heads, head_dim, value_head_dim, decay=decay, use_short_conv=cfg.use_short_conv,
-            conv_size=cfg.conv_size, qk_l2norm=cfg.la_qk_l2norm, dt_input=cfg.mamba2_dt_input and decay == "mamba2",
+            conv_size=cfg.conv_size, use_qk_l2norm=cfg.la_qk_l2norm, dt_input=cfg.mamba2_dt_input and decay == "mamba2",
             **(dict(gate_low_rank=cfg.gla_gate_low_rank, gate_logit_normalizer=cfg.gla_gate_normalizer)
                if decay == "gla" else {}),
             backend=backend, chunk_size=cfg.chunk_size, norm_eps=cfg.norm_eps, dtype=_dt(cfg.dtype),

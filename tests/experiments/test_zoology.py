@@ -187,7 +187,7 @@ def test_published_linear_attention_options():
     x = jax.random.normal(jax.random.key(1), (2, 8, 16))
     # Mamba2's dt-scaled input and no q/k norm; GLA without short conv
     base = dict(decay="mamba2", use_short_conv=False, rngs=nnx.Rngs(0))
-    m0, m1 = GatedLinearAttention(16, 2, **base), GatedLinearAttention(16, 2, dt_input=True, qk_l2norm=False, **base)
+    m0, m1 = GatedLinearAttention(16, 2, **base), GatedLinearAttention(16, 2, dt_input=True, use_qk_l2norm=False, **base)
     assert not m1.use_qk_l2norm and not hasattr(m1, "q_conv")
     assert float(jnp.abs(m0(x) - m1(x)).max()) > 0
     y, cache = m1.prefill(x[:, :7])  # decoding follows the same form

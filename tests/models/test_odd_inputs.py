@@ -97,7 +97,7 @@ def _small_layer(name, **kw):
 @pytest.mark.parametrize("name, kw, exc, match", [
     ("attention", dict(qk_norm="no"), TypeError, "qk_norm must be a bool"),
     ("attention", dict(output_gate=1), TypeError, "output_gate must be a bool"),
-    ("gla", dict(qk_l2norm=1), TypeError, "qk_l2norm must be a bool"),
+    ("gla", dict(use_qk_l2norm=1), TypeError, "use_qk_l2norm must be a bool"),
     ("gla", dict(dt_input="yes", decay="mamba2"), TypeError, "dt_input must be a bool"),
     ("conv", dict(channels=0), ValueError, "channels must be >= 1"),
     ("conv", dict(kernel_size=2.5), TypeError, "kernel_size must be an int"),
@@ -113,6 +113,17 @@ def test_building_blocks_check_arguments(name, kw, exc, match):
     ShortConv(0, 4) was accepted, a float kernel size failed inside JAX)."""
     with pytest.raises(exc, match=match):
         _small_layer(name, **kw)
+
+
+def test_gla_qk_l2norm_old_name():
+    """GatedLinearAttention's old ``qk_l2norm`` still works (DeprecationWarning) and sets what
+    ``use_qk_l2norm`` (the op's name) sets; both at once is a ValueError."""
+    with pytest.warns(DeprecationWarning, match="use_qk_l2norm"):
+        old = _small_layer("gla", qk_l2norm=True)
+    assert old.use_qk_l2norm is True and _small_layer("gla").use_qk_l2norm is False
+    assert _small_layer("gla", use_qk_l2norm=True).use_qk_l2norm is True
+    with pytest.raises(ValueError, match="not both"):
+        _small_layer("gla", qk_l2norm=True, use_qk_l2norm=False)
 
 
 def test_rope_checks_rot_dim():
