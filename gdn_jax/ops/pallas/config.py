@@ -6,7 +6,7 @@ Nothing here is global or mutable: a :class:`KernelConfig` is a frozen, hashable
 to ``gated_delta_rule(..., kernel_config=...)``, so ``jax.jit`` keys its cache on it like on any
 other static argument. None of its fields changes the result beyond floating-point rounding. The
 measurements behind the defaults are in the README's "Pallas backend" section, in each field's
-docstring below, in ``results/hopper_h200/`` (NOTE.md, HISTORY.md) and in
+docstring below, in ``results/hopper_h200/`` (KERNELS.md option by option, NOTE.md, HISTORY.md) and in
 ``results/bench_pallas_h200/``.
 """
 from __future__ import annotations
