@@ -143,6 +143,7 @@ def check_step_inputs(q, k, v, g, beta, state) -> GateForms:
     forms = _gate_forms(g, beta, lead, K, V, ("B", "H"))
     if tuple(state.shape) != lead + (K, V):
         raise ValueError(f"state must have shape [B, H, K, V] = {lead + (K, V)}, got shape {_shape(state)}")
+    check_log_decay_values(g)
     return forms
 
 
@@ -157,6 +158,22 @@ def check_cu_values(cu_seqlens, T: int) -> None:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu.tolist()}")
     if np.any(np.diff(cu) < 0):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+
+
+def check_log_decay_values(g) -> None:
+    """Concrete ``g`` (an array outside ``jit`` / ``grad``; traced values cannot be checked): ValueError
+    if a finite entry is positive. g is a LOG-space decay, ``S <- exp(g) S``, so g <= 0; a positive g
+    grows the state, which the chunked forms (cumulative decays inside a chunk) and the scan overflow
+    at different points -- backends that disagree rather than one clear answer. ``-inf`` (a full
+    reset) passes; NaN and ``+inf`` pass too (non-finite inputs: ``mask_nonfinite``'s business)."""
+    if g is None or isinstance(g, (jax.core.Tracer, jax.ShapeDtypeStruct)) or not hasattr(g, "dtype"):
+        return
+    g = jnp.asarray(g)
+    bad = (g > 0) & jnp.isfinite(g)
+    if bool(jnp.any(bad)):
+        worst = float(jnp.max(jnp.where(bad, g, 0)))
+        raise ValueError(f"g is a log-space decay and must be <= 0 (the state is multiplied by exp(g)); "
+                         f"got {int(jnp.sum(bad))} positive entries, the largest {worst:g}")
 
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale) -> GateForms:
@@ -202,6 +219,7 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
         if tuple(initial_state.shape) != want:
             what = "[N, H, K, V] (N = len(cu_seqlens) - 1)" if cu_seqlens is not None else "[B, H, K, V]"
             raise ValueError(f"initial_state must have shape {what} = {want}, got shape {_shape(initial_state)}")
+    check_log_decay_values(g)
     return forms
 
 

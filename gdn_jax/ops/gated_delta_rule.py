@@ -132,7 +132,8 @@ def gated_delta_rule(
         state live on the H value heads, and dq, dk sum over each group. The pallas kernels read
         the shared key head through their index maps (q, k are not repeated in memory); scan and
         chunk (and ``mask_nonfinite``) repeat q, k. H = Hk is the usual one-to-one case.
-      g: LOG-space decay (g <= 0; the state is multiplied by exp(g); -inf allowed, a full reset).
+      g: LOG-space decay (g <= 0; the state is multiplied by exp(g); -inf allowed, a full reset;
+        a positive entry of a concrete g is a ``ValueError``, a traced g is not checked).
         The chunked backends (chunk, pallas) floor g at -87 with float32 accumulation (exp(-87) ~
         1.6e-38, the edge of float32's normal range) and at -1000 in float64, so that cumulative
         decays inside a chunk stay bounded; the scan floors nothing. Gradients are accurate
@@ -191,7 +192,8 @@ def gated_delta_rule(
         number (Python, NumPy or 0-d array), a kernel_config that is not a :class:`KernelConfig`.
       ValueError: wrong ranks or mismatched B/T/H/K/V (the message names the argument and gives the
         shape received and expected), T = 0 or zero heads / channels, chunk_size <= 0, cu_seqlens
-        with B != 1 or not from 0 to T or decreasing, initial_state of the wrong shape, a
+        with B != 1 or not from 0 to T or decreasing, a concrete g with a positive finite entry,
+        initial_state of the wrong shape, a
         non-finite concrete scale, unknown backend, a kernel_config with a backend other than
         pallas / auto.
       NotImplementedError: an explicit backend that does not take the call: per-value-channel beta

@@ -149,8 +149,9 @@ def gated_linear_attention(
         value heads, as in :func:`gdn_jax.ops.gated_delta_rule`).
       g: optional LOG-space decay (g <= 0, dimensionless, natural log of the per-token multiplier;
         ``-inf`` allowed); the chunked form floors it at -87 (float32) / -1000 (float64), as
-        :func:`gdn_jax.ops.gated_delta_rule` does. Not checked (it may be traced): a positive g is
-        a growing state, and large ones overflow to inf on every backend.
+        :func:`gdn_jax.ops.gated_delta_rule` does. A concrete g with a positive finite entry is a
+        ``ValueError``; a traced one cannot be checked: there a positive g is a growing state, and
+        large ones overflow to inf on every backend.
       scale: query scale; ``None`` means ``K ** -0.5``.
       initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), default zeros.
       output_final_state: also return the final state.
@@ -173,7 +174,8 @@ def gated_linear_attention(
 
     Raises:
       TypeError / ValueError: as :func:`gdn_jax.ops.gated_delta_rule` (wrong dtypes, shapes,
-        cu_seqlens, initial_state, chunk_size); ValueError for an unknown backend.
+        cu_seqlens, initial_state, chunk_size, a positive concrete g); ValueError for an unknown
+        backend.
     """
     if backend not in LA_BACKENDS:
         raise ValueError(f"backend must be one of {LA_BACKENDS}, got {backend!r}")

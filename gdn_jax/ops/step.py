@@ -43,7 +43,8 @@ def gated_delta_rule_step(
       q, k: ``[B, Hk, K]`` query and key of the new token, any float dtype.
       v: ``[B, H, V]`` value; ``o`` is returned in ``v.dtype``. H may be a multiple of Hk (grouped
         value heads: value head j reads key head ``j // (H // Hk)``, as in ``gated_delta_rule``).
-      g: log decay, ``[B, H]`` (per head) or ``[B, H, K]`` (per key channel, KDA).
+      g: log decay (<= 0), ``[B, H]`` (per head) or ``[B, H, K]`` (per key channel, KDA); a
+        positive entry of a concrete g is a ``ValueError`` (a traced one is not checked).
       beta: ``[B, H]`` (per head) or ``[B, H, V]`` (per value channel).
       state: ``[B, H, K, V]`` recurrent state (any float dtype; computed in float32, float64 if
         any input is float64).
@@ -69,7 +70,7 @@ def gated_delta_rule_step(
     Raises:
       TypeError: non-floating arguments, a ``scale`` that is not a real scalar, a non-bool
       ``use_qk_l2norm``. ValueError: shapes that do not fit the layout above, a non-finite
-      ``scale``, an unknown backend or state_dtype. NotImplementedError: ``backend="pallas"`` for a
+      ``scale``, a concrete g with a positive finite entry, an unknown backend or state_dtype. NotImplementedError: ``backend="pallas"`` for a
       call it does not cover (naming why).
     """
     forms = check_step_inputs(q, k, v, g, beta, state)

@@ -138,3 +138,23 @@ def test_pallas_refuses_any_float64_input():
             gated_delta_rule(q.astype(jnp.float64), k, v, g, b, backend="pallas")
         _, S = gated_delta_rule(q.astype(jnp.float64), k, v, g, b, backend="auto", output_final_state=True)
         assert S.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "gated_linear_attention", "step"])
+def test_positive_concrete_gate_refused(op):
+    """g is a log decay (<= 0): a concrete positive entry is a ValueError naming g on every op (the
+    scan and the chunked forms used to overflow at different points, or silently grow the state);
+    -inf (a reset), 0 and a traced g (cannot be checked) pass."""
+    from gdn_jax.ops import gated_delta_rule_step, gated_linear_attention
+    q, k, v, g, b = _inputs(T=8)
+    call = dict(gated_delta_rule=lambda g: gated_delta_rule(q, k, v, g, b),
+                gated_linear_attention=lambda g: gated_linear_attention(q, k, v, g),
+                step=lambda g: gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], b[:, 0],
+                                                     jnp.zeros((1, 2, 16, 16))))[op]
+    with pytest.raises(ValueError, match=r"g is a log-space decay and must be <= 0.*1 positive.*largest 0.25"):
+        call(g.at[0, 0, 1].set(0.25))
+    ok = g.at[0, 0, 0].set(-jnp.inf).at[0, 0, 1].set(0.0)
+    assert jnp.isfinite(call(ok)[0]).all()
+    assert call(np.asarray(g)) is not None  # NumPy g: checked the same way, passes
+    traced = jax.jit(call)(g.at[0, 0, 1].set(0.25))[0]  # traced: not checkable, runs
+    assert traced.shape[-1] == 16
