@@ -100,8 +100,14 @@ def main(argv=None):
         ap.error(f"--out {args.out!r} is a file, not a folder")
 
     t0 = time.time()
-    model = hf.load_pretrained(args.path, backend=args.backend, dtype=args.dtype)
+    try:  # a checkpoint gdn_jax cannot read is one line, not a traceback
+        model = hf.load_pretrained(args.path, backend=args.backend, dtype=args.dtype)
+    except (hf.CheckpointError, NotImplementedError, ValueError, TypeError) as e:
+        ap.exit(1, f"{ap.prog}: error: {args.path}: {e}\n")
     cfg = model.cfg
+    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
+    if args.prompt is None and bad:
+        ap.error(f"--prompt_ids must be in [0, vocab_size = {cfg.vocab_size}), got {bad}")
     print(f"loaded {args.path} in {time.time() - t0:.1f}s: {cfg.num_layers} layers {cfg.layer_mixers()}, "
           f"d {cfg.d_model}, vocab {cfg.vocab_size}")
     tok = None

@@ -41,11 +41,21 @@ def _safetensors():
 
 def read_config(path: str) -> dict:
     """``config.json`` of the checkpoint directory ``path``."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path!r} is a file; give the Hugging Face checkpoint directory that holds "
+                              "config.json and the *.safetensors files")
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise CheckpointError(f"{path!r} has no config.json (expected a Hugging Face checkpoint directory)")
+    return _read_json(f)
+
+
+def _read_json(f: str):
     with open(f) as fh:
-        return json.load(fh)
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{f} is not valid JSON: {e}") from e
 
 
 def read_tensors(path: str) -> Dict[str, jnp.ndarray]:
@@ -55,8 +65,8 @@ def read_tensors(path: str) -> Dict[str, jnp.ndarray]:
     safe_open, _ = _safetensors()
     index = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map")
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' dict")
         files = sorted(set(weight_map.values()))
@@ -70,11 +80,16 @@ def read_tensors(path: str) -> Dict[str, jnp.ndarray]:
         f = os.path.join(path, name)
         if not os.path.isfile(f):
             raise CheckpointError(f"shard {name!r} listed in {INDEX_NAME} is missing from {path!r}")
-        with safe_open(f, framework="flax") as fh:
-            for key in fh.keys():
-                if key in out:
-                    raise CheckpointError(f"tensor {key!r} is stored in more than one shard")
-                out[key] = fh.get_tensor(key)
+        try:
+            with safe_open(f, framework="flax") as fh:
+                for key in fh.keys():
+                    if key in out:
+                        raise CheckpointError(f"tensor {key!r} is stored in more than one shard")
+                    out[key] = fh.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError (header / size) and OSError
+            raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from e
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(out))
         if missing:

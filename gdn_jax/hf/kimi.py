@@ -102,7 +102,11 @@ def kda_from_hf(state_dict: Dict[str, jnp.ndarray], hf_config: dict, *, prefix: 
         shape), no tensor under ``prefix``, a config field missing or not a positive integer.
       NotImplementedError: a config whose ``hidden_act`` is not ``"silu"``.
       TypeError: ``hf_config`` not a dict, ``state_dict`` not a mapping.
+      ValueError: ``use_short_conv`` in ``layer_kw``.
     """
+    if "use_short_conv" in layer_kw:
+        raise ValueError("kda_from_hf: use_short_conv is not a layer option here (a Kimi Linear checkpoint "
+                         "always has the q / k / v short convolutions)")
     d, H, K, W, eps = _kda_sizes(hf_config)
     t = _normalise(state_dict, prefix)
     if not t:

@@ -66,8 +66,9 @@ def text_config(hf: dict) -> dict:
         if not isinstance(tc, dict):
             raise CheckpointError("config.json (model_type 'qwen3_5') has no 'text_config' dict")
         tc = dict(tc)
-        if tc.get("tie_word_embeddings") is None and "tie_word_embeddings" in hf:
-            tc["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        # transformers (5.24.0) ties the composite model's lm_head by the TOP-level field (default
+        # False), whatever text_config says; gdn_jax follows it so that both load the same model
+        tc["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings") or False)
         tc["model_type"] = "qwen3_5_text"
         return tc
     if mt in TEXT_TYPES:
@@ -86,10 +87,16 @@ def _rope(tc: dict):
         rp.setdefault("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
     if not isinstance(rp, dict):
         raise CheckpointError(f"config.json rope_parameters must be a dict, got {rp!r}")
-    rtype = rp.get("rope_type", rp.get("type", "default"))
-    if rtype != "default":
-        raise NotImplementedError(f"config.json rope_parameters.rope_type {rtype!r} is not supported "
-                                  "(gdn_jax implements 'default' RoPE only)")
+    # transformers merges a legacy rope_scaling into rope_parameters: a scaled RoPE in either is refused
+    for name, d in (("rope_parameters", rp), ("rope_scaling", tc.get("rope_scaling"))):
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise CheckpointError(f"config.json {name} must be a dict, got {d!r}")
+        rtype = d.get("rope_type", d.get("type", "default"))
+        if rtype != "default":
+            raise NotImplementedError(f"config.json {name}.rope_type {rtype!r} is not supported "
+                                      "(gdn_jax implements 'default' RoPE only)")
     theta = float(rp.get("rope_theta", tc.get("rope_theta", 10000.0)))
     frac = float(rp.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25)))
     return theta, frac

@@ -94,12 +94,35 @@ def test_odd_rotary_dim(ckpt):
         _load(bad, t)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                                     {"type": "linear", "factor": 2.0}])
+def test_rope_scaling_beside_rope_parameters_refused(ckpt, scaling):
+    """A legacy rope_scaling next to rope_parameters (Qwen's model cards add one for long context;
+    transformers merges the two) used to load as plain RoPE, logits ~1.6e-2 off: now refused."""
+    cfg, t = ckpt
+    assert cfg["rope_parameters"]["rope_type"] == "default"
+    with pytest.raises(NotImplementedError, match=r"rope_scaling.rope_type '(yarn|linear)' is not supported"):
+        _load(dict(cfg, rope_scaling=scaling), t)
+    assert isinstance(_load(dict(cfg, rope_scaling={"rope_type": "default"}), t), LM)
+
+
 def test_directory_errors(ckpt, tmp_path):
     cfg, t = ckpt
     with pytest.raises(CheckpointError, match="has no config.json"):
         hf.load_pretrained(str(tmp_path))
     hf.write_checkpoint(str(tmp_path), cfg, t)
     assert isinstance(hf.load_pretrained(str(tmp_path)), LM)
+    with pytest.raises(CheckpointError, match="is a file; give the Hugging Face checkpoint directory"):
+        hf.load_pretrained(str(tmp_path / "config.json"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"broken/config.json is not valid JSON"):
+        hf.load_pretrained(str(broken))
+    (broken / "config.json").write_text(json.dumps(cfg))
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    with pytest.raises(CheckpointError, match=r"cannot read .*broken/model.safetensors"):
+        hf.load_pretrained(str(broken))
     with open(tmp_path / "model.safetensors.index.json", "w") as fh:
         json.dump({"weight_map": {k: "model-00002-of-00002.safetensors" for k in t}}, fh)
     with pytest.raises(CheckpointError, match=r"shard 'model-00002-of-00002.safetensors' listed in "
@@ -153,6 +176,11 @@ def test_hf_probe_script(ckpt, tmp_path):
     for argv in (["--trials", "0"], ["--niah_lengths", "8"], ["--prompt_ids", "1,x"], ["--max_new_tokens", "0"]):
         with pytest.raises(SystemExit):
             probe.main([str(tmp_path / "missing"), *argv])
+    # after loading: a missing folder and out-of-vocabulary ids are one line each, not a traceback
+    with pytest.raises(SystemExit, match="1"):
+        probe.main([str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):
+        probe.main([str(tmp_path / "ckpt"), "--prompt_ids", "1,40", "--niah_lengths", ""])
 
 
 def test_default_head_dims_round_trip(tmp_path):

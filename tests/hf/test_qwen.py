@@ -161,17 +161,23 @@ def test_negative_control_heads_tiled(checkpoints, name):
     assert _corrupt_and_compare(checkpoints, name, tile) > 100 * TOL
 
 
-def test_conditional_generation_text_part(tmp_path):
+@pytest.mark.parametrize("tie_top, tie_text", [(None, False), (True, False)])
+def test_conditional_generation_text_part(tmp_path, tie_top, tie_text):
     """The text part of a Qwen3_5ForConditionalGeneration checkpoint (model.language_model.*, the
-    vision tower ignored) against its text-only forward."""
+    vision tower ignored) against its text-only forward. transformers ties the lm_head by the
+    top-level ``tie_word_embeddings`` whatever text_config says (a (True, False) config used to be
+    refused here: "missing tensor 'lm_head.weight'")."""
     import transformers
     from _hf_common import perturb_
 
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32, patch_size=2,
                   temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
-    cfg = transformers.Qwen3_5Config(text_config=qwen35_config(HYBRID).to_dict(), vision_config=vision)
+    text = dict(qwen35_config(HYBRID).to_dict(), tie_word_embeddings=tie_text)
+    top = {} if tie_top is None else dict(tie_word_embeddings=tie_top)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **top)
     torch.manual_seed(0)
     m = perturb_(transformers.Qwen3_5ForConditionalGeneration(cfg).eval(), 0)
     m.save_pretrained(str(tmp_path))
-    err, _ = _compare(m, str(tmp_path))
+    err, model = _compare(m, str(tmp_path))
     assert err <= TOL, f"{err:.2e}"
+    assert model.cfg.tie_embeddings is bool(tie_top)
