@@ -129,6 +129,17 @@ def _check_token(token, cache):
     return token
 
 
+def _check_ids(name, ids, model):
+    """ValueError for concrete ids outside [0, vocab_size) (an out-of-range id embeds as NaN, or wraps
+    around, and samples garbage); traced ids cannot be checked."""
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if vocab is None or isinstance(ids, jax.core.Tracer) or ids.size == 0:
+        return
+    lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{name} ids must be in [0, vocab_size={vocab}), got ids from {lo} to {hi}")
+
+
 def _check_count(name, n):
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"{name} must be a non-negative int, got {n!r}")
@@ -160,11 +171,13 @@ def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float
 
     Raises:
       ValueError: a non-integer ``token`` not of shape ``[B]`` or whose B is not the cache's batch,
-        a negative ``num_tokens``, a negative or non-finite ``temperature``, an out-of-range
+        concrete ``token`` ids outside ``[0, vocab_size)`` (a traced one cannot be checked: an
+        id past the table gives NaN logits), a negative ``num_tokens``, a negative or non-finite ``temperature``, an out-of-range
         ``top_k``, or an attention cache with fewer than ``num_tokens`` free slots after ``pos``.
       TypeError: ``temperature`` not a real number, ``top_k`` not an int.
     """
     token = _check_token(token, cache)
+    _check_ids("token", token, model)
     num_tokens = _check_count("num_tokens", num_tokens)
     _check_sampling(model, temperature, top_k)
     _check_room(cache, num_tokens)
@@ -226,8 +239,11 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
 
     Args:
       model: an :class:`gdn_jax.models.LM` (every mixer must have ``init_cache/prefill/decode``).
-      prompt: int ``[B, T]``, T >= 1.
-      max_new_tokens: number of tokens to produce (>= 0).
+      prompt: int ``[B, T]``, T >= 1: B prompts of the same length. There is no attention mask:
+        every token of every row is context, so a padded row (left or right) is generated from its
+        pad tokens too; batch prompts of one length, or call once per length.
+      max_new_tokens: number of tokens to produce (>= 0; 0 returns ``[B, 0]`` and, with
+        ``timings``, zeros and nan).
       key: a PRNG key (same key, same tokens).
       temperature: softmax temperature (>= 0); 0 means greedy argmax. Traced: no recompilation.
       top_k: keep only the k most likely tokens before sampling (``None``: all).
@@ -265,12 +281,10 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
                          f"exceeds the attention cache's max_len = {max_len}")
     _check_sampling(model, temperature, top_k)
-    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    if vocab is not None and not isinstance(prompt, jax.core.Tracer):
-        lo, hi = int(jnp.min(prompt)), int(jnp.max(prompt))
-        if lo < 0 or hi >= vocab:  # an out-of-range id would embed as NaN and sample token 0
-            raise ValueError(f"prompt ids must be in [0, vocab_size={vocab}), got ids from {lo} to {hi}")
+    _check_ids("prompt", prompt, model)
     if max_new_tokens == 0:
+        if timings is not None:  # nothing ran: no stale numbers of an earlier call left in the dict
+            timings.update(prefill_s=0.0, decode_s=0.0, decode_tokens=0, per_token_s=float("nan"))
         return jnp.zeros((B, 0), jnp.int32)
     graphdef, state = nnx.split(model)
     temp, top_k = jnp.asarray(temperature, jnp.float32), None if top_k is None else int(top_k)

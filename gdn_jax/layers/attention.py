@@ -14,6 +14,16 @@ from . import _checks
 from .norm import NORM_STYLES, rms_norm
 
 
+def _sdpa(q, k, v, **kw):
+    """``jax.nn.dot_product_attention``; float16 on CPU runs in float32 and returns float16 (XLA:CPU
+    has no float16 dot with float32 accumulation under ``jit``: "The precision 'F16_F16_F32' is not
+    supported by dot_general on CPU", JAX 0.10.2)."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        f32 = lambda x: x.astype(jnp.float32)
+        return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), **kw).astype(jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, **kw)
+
+
 class KVCache(NamedTuple):
     """Attention layer cache of static maximum length ``max_len``: keys and values
     ``[B, max_len, N_kv, D]`` (compute dtype; N_kv = ``num_kv_heads``) and ``pos`` (int32 scalar), the number of positions
@@ -171,7 +181,7 @@ class Attention(nnx.Module):
             positions = positions - jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id]
             mask = (seq_id[:, None] == seq_id[None, :])[None, None]
         q, k, v = self.qkv(x, positions)
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+        o = _sdpa(q, k, v, mask=mask, is_causal=True)
         y = self.output(o, x)
         if valid is not None:  # a malformed traced cu_seqlens: NaN, never a silent answer
             y = poison_if_invalid(y, valid)
@@ -222,6 +232,6 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x_t, pos[None])
         new = cache.write(k, v)
         mask = (jnp.arange(new.max_len) <= pos)[None, None, None, :]
-        o = jax.nn.dot_product_attention(q, new.k, new.v, mask=mask)
+        o = _sdpa(q, new.k, new.v, mask=mask)
         y = self.output(o, x_t)
         return jnp.where(pos < new.max_len, y, jnp.asarray(jnp.nan, y.dtype)), new

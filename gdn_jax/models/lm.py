@@ -197,6 +197,7 @@ class LMConfig:
         if "kda" in mixers and (self.allow_neg_eigval or self.beta_per_channel):
             raise ValueError("LMConfig.allow_neg_eigval / beta_per_channel are gdn / deltanet options; mixer 'kda' "
                              "(Kimi Delta Attention) has one beta in (0, 1) per head: leave them False")
+        self._check_unused_options(mixers)
         if "gdn" in mixers and self.decay == "none" and self.decay_per_channel:
             raise ValueError("LMConfig.decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got "
                              "decay='none'")
@@ -226,6 +227,27 @@ class LMConfig:
         if self.mlp_hidden_size is not None:
             return self.mlp_hidden_size
         return int(self.mlp_ratio * self.d_model) if self.mlp_ratio > 0 else 0
+
+    def _check_unused_options(self, mixers) -> None:
+        """ValueError for a GDN-layer option set away from its default when no layer of the model
+        would read it (e.g. ``mixer="kda", decay="sigmoid"`` or ``mixer="mamba2", value_head_dim=8``
+        used to build the default model silently). Skipped when a mixer is not a built-in one: a
+        registered factory may read any field, and for attention-only models (no recurrent layer for
+        the options to describe; a Hugging Face config carries its linear-attention fields anyway)."""
+        if any(MIXERS.get(m) is not _BUILTIN_MIXERS.get(m) for m in mixers):
+            return
+        if not set(mixers) - {"attention", "gated_attention"}:
+            return
+        names = sorted(set(mixers))
+        readers = {"decay": {"gdn"}, "decay_per_channel": {"gdn"}, "beta_per_channel": {"gdn", "deltanet"},
+                   "allow_neg_eigval": {"gdn", "deltanet"}, "value_head_dim": {"gdn", "deltanet"},
+                   "num_v_heads": {"gdn", "deltanet"}}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, users in readers.items():
+            if getattr(self, name) != defaults[name] and not users & set(mixers):
+                raise ValueError(f"LMConfig.{name} = {getattr(self, name)!r} is an option of the "
+                                 f"{' / '.join(sorted(users))} layer; mixers {names} do not read it (it would "
+                                 f"change nothing): leave it at {defaults[name]!r}")
 
     def layer_mixers(self) -> Tuple[str, ...]:
         """The mixer name of each layer."""
@@ -360,6 +382,9 @@ def _kda(cfg: LMConfig, i: int, rngs: nnx.Rngs):
                               kernel_config=cfg.kernel_config, norm_eps=cfg.norm_eps,
                               dtype=_dt(cfg.dtype), param_dtype=_dt(cfg.param_dtype),
                               decode_backend=cfg.decode_backend, state_dtype=_dt(cfg.state_dtype), rngs=rngs)
+
+
+_BUILTIN_MIXERS: Dict[str, MixerFactory] = dict(MIXERS)  # the factories above, as registered at import
 
 
 class SwiGLU(nnx.Module):

@@ -99,3 +99,34 @@ def test_decode_loop_token_batch_must_match_the_cache():
     with pytest.raises(ValueError, match=r"token has batch B = 1 .* the cache has batch 2"):
         time_decode_loop(model, cache, jnp.zeros((1,), jnp.int32), 1, reps=1)
     assert TRACE_COUNT["decode_loop"] == before and not cache[0].state.is_deleted()
+
+
+def test_decode_loop_token_range_and_generate_zero_tokens_timings():
+    """Concrete token ids outside [0, vocab) are a ValueError in decode_loop, as in generate /
+    decode_step (they used to give NaN logits, or wrap around, silently); generate with
+    max_new_tokens = 0 fills ``timings`` (zeros, nan) instead of leaving an earlier call's numbers."""
+    cfg = LMConfig(vocab_size=64, d_model=32, num_heads=2, num_layers=1, backend="scan")
+    model = LM(cfg, rngs=nnx.Rngs(0))
+    cache = model.init_cache(2, 8)
+    for bad in ([64, 1], [-3, 1]):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=64\)"):
+            decode_loop(model, cache, jnp.asarray(bad, jnp.int32), 2, key=jax.random.key(0))
+    assert not cache[0].state.is_deleted()
+    t = {"decode_tokens": 4, "per_token_s": 0.2}
+    out = generate(model, jnp.ones((2, 3), jnp.int32), 0, key=jax.random.key(0), timings=t)
+    assert out.shape == (2, 0) and t["decode_tokens"] == 0 and t["prefill_s"] == 0.0 and np.isnan(t["per_token_s"])
+
+
+def test_float16_attention_generates_under_jit():
+    """A float16 model with an attention layer runs under jit on CPU (XLA:CPU has no float16 dot with
+    float32 accumulation, which jax.nn.dot_product_attention asks for: generate used to fail) and its
+    greedy tokens and logits follow the float32 model with the same parameters."""
+    base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "attention"), backend="scan")
+    m16 = LM(LMConfig(**base, dtype="float16", param_dtype="float16"), rngs=nnx.Rngs(0))
+    m32 = LM(LMConfig(**base), rngs=nnx.Rngs(0))
+    nnx.update(m32, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(m16)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
+    y16, y32 = jax.jit(lambda t: m16(t))(tokens), m32(tokens)
+    assert rel(y16, y32) < 2e-2
+    out = generate(m16, tokens, 3, key=jax.random.key(0))
+    assert out.shape == (2, 3)

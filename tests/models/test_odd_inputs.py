@@ -78,10 +78,30 @@ def test_gdn_layer_arguments_checked_at_construction(kw, match):
     (dict(mixer="kda", beta_per_channel=True, backend="scan"), ValueError, "mixer 'kda'"),
     (dict(allow_neg_eigval=1), TypeError, "allow_neg_eigval"),
     (dict(decay="none", decay_per_channel=True), ValueError, "decay_per_channel"),
+    # a GDN option no layer would read (used to build the default model silently)
+    (dict(mixer="kda", decay="sigmoid"), ValueError, r"LMConfig.decay = 'sigmoid' is an option of the gdn layer; "
+                                                     r"mixers \['kda'\] do not read it"),
+    (dict(mixer="mamba2", value_head_dim=8), ValueError, r"value_head_dim = 8 is an option of the deltanet / gdn"),
+    (dict(mixer="deltanet", decay_per_channel=True), ValueError, r"decay_per_channel = True .* \['deltanet'\]"),
+    (dict(mixer="gla", allow_neg_eigval=True), ValueError, r"allow_neg_eigval"),
 ])
 def test_lm_config_checks(kw, exc, match):
     with pytest.raises(exc, match=match):
         LMConfig(**{**SMALL, "d_model": 64}, **kw)
+
+
+def test_lm_config_unused_option_allowed_where_read():
+    """The unused-option check leaves configs where some layer reads the option (hybrids), attention-only
+    models (HF configs carry their linear-attention fields) and registered mixers alone."""
+    from gdn_jax.models import register_mixer, MIXERS
+
+    LMConfig(**{**SMALL, "d_model": 64, "num_layers": 2}, mixer=("gdn", "mamba2"), value_head_dim=8, decay="sigmoid")
+    LMConfig(**{**SMALL, "d_model": 64}, mixer="attention", value_head_dim=8, num_v_heads=4)
+    register_mixer("my_mixer_reads_decay", MIXERS["mamba2"])
+    try:
+        LMConfig(**{**SMALL, "d_model": 64}, mixer="my_mixer_reads_decay", decay="sigmoid")
+    finally:
+        del MIXERS["my_mixer_reads_decay"]
 
 
 def _small_layer(name, **kw):
