@@ -83,7 +83,8 @@ class Attention(nnx.Module):
         as in Qwen3.5's attention layers).
       num_kv_heads: key/value heads (grouped-query attention: query head n reads key/value head
         ``n // (num_heads // num_kv_heads)``, HF's ``repeat_kv`` order); default ``num_heads``.
-      rope_theta: RoPE base. rope_fraction: share of each head's channels that are rotated.
+      rope_theta: RoPE base. rope_fraction: share of each head's channels that are rotated, as a
+        count rounded down to an even number: ``int(head_dim * rope_fraction) // 2 * 2`` (``rot_dim``).
       qk_norm, output_gate: Qwen3-Next's gated-attention options (off by default).
       norm_eps: epsilon of the q/k RMSNorm.
       norm_style: ``"standard"`` (``x/rms * w``) or ``"zero_centered"`` (Qwen's ``x/rms * (1 + w)``)

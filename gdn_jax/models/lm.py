@@ -49,7 +49,8 @@ class LMConfig:
       attn_num_heads, attn_num_kv_heads, attn_head_dim: the attention mixers' query heads,
         key/value heads (GQA) and head dim (defaults num_heads, attn_num_heads, head_dim).
       rope_theta: RoPE base of the attention mixers.
-      rope_fraction: share of each attention head's channels that RoPE rotates (default: 1 for
+      rope_fraction: share of each attention head's channels that RoPE rotates, rounded down to an
+        even count (``Attention.rot_dim``; default: 1 for
         ``attention``, 1/4 for ``gated_attention``).
       conv_size: kernel size of the recurrent mixers' short conv.
 
