@@ -234,6 +234,23 @@ def _check_field_types(cfg) -> None:
                             f"{' or None' if type(None) in args else ''}, got {type(value).__name__} {value!r}")
 
 
+def check_out_dir(name: str, path: Optional[str]) -> None:
+    """ValueError naming ``name`` when ``path`` (a folder the run will create or fill) is an existing
+    file or lies under one -- checked before anything trains (a checkpoint folder that is a file used
+    to fail at the first checkpoint, in orbax, after minutes)."""
+    if path is None:
+        return
+    p = os.path.abspath(path)
+    while True:
+        if os.path.exists(p) and not os.path.isdir(p):
+            where = "is a file" if p == os.path.abspath(path) else f"lies under the file {p!r}"
+            raise ValueError(f"{name}={path!r} {where}, not a folder")
+        parent = os.path.dirname(p)
+        if parent == p or os.path.isdir(p):
+            return
+        p = parent
+
+
 def validate(cfg: RecallConfig) -> None:
     """Check the settings of ``cfg`` that the task and model configs do not check themselves (those
     are checked when :func:`build` makes them: the task's sizes, the model's backend options).
@@ -302,6 +319,8 @@ def validate(cfg: RecallConfig) -> None:
             "epoch at lr 0)")
     if not 0 < cfg.target_accuracy <= 1:
         bad("target_accuracy", "in (0, 1]")
+    check_out_dir("RecallConfig.out", cfg.out)
+    check_out_dir("RecallConfig.ckpt_dir", cfg.ckpt_dir)
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
             f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")
@@ -320,11 +339,11 @@ def build(cfg: RecallConfig):
     except (TypeError, ValueError) as e:
         raise type(e)(f"RecallConfig task {cfg.task!r}: {e}") from None
     loader = TaskLoader(task, cfg.batch_size, mode=cfg.data_mode)
-    lm_cfg = make_lm_config(cfg, task.model_vocab_size)
-    layer_mixers = lm_cfg.layer_mixers()
+    layer_mixers = (cfg.mixer,) + ((cfg.hybrid_mixer,) if cfg.hybrid_every else ())  # before LMConfig's own check
     if cfg.allow_neg_eigval and not set(layer_mixers) & {"gdn", "deltanet"}:
         raise ValueError(f"RecallConfig.allow_neg_eigval needs a delta-rule layer (gdn, deltanet); the layers are "
-                         f"{layer_mixers}")
+                         f"{list(layer_mixers)}")
+    lm_cfg = make_lm_config(cfg, task.model_vocab_size)
     model_fn = lambda: LM(lm_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = T.make_optimizer(cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps,
                           weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
@@ -387,9 +406,10 @@ class _Run:
         self.cfg = cfg
         self.out = cfg.out or os.path.join("runs", cfg.task)
         self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
-        os.makedirs(self.out, exist_ok=True)
         self.stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
-        self.task, self.loader, _, self.model_fn, self.tx = build(cfg)
+        self.task, self.loader, _, self.model_fn, self.tx = build(cfg)  # validates cfg (out, ckpt_dir too)
+        check_out_dir("RecallConfig.out", self.out)  # the default runs/<task> as well
+        os.makedirs(self.out, exist_ok=True)
         self.mesh = T.make_mesh()
         self.n_dev = self.mesh.shape["data"]
         for name in ("batch_size", "eval_batch_size"):
@@ -584,15 +604,18 @@ class _Run:
         cfg, history, step = self.cfg, self.history, self.step
         out_of_time = cfg.max_time_s is not None and self.wall() > cfg.max_time_s
         is_eval = step % cfg.eval_every == 0
-        if cfg.session_time_s is not None and time.perf_counter() - self.t0 > cfg.session_time_s and not is_eval:
-            self.interrupted = "session_time"  # run() checkpoints; the run stays unfinished (a resume continues it)
-            return True
         if step % cfg.log_every == 0 or is_eval or step == self.stop:
             self.stage()
             la = self.flush() if is_eval or step == self.stop else self.fetch(keep=1)
             if la is not None:
                 bar.set_postfix(loss=f"{la[0]:.3f}", acc=f"{la[1]:.3f}",
                                 test=f"{history['evals'][-1]['test_accuracy']:.3f}" if history["evals"] else "-")
+        # after the log point (a stop on a log step used to leave its metrics to the resumed run's next
+        # point, merging two curve points); an evaluation step evaluates first, the last step finishes
+        if (cfg.session_time_s is not None and time.perf_counter() - self.t0 > cfg.session_time_s and not is_eval
+                and step < self.stop):
+            self.interrupted = "session_time"  # run() checkpoints; the run stays unfinished (a resume continues it)
+            return True
         if is_eval:
             rec = self.evaluate()
             bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}", acc=f"{history['train'][-1][2]:.3f}",

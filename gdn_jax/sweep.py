@@ -235,9 +235,10 @@ _NEG_OK = ("gdn", "deltanet", "hybrid")
 
 def cells(cfg: SweepConfig) -> List[Cell]:
     """The grid of ``cfg``. ``neg_eigval=True`` only for mixers with a delta rule (gdn, deltanet,
-    hybrid); a task whose config lacks ``seq_len`` / ``num_kv_pairs`` ignores that axis (``niah``
-    ignores ``num_kv_pairs``; ``state_tracking`` both: its lengths are the task fields
-    train/test_min/max_len, set with ``base``)."""
+    hybrid); a task whose config lacks ``seq_len`` / ``num_kv_pairs`` takes one value of that axis
+    and ignores it (``niah`` has no ``num_kv_pairs``; ``state_tracking`` neither: its lengths are the
+    task fields train/test_min/max_len, set with ``base``; more than one value is a ValueError in
+    :func:`validate`, and summaries leave the axis out)."""
     from gdn_jax.models.lm import MIXERS
 
     for m in cfg.mixers:
@@ -347,7 +348,7 @@ def validate(cfg: SweepConfig) -> List[Cell]:
     listing every problem (each naming its ``SweepConfig`` or ``RecallConfig`` field)."""
     from flax import nnx
 
-    from gdn_jax.recall import TASKS, build
+    from gdn_jax.recall import TASKS, build, check_out_dir
 
     errors = []
     if cfg.task not in TASKS:
@@ -370,11 +371,25 @@ def validate(cfg: SweepConfig) -> List[Cell]:
             errors.append(f"SweepConfig.{name} repeats a value: {values}")
     if not cfg.out:
         errors.append("SweepConfig.out must name a folder, got an empty string")
+    for name in ("out", "ckpt_root"):
+        try:
+            check_out_dir(f"SweepConfig.{name}", getattr(cfg, name) or None)
+        except ValueError as e:
+            errors.append(str(e))
     for x in cfg.shapes:
         try:
             parse_shape(x)
         except ValueError as e:
             errors.append(str(e))
+    if cfg.task in TASKS:  # an axis the task has not would collapse to its first value, silently
+        axes = _task_axes(cfg.task)
+        for name, field in (("seq_lens", "seq_len"), ("num_kv_pairs", "num_kv_pairs")):
+            if field not in axes and len(getattr(cfg, name)) > 1:
+                errors.append(f"SweepConfig.{name} has {len(getattr(cfg, name))} values but task {cfg.task!r} has no "
+                              f"{field} (set its own length fields with SweepConfig.base); give one value")
+        if cfg.shapes and len(axes) < 2:
+            errors.append(f"SweepConfig.shapes sets (seq_len, num_kv_pairs) points; task {cfg.task!r} has only "
+                          f"{list(axes)} of them: use SweepConfig.seq_lens / SweepConfig.base")
     if cfg.epochs is not None:
         if isinstance(cfg.epochs, bool) or not isinstance(cfg.epochs, int) or cfg.epochs < 1:
             errors.append(f"SweepConfig.epochs must be None or an int >= 1, got {cfg.epochs!r}")
@@ -688,8 +703,11 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
                     in_progress.append(f"{cell.name} lr {lr:g} (checkpoint at step {step})")
                     started = True
                 continue
-            row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model, seq_len=cell.seq_len,
-                       num_kv_pairs=cell.num_kv_pairs, neg_eigval=cell.neg_eigval, lr=lr,
+            axes = _task_axes(cell.task)  # an axis the task has not: None (its run never used the value)
+            row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model,
+                       seq_len=cell.seq_len if "seq_len" in axes else None,
+                       num_kv_pairs=cell.num_kv_pairs if "num_kv_pairs" in axes else None,
+                       neg_eigval=cell.neg_eigval, lr=lr,
                        best_test_accuracy=r["best_test_accuracy"], final_test_accuracy=r["final_test_accuracy"],
                        best_scaled_accuracy=r.get("best_scaled_accuracy"),
                        final_scaled_accuracy=r.get("final_scaled_accuracy"), steps=r["steps"],
@@ -754,11 +772,13 @@ def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequen
     out = [f"# {cfg.task} sweep `{cfg.out}` ({metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
            f"without reaching the target; (partial) = learning rates still to run; — (in progress) = no run "
            f"finished yet, one checkpointed; — = not run yet)\n"]
+    axes = _task_axes(cfg.task)
     for L, n in sorted({(c.seq_len, c.num_kv_pairs) for c in grid}):
         sel = [c for c in grid if (c.seq_len, c.num_kv_pairs) == (L, n)]
         ds = sorted({c.d_model for c in sel})
         labels = list(dict.fromkeys(c.label for c in sel))
-        out.append(f"\n## L {L}, {n} pairs\n\n| mixer | " + " | ".join(f"d {d}" for d in ds) + " |\n|---|"
+        head = ", ".join(([f"L {L}"] if "seq_len" in axes else []) + ([f"{n} pairs"] if "num_kv_pairs" in axes else []))
+        out.append(f"\n## {head or 'lengths of the task config'}\n\n| mixer | " + " | ".join(f"d {d}" for d in ds) + " |\n|---|"
                    + "---|" * len(ds) + "\n")
         for lab in labels:
             row = []

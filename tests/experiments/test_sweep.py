@@ -56,6 +56,11 @@ def test_every_mixer_trains(task, tmp_path):
     assert not (tmp_path / "accuracy_vs_lr.png").exists()  # one learning rate: no lr figure
     if task == "state_tracking":
         assert all(c["best_scaled_accuracy"] is not None for c in summary["cells"])
+    # the summary names only the axes the task has (they used to show a never-used "L 32, 4 pairs")
+    md = open(tmp_path / "summary.md").read()
+    head = {"mqar": "## L 32, 4 pairs", "niah": "## L 32\n", "state_tracking": "## lengths of the task config"}[task]
+    assert head in md, md
+    assert all((c["num_kv_pairs"] is None) == (task != "mqar") for c in summary["cells"])
 
 
 def test_resume_best_lr_and_neg_eigval(tmp_path):
@@ -191,7 +196,10 @@ def test_bad_arguments(tmp_path):
     # the whole grid is checked before anything trains; nothing is written
     bad = [dict(task="foo"), dict(lrs=()), dict(d_models=(0,)), dict(seq_lens=(8,), num_kv_pairs=(4,)),
            dict(workers=-1), dict(workers_per_device=0), dict(d_models=(30,), base=("num_heads=4",)), dict(lrs=(float("nan"),)),
-           dict(worker_index=-1), dict(lrs=(1e-3, 1e-3)), dict(lrs=(1e-3, 1.0000001e-3))]
+           dict(worker_index=-1), dict(lrs=(1e-3, 1e-3)), dict(lrs=(1e-3, 1.0000001e-3)),
+           # an axis the task has not (its values used to collapse to the first, silently)
+           dict(task="state_tracking", seq_lens=(32, 64)), dict(task="niah", num_kv_pairs=(4, 8)),
+           dict(task="niah", shapes=("64x4",))]
     for kw in bad:
         out = tmp_path / "never"
         with pytest.raises(ValueError):
@@ -235,6 +243,17 @@ def test_recall_rejects_bad_settings(tmp_path):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
+    # an output / checkpoint folder that is a file (or under one): refused before anything trains (a
+    # --ckpt_dir file used to fail in orbax at the first checkpoint, after a 5-minute wait)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for kw, msg in [(dict(out=str(afile)), r"RecallConfig\.out='.*afile' is a file, not a folder"),
+                    (dict(out=str(tmp_path), ckpt_dir=str(afile / "sub")), r"RecallConfig\.ckpt_dir=.* lies under the file")]:
+        with pytest.raises(ValueError, match=msg):
+            build(RecallConfig(**kw))
+    with pytest.raises(ValueError, match=r"SweepConfig\.ckpt_root=.* is a file"):
+        S.run_sweep(S.SweepConfig(out=str(tmp_path / "sw"), ckpt_root=str(afile), progress=False, mixers=("gdn",)))
+    assert not (tmp_path / "sw").exists()
     # a value of the wrong type: TypeError naming the field (lr="x" used to fail in math.isfinite)
     for kw, msg in [(dict(seq_len=64.0), r"RecallConfig\.seq_len must be an int, got float 64\.0"),
                     (dict(lr="x"), r"RecallConfig\.lr must be a float, got str 'x'"),

@@ -390,13 +390,16 @@ def test_script_end_to_end_and_resume(tmp_path):
     assert res_b["evals"][-1]["test_loss"] == res["evals"][-1]["test_loss"]
 
 
-def test_suspended_session_history_identical(tmp_path):
-    """A session stopped between log points and evaluations (session_time_s) and resumed gives the
-    uninterrupted run's train curve and evaluation losses exactly (the per-step metrics since the
-    last curve point and the losses since the last evaluation travel in the checkpoint; until
-    2026-12-05 the stop added a curve point and the evaluation's mean loss lost the steps before it)."""
+@pytest.mark.parametrize("log_every", [3, 1])
+def test_suspended_session_history_identical(tmp_path, log_every):
+    """A session stopped (session_time_s) between log points (log_every 3) or on one (1) and resumed
+    gives the uninterrupted run's train curve and evaluation losses exactly (the per-step metrics
+    since the last curve point and the losses since the last evaluation travel in the checkpoint;
+    until 2026-12-05 the stop added a curve point and the evaluation's mean loss lost the steps
+    before it; until 2026-12-06 a stop on a log step left that step's point to be merged with the
+    next one's)."""
     mod = _load_script()
-    common = TINY_ARGS + ["--steps", "14", "--eval_every", "7", "--log_every", "3"]
+    common = TINY_ARGS + ["--steps", "14", "--eval_every", "7", "--log_every", str(log_every)]
     full, _ = mod.run(parse_dataclass(mod.Config, common + ["--out", str(tmp_path / "a")]))
     cut = parse_dataclass(mod.Config, common + ["--out", str(tmp_path / "b"), "--session_time_s", "1e-6"])
     rec, _ = mod.run(cut)
