@@ -163,16 +163,21 @@ def plot(runs: Sequence[Dict[str, Any]], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="runs/attention_fillers")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Defaults (--tiny's in brackets): " + ", ".join(
+                                     f"--{k} {FULL[k] if not isinstance(FULL[k], tuple) else ' '.join(map(str, FULL[k]))}"
+                                     f" [{TINY[k] if not isinstance(TINY[k], tuple) else ' '.join(map(str, TINY[k]))}]"
+                                     for k in FULL) + ", --seed 0.")
+    ap.add_argument("--out", default="runs/attention_fillers",
+                    help="folder for attention_fillers.json / .png (default %(default)s, relative to the working directory)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, a few steps")
     ap.add_argument("--key_bias", nargs="+", default=["none", "k"], help="attention biases: none, k, qkvo, ...")
     ap.add_argument("--lengths", nargs="+", type=int, default=None, help="sequence lengths (default 256 512)")
     ap.add_argument("--pairs", nargs="+", type=int, default=None, help="kv pairs per length (default 32 64)")
     for k in ("vocab_size", "d_model", "num_heads", "batch_size", "warmup", "steps", "diag_every", "diag_examples",
               "diag_batch", "seed"):
-        ap.add_argument(f"--{k}", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=None)
+        ap.add_argument(f"--{k}", type=int, default=None, help="see the defaults below")
+    ap.add_argument("--lr", type=float, default=None, help="see the defaults below")
     ap.add_argument("--max_steps", type=int, default=None, help="stop here (the cosine still ends at --steps)")
     ap.add_argument("--backend", default="auto")
     args = ap.parse_args(argv)
@@ -184,6 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     s.setdefault("seed", 0)
     if len(s["pairs"]) != len(s["lengths"]):
         ap.error(f"--pairs needs one value per length: {s['lengths']} vs {s['pairs']}")
+    if int(s["num_heads"]) >= 1 and int(s["d_model"]) % int(s["num_heads"]):  # this script has no --head_dim
+        ap.error(f"--d_model must be divisible by --num_heads {s['num_heads']}, got {s['d_model']}")
     for k in ("diag_every", "diag_examples", "diag_batch"):
         if int(s[k]) < 1:
             ap.error(f"--{k} must be >= 1, got {s[k]}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from gdn_jax.cli import parse_overrides
 from gdn_jax.recall import RecallConfig
@@ -35,13 +35,15 @@ PUBLISHED: Dict[str, Dict[int, Tuple[float, float]]] = {
 PUBLISHED_SETTING = (512, 64, 8192)  # (seq_len, num_kv_pairs, vocab_size) of the published figure
 
 
-def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
+def load(path: str, shape: Optional[Tuple[int, int]] = None) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
     """``((seq_len, num_kv_pairs, vocab_size), {(mixer, d_model): cell summary})`` of the MQAR sweep
-    written under ``path``.
+    written under ``path``; ``shape`` = (seq_len, num_kv_pairs) selects one point of a sweep over
+    several (``zoology_fig2``), else the sweep must have one.
 
     Raises:
       FileNotFoundError: no ``summary.json`` under ``path``.
-      ValueError: not an MQAR sweep, or its cells mix several (seq_len, num_kv_pairs).
+      ValueError: not an MQAR sweep, its cells mix several (seq_len, num_kv_pairs) and no ``shape``
+        is given, or no cell has ``shape``.
     """
     f = os.path.join(path, "summary.json")
     if not os.path.isfile(f):
@@ -59,8 +61,14 @@ def load(path: str) -> Tuple[Tuple[int, int, int], Dict[Tuple[str, int], dict]]:
         lengths = {(int(c["seq_len"]), int(c["num_kv_pairs"])) for c in s["cells"]}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{f}: a cell lacks seq_len / num_kv_pairs ({e!r})") from None
+    if shape is not None:
+        if tuple(shape) not in lengths:
+            raise ValueError(f"{path}: no cell at (seq_len, num_kv_pairs) = {tuple(shape)}; it has {sorted(lengths)}")
+        s = dict(s, cells=[c for c in s["cells"] if (int(c["seq_len"]), int(c["num_kv_pairs"])) == tuple(shape)])
+        lengths = {tuple(shape)}
     if len(lengths) != 1:
-        raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; compare one at a time")
+        raise ValueError(f"{path}: cells at several (seq_len, num_kv_pairs) {sorted(lengths)}; pick one with "
+                         f"--shape LxN (e.g. --shape {'x'.join(map(str, sorted(lengths)[0]))})")
     base = parse_overrides(RecallConfig, (s.get("sweep") or {}).get("base", []))  # the sweep's --base
     vocab = base.get("vocab_size", RecallConfig.vocab_size)
     pending = set(s.get("unfinished") or [])  # cells with learning rates still to run
@@ -145,11 +153,22 @@ def main(argv=None):
     ap.add_argument("sweep", help="folder of the main sweep (with summary.json)")
     ap.add_argument("--extra", nargs="*", default=[], metavar="LABEL=FOLDER",
                     help="re-runs of some cells under another setting, as label=folder")
-    ap.add_argument("--out", required=True, help="output prefix: <out>.md and <out>.png")
+    ap.add_argument("--out", required=True, help="output prefix: <out>.md and <out>.png (its folder is created)")
+    ap.add_argument("--shape", default=None, metavar="LxN",
+                    help="the (seq_len x kv pairs) point to compare in a sweep over several, e.g. 128x8")
     args = ap.parse_args(argv)
+    shape = None
+    if args.shape is not None:
+        try:
+            shape = tuple(int(x) for x in args.shape.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != 2 or min(shape) < 1:
+            ap.error(f"--shape takes LxN (positive seq_len x kv pairs), got {args.shape!r}")
+
     def read(folder):
         try:
-            return load(folder)
+            return load(folder, shape)
         except (OSError, ValueError) as e:
             ap.error(str(e))
 
@@ -167,8 +186,9 @@ def main(argv=None):
         ap.error(f"--out {args.out!r} is a folder; --out is a prefix (writes <out>.md and <out>.png), e.g. "
                  f"{os.path.join(args.out, 'compare')}")
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        ap.error(f"--out {args.out!r}: folder {out_dir} does not exist")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        ap.error(f"--out {args.out!r}: {out_dir} is a file, not a folder")
+    os.makedirs(out_dir, exist_ok=True)
     published = setting == PUBLISHED_SETTING
     if not published:
         print(f"note: published numbers exist for (seq_len, num_kv_pairs, vocab) = {PUBLISHED_SETTING} only; "

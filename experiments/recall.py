@@ -8,7 +8,11 @@ A thin script over :func:`gdn_jax.recall.run`. Every setting is a field of
     python experiments/recall.py --mixer attention --lr 1e-3 --out runs/mqar_attn
     python experiments/recall.py --task niah --seq_len 1024 --vocab_size 128
     python experiments/recall.py --task state_tracking --mixer deltanet --allow_neg_eigval
-    python experiments/recall.py --out runs/mqar_attn --resume          # continue from the latest ckpt
+    python experiments/recall.py --mixer attention --lr 1e-3 --out runs/mqar_attn --resume  # continue it
+
+``--resume`` continues the checkpoint in ``--out`` (or ``--ckpt_dir``) with the settings given on the
+command line, not those of the stopped run: repeat its flags (a model or optimizer that does not
+match the checkpoint is an error; other changed settings are listed in a warning).
 
 Outputs (in ``--out``, default ``runs/<task>``): ``results.json``, ``curves.png`` and orbax
 checkpoints in ``ckpt/`` (or ``--ckpt_dir``), written at every evaluation and at the end. A run

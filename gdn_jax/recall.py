@@ -101,7 +101,7 @@ class RecallConfig:
     # -- task: NIAH --
     key_len: int = 1  # NIAH: tokens of the needle's key
     value_len: int = 1  # NIAH: tokens of the needle's value
-    depth: Optional[float] = None  # None: random needle depth; else fixed relative depth in [0, 1]
+    depth: Optional[float] = None  # NIAH: None: random needle depth; else fixed relative depth in [0, 1]
     # -- task: state tracking --
     modulus: int = 2  # state tracking: the running sum mod `modulus` at every position (parity: 2)
     train_min_len: int = 3  # state tracking: shortest training sequence
@@ -112,7 +112,7 @@ class RecallConfig:
     d_model: int = 128  # model width
     num_layers: int = 2  # mixer blocks
     num_heads: int = 2  # heads of each mixer
-    mixer: str = "gdn"  # gdn, deltanet, mamba2, gla, linear, attention, gated_attention (gdn_jax.models.MIXERS)
+    mixer: str = "gdn"  # gdn, deltanet, kda, mamba2, gla, linear, attention, gated_attention (gdn_jax.models.MIXERS)
     hybrid_every: int = 0  # > 0: every hybrid_every-th layer is `hybrid_mixer` (4 with 4 layers: 3:1)
     hybrid_mixer: str = "gated_attention"  # the mixer of every hybrid_every-th layer
     allow_neg_eigval: bool = False  # GDN/DeltaNet: beta in (0, 2) (negative eigenvalues)
@@ -311,6 +311,8 @@ def validate(cfg: RecallConfig) -> None:
         bad("session_time_s", "> 0 (seconds)")
     if cfg.lr_per_epoch and cfg.data_mode != "fixed":
         bad("lr_per_epoch", "False unless RecallConfig.data_mode is 'fixed'", " (epochs of the fixed training set)")
+    if cfg.data_mode == "fixed" and cfg.train_examples < 1:
+        bad("train_examples", ">= 1 with data_mode 'fixed' (the size of the fixed training set)")
     if cfg.data_mode == "fixed" and cfg.batch_size > cfg.train_examples:
         bad("batch_size", f"<= RecallConfig.train_examples = {cfg.train_examples} with data_mode 'fixed'",
             " (each batch comes from the fixed training set)")

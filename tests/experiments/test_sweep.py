@@ -386,10 +386,18 @@ def test_mqar_compare_on_committed_results(tmp_path):
     mc.main([os.path.join(res, "sweep_cpu_mqar"), "--out", out])
     md = open(out + ".md").read()
     assert "L = 64, 8 pairs, vocab 256" in md and "/ 100" not in md and "/ 81" not in md
+    (tmp_path / "afile").write_text("")
     for argv in (["--extra", "no-label"], ["--extra", "cpu=" + os.path.join(res, "sweep_cpu_mqar")],
-                 ["--out", str(tmp_path / "missing" / "x")]):
+                 ["--out", str(tmp_path / "afile" / "x")], ["--shape", "64"], ["--shape", "128x9"]):
         with pytest.raises(SystemExit):
             mc.main([os.path.join(res, "mqar_h200_v2"), "--out", out, *argv])
+    mc.main([os.path.join(res, "mqar_h200_v2"), "--out", str(tmp_path / "new" / "cmp")])  # its folder is made
+    assert os.path.exists(tmp_path / "new" / "cmp.md")
+    # a sweep over several (seq_len, kv pairs): one point at a time with --shape (it used to have no way)
+    with pytest.raises(SystemExit):
+        mc.main([os.path.join(res, "zoology_fig2"), "--out", out])
+    mc.main([os.path.join(res, "zoology_fig2"), "--shape", "128x8", "--out", out])
+    assert "L = 128, 8 pairs" in open(out + ".md").read()
     for folder in (os.path.join(res, "parity_h200"), str(tmp_path / "nothing")):
         with pytest.raises(SystemExit):
             mc.main([folder, "--out", out])
