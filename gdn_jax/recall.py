@@ -251,6 +251,29 @@ def check_out_dir(name: str, path: Optional[str]) -> None:
         p = parent
 
 
+# the baseline options and the built-in mixers that read them (gdn_jax.models.LMConfig)
+_MIXER_OPTIONS = {"attn_bias": ("attention", "gated_attention"), "rope_fraction": ("attention", "gated_attention"),
+                  "la_qk_l2norm": ("mamba2", "gla", "linear"), "mamba2_dt_input": ("mamba2",),
+                  "gla_gate_low_rank": ("gla",), "gla_gate_normalizer": ("gla",), "gla_expand_k": ("gla",)}
+
+
+def _check_mixer_options(cfg: RecallConfig) -> None:
+    """ValueError for a baseline option set away from its default when no layer of the run reads it
+    (``--mixer gdn --attn_bias qkvo`` used to train plain gdn and record attn_bias in results.json).
+    A sweep over several mixers with such an option: run the mixers that read it as their own sweep."""
+    from gdn_jax.models.lm import _BUILTIN_MIXERS, MIXERS
+
+    mixers = {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set())
+    if any(MIXERS.get(m) is not _BUILTIN_MIXERS.get(m) for m in mixers):
+        return  # a registered mixer may read any field
+    defaults = {f.name: f.default for f in dataclasses.fields(RecallConfig)}
+    for name, users in _MIXER_OPTIONS.items():
+        if getattr(cfg, name) != defaults[name] and not mixers & set(users):
+            raise ValueError(f"RecallConfig.{name} = {getattr(cfg, name)!r} is an option of the {' / '.join(users)} "
+                             f"mixer; the run's layers ({', '.join(sorted(mixers))}) do not read it (it would change "
+                             f"nothing): leave it at {defaults[name]!r}")
+
+
 def validate(cfg: RecallConfig) -> None:
     """Check the settings of ``cfg`` that the task and model configs do not check themselves (those
     are checked when :func:`build` makes them: the task's sizes, the model's backend options).
@@ -323,6 +346,7 @@ def validate(cfg: RecallConfig) -> None:
         bad("target_accuracy", "in (0, 1]")
     check_out_dir("RecallConfig.out", cfg.out)
     check_out_dir("RecallConfig.ckpt_dir", cfg.ckpt_dir)
+    _check_mixer_options(cfg)
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
             f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")

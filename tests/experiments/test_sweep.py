@@ -240,9 +240,14 @@ def test_recall_rejects_bad_settings(tmp_path):
              (dict(grad_clip=-1.0), r"RecallConfig\.grad_clip"), (dict(min_lr_ratio=2.0), r"RecallConfig\.min_lr_ratio"),
              (dict(seed=-1), r"RecallConfig\.seed"), (dict(backend="pallas", chunk_size=48), "chunk_size=48"),
              (dict(backend="pallas", mixer="kda"), "per-key-channel g")]
+    # a baseline option no layer of the run reads (it used to be recorded as if used)
+    cases += [(dict(mixer="gdn", attn_bias="qkvo"), r"RecallConfig\.attn_bias = 'qkvo' is an option of the attention"),
+              (dict(mixer="attention", gla_expand_k=0.5), r"RecallConfig\.gla_expand_k"),
+              (dict(mixer="gla", mamba2_dt_input=True), r"RecallConfig\.mamba2_dt_input")]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             build(RecallConfig(out=str(tmp_path), **kw))
+    build(RecallConfig(out=str(tmp_path), mixer="gdn", hybrid_every=2, rope_fraction=0.5))  # the hybrid reads it
     # an output / checkpoint folder that is a file (or under one): refused before anything trains (a
     # --ckpt_dir file used to fail in orbax at the first checkpoint, after a 5-minute wait)
     afile = tmp_path / "afile"
@@ -423,13 +428,13 @@ def test_task_and_model_configs_built_by_field_name():
     from gdn_jax.recall import RecallConfig, make_lm_config, make_task
 
     rc = RecallConfig(task="niah", vocab_size=64, seq_len=48, key_len=2, value_len=3, depth=0.5, test_examples=7,
-                      seed=3, d_model=32, mixer="gla", mlp_ratio=2.0, backend="chunk", chunk_size=16,
+                      seed=3, d_model=32, mixer="gdn", mlp_ratio=2.0, backend="chunk", chunk_size=16,
                       use_short_conv=False, hybrid_every=2, allow_neg_eigval=True)
     assert make_task(rc) == NIAHConfig(vocab_size=64, seq_len=48, key_len=2, value_len=3, depth=0.5,
                                        test_examples=7, seed=3)
     assert make_task(RecallConfig(task="state_tracking", modulus=5, train_max_len=12, test_min_len=12, seed=2)) == \
         StateTrackingConfig(modulus=5, train_max_len=12, test_min_len=12, seed=2)
-    assert make_lm_config(rc, 65) == LMConfig(vocab_size=65, d_model=32, num_layers=2, num_heads=2, mixer="gla",
+    assert make_lm_config(rc, 65) == LMConfig(vocab_size=65, d_model=32, num_layers=2, num_heads=2, mixer="gdn",
                                               hybrid_every=2, hybrid_mixer="gated_attention", mlp_ratio=2.0,
                                               backend="chunk", chunk_size=16, use_short_conv=False,
                                               allow_neg_eigval=True)
