@@ -261,17 +261,9 @@ def _check_mixer_options(cfg: RecallConfig) -> None:
     """ValueError for a baseline option set away from its default when no layer of the run reads it
     (``--mixer gdn --attn_bias qkvo`` used to train plain gdn and record attn_bias in results.json).
     A sweep over several mixers with such an option: run the mixers that read it as their own sweep."""
-    from gdn_jax.models.lm import _BUILTIN_MIXERS, MIXERS
+    from gdn_jax.models.lm import check_unread_options
 
-    mixers = {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set())
-    if any(MIXERS.get(m) is not _BUILTIN_MIXERS.get(m) for m in mixers):
-        return  # a registered mixer may read any field
-    defaults = {f.name: f.default for f in dataclasses.fields(RecallConfig)}
-    for name, users in _MIXER_OPTIONS.items():
-        if getattr(cfg, name) != defaults[name] and not mixers & set(users):
-            raise ValueError(f"RecallConfig.{name} = {getattr(cfg, name)!r} is an option of the {' / '.join(users)} "
-                             f"mixer; the run's layers ({', '.join(sorted(mixers))}) do not read it (it would change "
-                             f"nothing): leave it at {defaults[name]!r}")
+    check_unread_options(cfg, {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set()), _MIXER_OPTIONS)
 
 
 def validate(cfg: RecallConfig) -> None:

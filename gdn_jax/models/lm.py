@@ -14,6 +14,21 @@ from ..ops import KernelConfig
 from ..ops.linear_attention import LA_BACKENDS
 
 
+def check_unread_options(cfg, mixers, readers: Dict[str, Tuple[str, ...]]) -> None:
+    """ValueError when a field of the dataclass ``cfg`` named in ``readers`` (field -> the built-in
+    mixers that read it) is set away from its default and none of ``mixers`` reads it: an option that
+    would change nothing is refused rather than recorded as if used. Nothing is checked when a mixer
+    is not a built-in one (a registered factory may read any field)."""
+    if any(MIXERS.get(m) is not _BUILTIN_MIXERS.get(m) for m in mixers):
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name, users in readers.items():
+        if getattr(cfg, name) != defaults[name] and not set(users) & set(mixers):
+            raise ValueError(f"{type(cfg).__name__}.{name} = {getattr(cfg, name)!r} is an option of the "
+                             f"{' / '.join(users)} mixer; the layers ({', '.join(sorted(set(mixers)))}) do not "
+                             f"read it (it would change nothing): leave it at {defaults[name]!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     """Configuration of :class:`LM`.
@@ -235,20 +250,12 @@ class LMConfig:
         used to build the default model silently). Skipped when a mixer is not a built-in one: a
         registered factory may read any field, and for attention-only models (no recurrent layer for
         the options to describe; a Hugging Face config carries its linear-attention fields anyway)."""
-        if any(MIXERS.get(m) is not _BUILTIN_MIXERS.get(m) for m in mixers):
-            return
         if not set(mixers) - {"attention", "gated_attention"}:
             return
-        names = sorted(set(mixers))
-        readers = {"decay": {"gdn"}, "decay_per_channel": {"gdn"}, "beta_per_channel": {"gdn", "deltanet"},
-                   "allow_neg_eigval": {"gdn", "deltanet"}, "value_head_dim": {"gdn", "deltanet"},
-                   "num_v_heads": {"gdn", "deltanet"}}
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, users in readers.items():
-            if getattr(self, name) != defaults[name] and not users & set(mixers):
-                raise ValueError(f"LMConfig.{name} = {getattr(self, name)!r} is an option of the "
-                                 f"{' / '.join(sorted(users))} layer; mixers {names} do not read it (it would "
-                                 f"change nothing): leave it at {defaults[name]!r}")
+        check_unread_options(self, mixers, {"decay": ("gdn",), "decay_per_channel": ("gdn",),
+                                            "beta_per_channel": ("deltanet", "gdn"),
+                                            "allow_neg_eigval": ("deltanet", "gdn"),
+                                            "value_head_dim": ("deltanet", "gdn"), "num_v_heads": ("deltanet", "gdn")})
 
     def layer_mixers(self) -> Tuple[str, ...]:
         """The mixer name of each layer."""

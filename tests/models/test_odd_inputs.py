@@ -79,10 +79,10 @@ def test_gdn_layer_arguments_checked_at_construction(kw, match):
     (dict(allow_neg_eigval=1), TypeError, "allow_neg_eigval"),
     (dict(decay="none", decay_per_channel=True), ValueError, "decay_per_channel"),
     # a GDN option no layer would read (used to build the default model silently)
-    (dict(mixer="kda", decay="sigmoid"), ValueError, r"LMConfig.decay = 'sigmoid' is an option of the gdn layer; "
-                                                     r"mixers \['kda'\] do not read it"),
+    (dict(mixer="kda", decay="sigmoid"), ValueError, r"LMConfig.decay = 'sigmoid' is an option of the gdn mixer; "
+                                                     r"the layers \(kda\) do not read it"),
     (dict(mixer="mamba2", value_head_dim=8), ValueError, r"value_head_dim = 8 is an option of the deltanet / gdn"),
-    (dict(mixer="deltanet", decay_per_channel=True), ValueError, r"decay_per_channel = True .* \['deltanet'\]"),
+    (dict(mixer="deltanet", decay_per_channel=True), ValueError, r"decay_per_channel = True .* \(deltanet\)"),
     (dict(mixer="gla", allow_neg_eigval=True), ValueError, r"allow_neg_eigval"),
 ])
 def test_lm_config_checks(kw, exc, match):
