@@ -98,6 +98,9 @@ sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see th
   # the end of a session whose runs were in flight: a new checkout has no .base)
   if [ -d ".base/ckpt_$name" ]; then cp -r ".base/ckpt_$name/." "/tmp/ckpt_$name/"
   elif [ -d "results/resume/ckpt_$name" ]; then cp -r "results/resume/ckpt_$name/." "/tmp/ckpt_$name/"; fi
+  # a machine still warm from the previous call kept every checkpoint of its runs in flight, also those
+  # bundle_sweeps dropped (over CKPT_MB): laid over the carried ones, a run resumes from its newest step
+  if [ -d "/tmp/keep_ckpt_$name" ]; then cp -r "/tmp/keep_ckpt_$name/." "/tmp/ckpt_$name/"; echo "kept checkpoints of $name reused"; fi
   # SWEEP_ARGS_<step> (else SWEEP_ARGS): extra sweep flags, e.g. "--d_models 64 --workers_per_device 2"
   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
     --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
@@ -113,7 +116,9 @@ sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see th
 }
 bundle_sweeps() {  # every sweep's results folder, log and checkpoints -> $OUT/sweeps.tgz.part-*
   [ -f /tmp/sweep_logs/names ] || return 0
-  local names; names=$(sort -u /tmp/sweep_logs/names)
+  local names n; names=$(sort -u /tmp/sweep_logs/names)
+  # every checkpoint stays on this machine for a next call while it is warm (see sweep_step)
+  for n in $names; do rm -rf "/tmp/keep_ckpt_$n"; [ -d "/tmp/ckpt_$n" ] && cp -r "/tmp/ckpt_$n" "/tmp/keep_ckpt_$n"; done
   # 64 MiB come back in all (and travel out again in .base): keep the checkpoints of the runs
   # furthest along up to CKPT_MB (default 45) MB over all sweeps, drop the rest (those restart)
   python - "${CKPT_MB:-45}" $names <<'PYEOF'
