@@ -144,7 +144,7 @@ class LMConfig:
     def __post_init__(self):
         from ..layers import _checks
         from ..layers.gated_deltanet import DECAY_KINDS
-        from ..ops.gated_delta_rule import BACKENDS
+        from ..ops import backends
 
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "chunk_size", "conv_size"):
             _checks.positive_int(name, getattr(self, name))
@@ -183,8 +183,8 @@ class LMConfig:
                 and 0.0 <= self.rope_fraction <= 1.0):
             raise ValueError(f"rope_fraction must be None or a number in [0, 1], got {self.rope_fraction!r}")
         _checks.positive_int("hybrid_every", self.hybrid_every, minimum=0)
-        _checks.one_of("backend", self.backend, BACKENDS)
-        _checks.kernel_config(self.kernel_config, self.backend)
+        backends.check_name(self.backend)
+        backends.check_kernel_config(self.kernel_config, self.backend)
         _checks.one_of("decay", self.decay, DECAY_KINDS)
         _checks.positive_float("norm_eps", self.norm_eps)
         _checks.positive_float("embed_init_std", self.embed_init_std)
@@ -224,7 +224,7 @@ class LMConfig:
                              f"({'attn_num_heads' if self.attn_num_heads else 'num_heads'} = {heads}); pass "
                              f"attn_head_dim")
         for m in sorted(set(mixers) & {"gdn", "deltanet", "kda"}):
-            _checks.backend_covers(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
+            backends.check_options(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
                                    decay_per_channel=self.decay_per_channel or m == "kda",
                                    beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
                                    owner=f"LMConfig (mixer {m!r}): ")

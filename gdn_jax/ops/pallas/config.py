@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import hopper_plan
+from .call import KernelCall
 from .platform import PLATFORMS, is_tpu_layout
 
 F32 = jnp.float32
@@ -475,76 +477,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be one of {SUPPORTED_CHUNK_SIZES} or None, got {val!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelCall:
-    """Everything static the kernels of one direction (forward or backward) of one call read:
-    shapes, dtypes and the resolved settings of :class:`KernelConfig` (hashable: it keys the
-    custom_vjp and the jit cache). Built by :func:`resolve` only."""
-
-    platform: str
-    layout: str  # "bthd": token arrays [B, T, H, D] as given; "hm": head-major [B*H, T, D] (TPU)
-    BH: int
-    H: int  # value heads (the kernels' bh axis is batch x value heads)
-    group: int  # value heads per key head (grouped value heads; 1: one key head per value head)
-    n: int  # chunks
-    C: int  # tokens per chunk
-    K: int  # key / value head dims as the kernels see them (powers of two >= 16)
-    V: int
-    scale: float  # query scale, applied in-kernel
-    in_dt: str  # dtype of q, k, v, do as read (and of o, dq, dk, dv as written)
-    mid_dt: str  # intermediates in HBM and operands of most dots
-    u_dt: str
-    state_dt: str
-    out_dt: str
-    f32_inv: str  # Triton precision of float32 dots: triangular inverse / others
-    f32_mm: str
-    packed: bool  # cu_seqlens: per-chunk reset / readout flags
-    nseq: int  # states per (batch x head) row: 1, or N with cu_seqlens
-    bv_state: int
-    bv_out: int
-    bv_grad: int
-    grad_nk: int  # key-channel blocks of the gradient kernel (1: the whole-K kernel)
-    warps_wy: int
-    warps_state: int
-    warps_out: int
-    warps_grad: int
-    num_stages: int
-    fuse_output: bool
-    save_t: bool
-    merge_state: bool
-    mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
-    mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
-    bv_mosaic: int = 64  # value block of the Hopper state pass
-    save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
-    wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
-    wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
-    grad_precision: str = "bf16"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
-    grad_tp: str = "direct"  # KernelConfig.grad_t_phase
-    fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
-    approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
-    own_barriers: Tuple[str, ...] = ()  # KernelConfig.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
-    wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
-    late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
-    state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
-    state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
-    state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
-    rev_prod: bool = False  # KernelConfig.reverse_producer (the Hopper reverse pass)
-    wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
-    grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
-    grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
-    save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
-    # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
-    # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
-    mixed_bwd: bool = False
-    # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
-    # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
-    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
-    grad_blocks: Tuple[int, int] = (1, 1)
-    wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
-
-    @property
-    def Tp(self) -> int:
-        return self.n * self.C
+def check_type(kernel_config) -> None:
+    """``kernel_config`` must be None or a :class:`KernelConfig` (``TypeError`` naming it otherwise)."""
+    if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(kernel_config).__name__}")
 
 
 def auto_mid_dtype(in_dt, K: int, V: int):
@@ -711,29 +647,27 @@ def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
 
 def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     """Turn on the Hopper forward / backward kernels where ``config.gpu_kernels`` asks for them
-    (None: on an sm_90 GPU) and :func:`gdn_jax.ops.pallas.hopper.covers` /
-    :func:`gdn_jax.ops.pallas.hopper_bwd.covers` take the call."""
-    from . import hopper, hopper_bwd
-
+    (None: on an sm_90 GPU) and :func:`.hopper_plan.fwd_covers` /
+    :func:`.hopper_plan.bwd_covers` take the call."""
     if not _mosaic_wanted(config, call.platform):
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
     # forward to Triton, and hopper.covers' reason names that value and V
     if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
         call = dataclasses.replace(call, state_prod=False, rev_prod=False)
-    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
+    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper_plan.block_for(call))
     if config.fwd_form is None and t_form_default(call):  # K = 128 with many state-pass CTAs: "t"
         t = dataclasses.replace(call, fwd_form="t")
-        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper.block_for(t))
-        if hopper.covers(t) is None:
+        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper_plan.block_for(t))
+        if hopper_plan.fwd_covers(t) is None:
             call = t
-    call = dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
+    call = dataclasses.replace(call, mosaic_fwd=hopper_plan.fwd_covers(call) is None, mosaic_bwd=hopper_plan.bwd_covers(call) is None)
     # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
     # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
     # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
     mixed = (not call.mosaic_bwd and max(call.K, call.V) > 128 and call.mosaic_fwd and _wide_hopper(config)
-             and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
+             and call.layout == "bthd" and hopper_plan.reverse_smem_bytes(call, 16, True) <= hopper_plan.SMEM_BYTES)
     wide = "xla" if config.wide_backward == "hopper_xla" else "hopper"
-    if mixed and wide == "hopper" and hopper_bwd.block_call(call) is None:
+    if mixed and wide == "hopper" and hopper_plan.block_call(call) is None:
         wide = "xla"  # no block split the Hopper gradient kernel takes: the XLA gradients
     return dataclasses.replace(call, mixed_bwd=mixed, wide_grads=wide)
