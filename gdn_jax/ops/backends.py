@@ -85,14 +85,14 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
     float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
     XLA's default for float32 matmuls, which the chunk form runs with). Measured on an H200 (JAX
-    0.11.2, 2026-12-01, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
+    0.11.2, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
     float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass
-    TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms (2026-11-30) at d 256
-    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
-    ``results/hopper_h200/train_*_0ac7196.txt``) pallas (float32 runs the Triton kernels at every
+    TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms at d 256
+    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512,
+    ``results/hopper_h200/``) pallas (float32 runs the Triton kernels at every
     head dim; the Hopper kernels take bf16) took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 /
-    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03,
-    ``train_d64_*_4061e56.txt``) pallas took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56).
+    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64,
+    ``results/hopper_h200/``) pallas took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56).
     Float32 heads below 32 stay on chunk (not measured).
 
     Args:

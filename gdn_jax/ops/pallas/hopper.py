@@ -775,7 +775,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.barrier_wait(bar(i))
         # Q K^T first, Aqk formed and stored, then K K^T: one [C, C] accumulator live at a time (185
         # registers instead of 196; H200 whole forward 0.274 -> 0.265 ms at 4x4096x16x128, 0.475 ->
-        # 0.461 at 1x16384x16x128: tree .base/v1 of results/hopper_h200/ab_wy_dee6582.txt, measured
+        # 0.461 at 1x16384x16x128, results/hopper_h200/, measured
         # before W and U took T as t_hi + t_lo, a change not yet timed or checked on the GPU)
         (qk,) = _mmas([((C, C), q_s, _T(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse

@@ -458,7 +458,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             # arrival): a float32 copy live through the T phase and dX cost 64 registers, and
             # T^T dVn is split into its bf16 (hi, lo) pair once, for the T phase and _dx (H200,
             # 4x4096x16x128: with dvb and k live through _dx the kernel spilled 740 bytes per
-            # thread and took 0.532 ms against bebff6b's 0.395, results/hopper_h200/ab_dx_657f96a.txt)
+            # thread and took 0.532 ms against 0.395 before, results/hopper_h200/)
             kf = lambda: ld(k_s).astype(F32)
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))

@@ -24,7 +24,7 @@ def default_block(BH: int, V: int, platform: str = "gpu") -> int:
     leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
     chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
     win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
-    BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 / 0.170 ms (results/hopper_h200/stages_5e1db07.txt)."""
+    BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 / 0.170 ms (results/hopper_h200/)."""
     bv = min(64, V)
     while platform == "gpu" and bv > 16 and BH * (V // bv) < 64:
         bv //= 2
@@ -194,7 +194,7 @@ def block_call(call: KernelCall) -> KernelCall | None:
         return None
     if nk > 1 and call.grad_tp != "direct":
         # grad_t_phase="chain" forms dA through (I + A)^T with A from the CTA's own key block: not a
-        # sum over key blocks (review of 2026-12-04: dk 2.7e-2 against float64 at K = 256)
+        # sum over key blocks (found in a review: dk 2.7e-2 against float64 at K = 256)
         return None
     sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
                               grad_blocks=(nk, nv), mixed_bwd=False)
