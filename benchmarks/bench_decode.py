@@ -1,4 +1,4 @@
-"""Per-token decode latency of ``generate``'s token loop against its memory-traffic floor (issue #15).
+"""Per-token decode latency of ``generate``'s token loop against its memory-traffic floor.
 
 For the seed-sized model (d_model 2048, 16 heads x 128, 8 layers, no MLP, bf16 weights and
 activations, vocab 1024, tied head) it times the decode loop that :func:`gdn_jax.inference.generate.generate`

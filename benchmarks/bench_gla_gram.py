@@ -2,7 +2,7 @@
 timed inside ``gated_linear_attention``'s forward+backward at the Zoology MQAR shape, against
 other formulations of its diagonal sub-blocks -- to find out on a GPU whether the
 library's einsum over a materialised [s, s, K] decay tensor is what makes the ``gla`` training step
-~4x slower than gdn's (issue #16: the GLA cells dominate the grid's GPU time).
+~4x slower than gdn's (the GLA cells dominate the Zoology grid's GPU time).
 
     python benchmarks/bench_gla_gram.py                 # B 128, T 512, H 2, K = V = 64, float32
     python benchmarks/bench_gla_gram.py --shape 2x128x2x16 --reps 2    # CPU smoke test
@@ -11,12 +11,12 @@ library's einsum over a materialised [s, s, K] decay tensor is what makes the ``
 Variants (the same values; each checked against the library's to 1e-5 relative):
   library   the library's (the diagonal sub-blocks as an einsum "ic,jc,ijc->ij", precision HIGHEST,
             against the materialised [s, s, K] decay tensor, the block diagonal by an einsum with I;
-            its default sub-block size, 8 since session 35)
+            its default sub-block size, 8)
   sub s     the library's with sub-block size s (``--subs``)
   <form> s  ``form_gram``'s formulations of the diagonal blocks (``--forms``), at the default and
-            each ``--subs`` size. Measured on an H200 at 128x512x2x32 (4fe6ab4, library sub 16):
+            each ``--subs`` size. Measured on an H200 at 128x512x2x32 (library sub 16 then):
             library 1.887 ms, sub 8 1.751, sub 4 1.863, fused 16 1.579
-            (results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt, where "fused" is fused 16)
+            (results/bench_train_step_h200/, where "fused" is fused 16)
 One line per variant: ms per fwd+bwd call (pipelined) and the ratio to the library's.
 """
 from __future__ import annotations

@@ -267,7 +267,7 @@ def main(argv=None):
     def barriers(c, own):
         """KernelCall ``c`` with every Hopper kernel that can place its own barriers doing so (own) or
         keeping Pallas' automatic barriers (KernelConfig.auto_barriers False / True); None where the
-        tree has no such option (an older ab tree: before 2026-12-03 it was a bool on KernelCall)."""
+        tree has no such option (an older ab tree: there it was a bool on KernelCall)."""
         fields = type(c).__dataclass_fields__
         if "own_barriers" in fields:
             from gdn_jax.ops.pallas.config import OWN_BARRIER_KERNELS

@@ -12,7 +12,7 @@ interpret mode on CPU (a smoke test: the edits still apply to today's kernel sou
     python benchmarks/bench_knockouts.py --kernel state --shape 1x16384x16x128   # forward state pass
     python benchmarks/bench_knockouts.py --kernel wy --interpret
 
-Used for results/hopper_h200/wy_knockouts_74f1d5d.txt (session 20).
+Used for results/hopper_h200/ (the WY knockouts).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ STATE_EDITS = {
     "no Vn stores (stale vn_s, vs_s)": [("            vn_s[...] = vn.astype(BF16)\n            vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)\n"
                                          "            plgpu.commit_smem()\n", "")],
     # last: reading slots whose copies were never waited for can crash the GPU (it did at 4x4096,
-    # session 23), which ends the run
+    # once), which ends the run
     "no slot waits": _NO_WAIT,
 }
 # the loads' knockouts edit the one-warpgroup pass's own copies; with the producer warpgroup
@@ -119,8 +119,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (times meaningless)")
     ap.add_argument("--producer", action="store_true",
-                    help="--kernel state: the warp-specialised pass (KernelConfig.state_producer, the default since "
-                         "2026-12-03) instead of the one-warpgroup pass, without the loads' knockouts")
+                    help="--kernel state: the warp-specialised pass (KernelConfig.state_producer, the default) "
+                         "instead of the one-warpgroup pass, without the loads' knockouts")
     args = ap.parse_args(argv)
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")

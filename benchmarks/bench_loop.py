@@ -1,4 +1,4 @@
-"""Where the training loop of :func:`gdn_jax.recall.run` loses time against its jitted step (issue #16.1).
+"""Where the training loop of :func:`gdn_jax.recall.run` loses time against its jitted step.
 
 One model, one compiled step, several loops over it, each timed over ``--steps`` steps after a
 warm-up (synchronised at both ends), one table::

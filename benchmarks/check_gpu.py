@@ -66,7 +66,7 @@ CASES = [
 
 # The "d256" draw is the one where dg itself is smallest (RMS 1.2e-2 against 0.03-0.25 on ten other
 # draws): the suite holds its dg to 3e-2 relative and 5e-4 absolute RMS error
-# (tests/ops/test_pallas.py::test_bf16_d256_strong_gates_small_dg; README, Precision): the bf16 Vn
+# (tests/ops/test_pallas.py::test_bf16_d256_strong_gates_small_dg; docs/kernels.md, Precision): the bf16 Vn
 # floor, which each backward rounds differently (Triton on the GPU 1.0e-2, in interpret mode 2.4e-2;
 # the Hopper forward's saved Vn 2.9e-2 in both, results/hopper_h200/NOTE.md 26).
 EDGE_DG = {"d256": (3e-2, 5e-4)}

@@ -48,7 +48,7 @@
 #              zoology_mqar|zoology_fig2` with a time budget of LIMIT_SWEEP - 60 s, resuming from
 #              results/<name> and .base/ckpt_<name> in the working tree
 #   pub_gla / pub_mamba2 / pub_attention  the same for the published-variant baselines at the
-#              zoology_mqar protocol (README "Baseline mixers"; results/zoology_{gla,mamba2}_published,
+#              zoology_mqar protocol (docs/baselines.md; results/zoology_{gla,mamba2}_published,
 #              results/zoology_attention_zoo)
 #   sweep:<preset>  the same for any preset (results/<preset>), e.g. sweep:zoology_gla_noconv
 #              (its own flags: SWEEP_ARGS_sweep_<preset>, the step name with ':' as '_')
@@ -76,7 +76,7 @@ export PYTHONPATH=.:${PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 # (the device's copy of .git can be stale: the working tree is what runs; record the commit by hand)
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
-sweep_spec() {  # sweep step -> its preset (= its results folder; the published variants: README)
+sweep_spec() {  # sweep step -> its preset (= its results folder; the published variants: docs/baselines.md)
   case $1 in
     zoology) echo zoology_mqar ;;
     fig2) echo zoology_fig2 ;;

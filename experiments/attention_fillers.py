@@ -1,7 +1,7 @@
 """Where softmax attention looks on MQAR with zero fillers: attention mass at the query positions over
 training, with and without a key-projection bias, at L 256 (32 pairs) and L 512 (64 pairs).
 
-The question (issue #16, README "Published settings on the H200"): gdn_jax's 2-layer attention LM
+The question (docs/recall.md, "Attention on fillers"): gdn_jax's 2-layer attention LM
 does not learn MQAR when the query region's other tokens are 0 (Zoology's configs for the L 512
 figure), and in the failing runs layer-2 attention at the query positions puts most of its weight
 on those 0 fillers. This script trains the attention LM (``gdn_jax.recall`` settings, stream data,

@@ -1,4 +1,4 @@
-"""Drift of step-by-step decoding against one chunked forward over the same tokens (see the README, "Inference").
+"""Drift of step-by-step decoding against one chunked forward over the same tokens (see docs/inference.md).
 
 A small LM (random init; embeddings N(0, 1) so that logits are O(1)) prefills one token, then
 decodes ``--steps`` tokens with teacher forcing (jitted ``lax.scan`` of ``LM.decode_step``); each

@@ -1,5 +1,5 @@
 """Load a local Hugging Face checkpoint directory (Qwen3.5 / Qwen3-Next) with gdn_jax and probe it
-(README "Hugging Face checkpoints").
+(docs/huggingface.md).
 
 1. the op's backends on one prompt: logits of ``scan`` (the oracle) vs ``chunk`` / ``auto`` (and
    ``pallas`` on a GPU), RMS-relative;

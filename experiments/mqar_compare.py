@@ -4,7 +4,7 @@ Reads the ``summary.json`` of one or more sweeps (``experiments/sweep.py``); the
 main protocol, later ones (``--extra``) are re-runs of some cells under another setting (a longer time
 cap, another filler) and appear as extra lines and as "(extra: ...)" in the table. Published values
 (read off the DeltaNet paper's MQAR figure, Yang et al. 2024; attention from Zoology, Arora et al.
-2023; README "Published settings on the H200") are accuracy in percent at d_model 64 / 128 / 256 / 512.
+2023; docs/recall.md) are accuracy in percent at d_model 64 / 128 / 256 / 512.
 A cell whose best run trained its whole step / epoch budget without reaching the target is marked
 ``‡`` (``hit_budget`` in the sweep's summary; runs of ``--preset zoology_mqar`` report epochs), a cell
 with learning rates still to run ``(partial)`` (its ``unfinished`` list)::

@@ -44,7 +44,7 @@ for _p in (_REPO, _TESTS):  # `gdn_jax`, and the tests' shared `reference` / `co
         sys.path.insert(0, _p)
 
 # one cache directory per xdist worker (tried against the xdist worker crash of 2026-12-02: it
-# still happened in 1 of 4 runs, so not the cause; harmless, kept; see README)
+# still happened in 1 of 4 runs, so not the cause; harmless, kept; see docs/testing.md)
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(_REPO, ".jax_cache", os.environ.get("PYTEST_XDIST_WORKER", "main")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> gdn_jax (README "Hugging Face checkpoints").
+"""Hugging Face checkpoints <-> gdn_jax (docs/huggingface.md).
 
 * :func:`load_pretrained` / :func:`from_hf`: a local Qwen3.5 (``Qwen3_5ForCausalLM``, or the text
   part of ``Qwen3_5ForConditionalGeneration``) or dense Qwen3-Next checkpoint directory -> ``LM``.

@@ -190,7 +190,7 @@ def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float
 
 
 def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key=None):
-    """Per-token cost of the decode loop measured inside it (greedy; README "Inference").
+    """Per-token cost of the decode loop measured inside it (greedy; docs/inference.md).
 
     Compiles one :func:`decode_loop` of ``2 * num_tokens`` slots whose step count is a traced
     argument, runs it once for ``num_tokens`` steps (warm-up: compile + run, ``first_call_s``),

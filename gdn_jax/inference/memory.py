@@ -1,5 +1,5 @@
 """Exact decode-cache sizes (bytes) for attention and Gated DeltaNet layers, and the KV-vs-GDN
-comparison table of README "Inference" (**Memory**) for a d_model 2048, 16 heads x 128, 48-layer
+comparison table of docs/inference.md (**Memory**) for a d_model 2048, 16 heads x 128, 48-layer
 model in bf16 (:data:`SEED`, :func:`seed_table`).
 
 Units: ``B`` bytes; ``GiB``/``MiB`` binary (2^30, 2^20); ``GB``/``MB`` decimal (10^9, 10^6).
@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import jax.numpy as jnp
 
-# The comparison's setting (README "Inference", Memory): emb 2048, 16 heads x 128, 48 layers, bf16, batch 1.
+# The comparison's setting (docs/inference.md, Memory): emb 2048, 16 heads x 128, 48 layers, bf16, batch 1.
 SEED = dict(d_model=2048, num_heads=16, head_dim=128, num_layers=48, bytes_bf16=2, conv_size=4)
 SEED_CONTEXTS = (4096, 32768, 131072)
 
@@ -142,7 +142,7 @@ def seed_table(hybrid_every: int = 4, state_dtype: str = "float32") -> List[Dict
 
 
 def seed_table_markdown(rows=None, state_dtype: str = None) -> str:
-    """:func:`seed_table` as Markdown (exact bytes, GiB/MiB and GB/MB stated), as in README "Inference",
+    """:func:`seed_table` as Markdown (exact bytes, GiB/MiB and GB/MB stated), as in docs/inference.md,
     for gdn_jax's state in ``state_dtype`` (default: the rows' own, float32 without rows)."""
     if rows is None:
         rows = seed_table(state_dtype=state_dtype or "float32")

@@ -111,38 +111,6 @@ def cu_seqlens_arg(cu_seqlens, batch: int, T: Optional[int] = None):
         check_cu_values(cu_seqlens, T)
 
 
-def kernel_config(value, backend: str) -> None:
-    """None, or a ``gdn_jax.ops.KernelConfig`` with a backend that runs Pallas kernels."""
-    if value is None:
-        return
-    from ..ops import KernelConfig
-
-    if not isinstance(value, KernelConfig):
-        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(value).__name__}")
-    if backend not in ("pallas", "auto"):
-        raise ValueError(f"kernel_config configures the Pallas kernels; backend={backend!r} takes none "
-                         "(use backend='pallas' or 'auto')")
-
-
-def backend_covers(backend: str, *, chunk_size: int, K: int, V: int, decay_per_channel: bool,
-                   beta_per_channel: bool, dtype, owner: str = "") -> None:
-    """The layer's options must be ones its explicit ``backend`` takes (checked when the layer or
-    config is built, not at its first call): ``ValueError`` with the reason -- ``"chunk"`` takes no
-    per-value-channel beta, ``"pallas"`` what its kernels take (``"auto"`` always finds one)."""
-    if backend == "chunk" and beta_per_channel:
-        raise ValueError(f"{owner}backend='chunk' does not take per-value-channel beta (beta_per_channel=True); "
-                         f"use backend='scan' or 'auto'")
-    if backend != "pallas":
-        return
-    from ..ops import pallas
-    from ..ops._common import GateForms
-
-    reason = pallas.supports(GateForms(bool(decay_per_channel), bool(beta_per_channel)), chunk_size=chunk_size,
-                             K=K, V=V, dtype=dtype)
-    if reason is not None:
-        raise ValueError(f"{owner}backend='pallas' {reason}")
-
-
 STATE_DTYPES = ("float32", "bfloat16")
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops import gated_delta_rule, gated_delta_rule_step
-from ..ops.gated_delta_rule import BACKENDS
+from ..ops import backends
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
 
@@ -190,9 +190,9 @@ class GatedDeltaNet(RecurrentMixer):
             raise ValueError("decay_per_channel=True needs a decay (decay='mamba2' or 'sigmoid'), got decay='none'")
         # decay="mamba2"'s init (None: its defaults); given with another decay, a ValueError
         dt_min, dt_max, A_init_range = check_decay_init(dt_min, dt_max, A_init_range, decay=decay)
-        _checks.one_of("backend", backend, BACKENDS)
+        backends.check_name(backend)
         _checks.positive_int("chunk_size", chunk_size)
-        _checks.kernel_config(kernel_config, backend)
+        backends.check_kernel_config(kernel_config, backend)
         _checks.positive_int("conv_size", conv_size)
         _checks.positive_float("norm_eps", norm_eps)
         dtype = _checks.float_dtype("dtype", dtype)
@@ -204,7 +204,7 @@ class GatedDeltaNet(RecurrentMixer):
                 raise ValueError(f"num_v_heads must be a multiple of num_heads (the key heads, {Hk}) for grouped "
                                  f"value heads, got {num_v_heads}")
         H = Hk if num_v_heads is None else num_v_heads
-        _checks.backend_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
+        backends.check_options(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=decay_per_channel,
                                beta_per_channel=beta_per_channel, dtype=dtype, owner="GatedDeltaNet: ")
         self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
                                                   owner="GatedDeltaNet: ")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..ops.gated_delta_rule import BACKENDS
+from ..ops import backends
 from . import _checks
 from .gated_deltanet import GatedDeltaNet, head_dims, mamba2_decay_init, mamba2_log_decay
 
@@ -50,15 +50,15 @@ class KimiDeltaAttention(GatedDeltaNet):
                  dtype=jnp.float32, param_dtype=jnp.float32, decode_backend: str = "auto",
                  state_dtype=jnp.float32, rngs: nnx.Rngs):
         _checks.rngs(rngs)
-        _checks.one_of("backend", backend, BACKENDS)
-        _checks.kernel_config(kernel_config, backend)
+        backends.check_name(backend)
+        backends.check_kernel_config(kernel_config, backend)
         for name, value in (("chunk_size", chunk_size), ("conv_size", conv_size)):
             _checks.positive_int(name, value)
         _checks.positive_float("norm_eps", norm_eps)
         dtype, param_dtype = (_checks.float_dtype(n, v) for n, v in (("dtype", dtype), ("param_dtype", param_dtype)))
         _checks.flag("use_short_conv", use_short_conv)
         H, K, V = head_dims(hidden_size, num_heads, head_dim, None)
-        _checks.backend_covers(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=True, beta_per_channel=False,
+        backends.check_options(backend, chunk_size=chunk_size, K=K, V=V, decay_per_channel=True, beta_per_channel=False,
                                dtype=dtype, owner="KimiDeltaAttention: ")
         self.state_dtype = _checks.decode_options(decode_backend, state_dtype, K=K, V=V, dtype=dtype,
                                                   owner="KimiDeltaAttention: ")

@@ -1,6 +1,6 @@
 """Baseline token mixers without the delta rule (Flax NNX): linear attention, Mamba2-style
 per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gated_linear_attention`
-(README "Baseline mixers")."""
+(docs/baselines.md)."""
 from __future__ import annotations
 
 import warnings
@@ -85,7 +85,7 @@ class GatedLinearAttention(RecurrentMixer):
                  dt_min: Optional[float] = None, dt_max: Optional[float] = None, A_init_range=None,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, qk_l2norm: Optional[bool] = None):
         _checks.rngs(rngs)
-        if qk_l2norm is not None:  # the layer's name before 2026-12-05; the op's name is use_qk_l2norm
+        if qk_l2norm is not None:  # the layer's former name; the op's name is use_qk_l2norm
             if use_qk_l2norm is not None:
                 raise ValueError("give use_qk_l2norm or its old name qk_l2norm, not both")
             warnings.warn("GatedLinearAttention(qk_l2norm=...) is renamed use_qk_l2norm (the op's name)",

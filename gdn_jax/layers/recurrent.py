@@ -2,7 +2,7 @@
 
 :class:`GatedDeltaNet` (delta rule) and :class:`~gdn_jax.layers.linear_attention.GatedLinearAttention`
 (no delta rule) wrap the same projections around different state updates (GDN paper, Yang, Kautz &
-Hatamizadeh, ICLR 2025; FLA's layers; README "Layer and models", "Baseline mixers")::
+Hatamizadeh, ICLR 2025; FLA's layers; README "Layer and models", docs/baselines.md)::
 
     q, k, v = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # short conv optional
     o       = <the mixer's recurrence over q, k, v and its gates>        # [B, T, H, V]

@@ -42,7 +42,7 @@ class LMConfig:
       hybrid_mixer: the mixer of those layers (default ``"attention"``).
       mlp_ratio: SwiGLU MLP hidden size as a multiple of d_model; 0 disables the MLP.
       backend, chunk_size: passed to the recurrent mixers' ops (``gdn_jax.ops.gated_delta_rule``;
-        the no-delta-rule mixers run ``"pallas"`` as ``"auto"``, README "Baseline mixers").
+        the no-delta-rule mixers run ``"pallas"`` as ``"auto"``, docs/baselines.md).
       kernel_config: a ``gdn_jax.ops.KernelConfig`` for the GDN / DeltaNet mixers' Pallas kernels
         (None: the defaults).
       use_short_conv: the short conv of the recurrent mixers.
@@ -69,7 +69,7 @@ class LMConfig:
         ``attention``, 1/4 for ``gated_attention``).
       conv_size: kernel size of the recurrent mixers' short conv.
 
-    Baselines as published (README "Baseline mixers"; the defaults keep gdn_jax's forms):
+    Baselines as published (docs/baselines.md; the defaults keep gdn_jax's forms):
       attn_bias: biases on the attention mixers' projections, letters from ``"qkvo"`` (``""``:
         none; ``"qkvo"``: Zoology's MHA, Arora et al. 2023; ``"k"``: key bias only).
       pos_embedding: ``"none"`` (default) or ``"learned"``: learned absolute position embeddings
@@ -88,7 +88,7 @@ class LMConfig:
       With ``use_short_conv=False`` the recurrent mixers take q, k, v straight from the projections
       (no conv, no SiLU): the GLA paper's layer.
 
-    Decoding (``decode_step`` / ``generate``; README "Inference"):
+    Decoding (``decode_step`` / ``generate``; docs/inference.md):
       decode_backend: backend of the delta-rule mixers' single-token step (``gdn``, ``deltanet``,
         ``kda``): ``"auto"`` (default), ``"scan"`` or ``"pallas"`` (the fused decode kernel),
         passed to ``gated_delta_rule_step``. The no-delta-rule mixers (``mamba2``, ``gla``,
@@ -144,7 +144,7 @@ class LMConfig:
     def __post_init__(self):
         from ..layers import _checks
         from ..layers.gated_deltanet import DECAY_KINDS
-        from ..ops.gated_delta_rule import BACKENDS
+        from ..ops import backends
 
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "chunk_size", "conv_size"):
             _checks.positive_int(name, getattr(self, name))
@@ -183,8 +183,8 @@ class LMConfig:
                 and 0.0 <= self.rope_fraction <= 1.0):
             raise ValueError(f"rope_fraction must be None or a number in [0, 1], got {self.rope_fraction!r}")
         _checks.positive_int("hybrid_every", self.hybrid_every, minimum=0)
-        _checks.one_of("backend", self.backend, BACKENDS)
-        _checks.kernel_config(self.kernel_config, self.backend)
+        backends.check_name(self.backend)
+        backends.check_kernel_config(self.kernel_config, self.backend)
         _checks.one_of("decay", self.decay, DECAY_KINDS)
         _checks.positive_float("norm_eps", self.norm_eps)
         _checks.positive_float("embed_init_std", self.embed_init_std)
@@ -224,7 +224,7 @@ class LMConfig:
                              f"({'attn_num_heads' if self.attn_num_heads else 'num_heads'} = {heads}); pass "
                              f"attn_head_dim")
         for m in sorted(set(mixers) & {"gdn", "deltanet", "kda"}):
-            _checks.backend_covers(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
+            backends.check_options(self.backend, chunk_size=self.chunk_size, K=K, V=self.value_head_dim or K,
                                    decay_per_channel=self.decay_per_channel or m == "kda",
                                    beta_per_channel=self.beta_per_channel and m != "kda", dtype=self.dtype,
                                    owner=f"LMConfig (mixer {m!r}): ")
@@ -282,8 +282,8 @@ def register_mixer(name: str, factory: Optional[MixerFactory] = None, *, overwri
 
     The module is called as ``mixer(x, cu_seqlens=None)`` with ``x [B, T, d_model]`` and returns
     the same shape; for decoding it also needs ``init_cache(batch, max_len)``,
-    ``prefill(x, max_len=...) -> (y, cache)`` and ``decode(x_t, cache) -> (y_t, cache)`` (README
-    "Inference"). Usable as a decorator.
+    ``prefill(x, max_len=...) -> (y, cache)`` and ``decode(x_t, cache) -> (y_t, cache)``
+    (docs/inference.md). Usable as a decorator.
 
     Raises:
       ValueError: ``name`` is already registered (a built-in such as ``"gdn"`` included) and
@@ -484,7 +484,7 @@ class LM(nnx.Module):
       cfg: the :class:`LMConfig` (checked when it is made; mixers by name from :data:`MIXERS`).
       rngs: ``nnx.Rngs`` of the initialisation.
 
-    Decoding: :meth:`init_cache`, :meth:`prefill`, :meth:`decode_step` (README "Inference").
+    Decoding: :meth:`init_cache`, :meth:`prefill`, :meth:`decode_step` (docs/inference.md).
 
     Raises (calls):
       TypeError: tokens not an integer array. ValueError: tokens not ``[B, T]`` with B, T >= 1, or

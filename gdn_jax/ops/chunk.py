@@ -74,10 +74,10 @@ def decay_gram_channel(a, b, gc, sub: int = 8):
     ``sub`` is the sub-block size (any size gives the same values to float32 rounding; the decay
     factors take C s K + C^2 K / s numbers, least at s = sqrt(C), 8 at C = 64, the default: on an
     H200 gla's fwd+bwd at d 64's training shape ran 1.08x faster at 8 than at 16, 1.887 -> 1.751 ms,
-    timed at 4fe6ab4 with ``sub=8`` passed; this function's body is unchanged since). On the same
+    timed with ``sub=8`` passed). On the same
     H200 the diagonal sub-blocks as one elementwise product reduced over K, placed on the block
     diagonal by broadcasting, ran it 1.19x faster at 16 (1.887 -> 1.579 ms;
-    ``benchmarks/bench_gla_gram.py``, results/bench_train_step_h200/gla_gram_subs_4fe6ab4.txt) --
+    ``benchmarks/bench_gla_gram.py``, results/bench_train_step_h200/) --
     but XLA:CPU (jaxlib 0.10.2) segfaults in that form's backward at C = 32 (two sub-blocks), so it
     is not the library's; the benchmark times it beside CPU-safe variants (``elementwise``,
     ``padded``) for the next GPU check.

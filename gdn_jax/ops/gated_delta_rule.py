@@ -9,90 +9,11 @@ import numpy as np
 
 from . import chunk as _chunk
 from . import scan as _scan
-from ._common import (GateForms, acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
+from ._common import (acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
                       nonfinite_guard, prepare, repeat_key_heads, value_group)
 
-BACKENDS = ("auto", "scan", "chunk", "pallas")
-AUTO_F32_MIN_DIM = 32  # float32 inputs on GPU: auto picks pallas from this max(K, V) on (measured) ...
-AUTO_F32_MAX_DIM = 128  # ... up to this one (head dim 256: chunk, measured 2.7x faster)
-
-
-def _pallas_module():
-    from . import pallas as _pallas  # imported lazily: the kernels pull in jax.experimental.pallas
-
-    return _pallas
-
-
-def _check_kernel_config(kernel_config, backend):
-    if kernel_config is None:
-        return
-    if backend not in ("pallas", "auto"):
-        raise ValueError(f"kernel_config configures the Pallas kernels; backend={backend!r} takes none "
-                         "(use backend='pallas' or 'auto')")
-    from .pallas.config import KernelConfig
-
-    if not isinstance(kernel_config, KernelConfig):
-        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(kernel_config).__name__}")
-
-
-def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, V: int, dtype, platform: Optional[str] = None) -> str:
-    """Map ``backend`` (``"auto"`` included) to the concrete backend that will run the call.
-
-    ``"auto"``: ``"pallas"`` on GPU/TPU for 16-bit (bfloat16/float16) inputs its kernels cover,
-    and on GPU for float32 inputs with :data:`AUTO_F32_MIN_DIM` (32) <= max(K, V) <=
-    :data:`AUTO_F32_MAX_DIM` (128); else
-    ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
-    float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
-    XLA's default for float32 matmuls, which the chunk form runs with). Measured on an H200 (JAX
-    0.11.2, 2026-12-01, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
-    float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass
-    TF32) against 8.90 ms with chunk at d 128 (K = V = 64) and 15.6 ms (2026-11-30) at d 256
-    (K = V = 128); with 3-pass TF32 it took 19.2 / 57.9 ms. At K = V = 256 (d 512, 2026-12-03,
-    ``results/hopper_h200/train_*_0ac7196.txt``) pallas (float32 runs the Triton kernels at every
-    head dim; the Hopper kernels take bf16) took 91.7 ms against chunk's 34.0 ms (deltanet 91.4 /
-    33.6), so float32 heads wider than 128 stay on chunk. At K = V = 32 (d 64, 2026-12-03,
-    ``train_d64_*_4061e56.txt``) pallas took 3.60 ms against chunk's 5.76 (deltanet 3.46 / 5.56).
-    Float32 heads below 32 stay on chunk (not measured).
-
-    Args:
-      backend: ``"auto"``, ``"scan"``, ``"chunk"`` or ``"pallas"``.
-      forms: the call's :class:`GateForms` (per-channel g / beta), from ``check_inputs``.
-      chunk_size, K, V: the call's chunk and head dims (pallas covers only some).
-      dtype: the dtype that decides ``"auto"``: :func:`gated_delta_rule` passes ``v.dtype``, or
-        float64 when any input is float64 (so auto goes by v's dtype, not q's).
-      platform: ``"gpu"`` / ``"cuda"`` / ``"rocm"`` / ``"tpu"`` / ``"cpu"``; None:
-        ``jax.default_backend()``.
-
-    Raises:
-      ValueError: unknown backend name.
-      NotImplementedError: an explicit backend that cannot take the call's options.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        platform = platform or jax.default_backend()
-        gpu = platform in ("gpu", "cuda", "rocm")
-        f32_ok = gpu and jnp.dtype(dtype) == jnp.float32 and AUTO_F32_MIN_DIM <= max(K, V) <= AUTO_F32_MAX_DIM
-        if (gpu or platform == "tpu") and (jnp.dtype(dtype).itemsize == 2 or f32_ok):
-            try:
-                pl = _pallas_module()
-            except ImportError:  # pragma: no cover - Pallas unavailable on this install
-                pl = None
-            if pl is not None and pl.supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype) is None:
-                return "pallas"
-        if forms.beta_per_channel:
-            return "scan"
-        return "chunk"
-    if backend == "chunk" and forms.beta_per_channel:
-        raise NotImplementedError(
-            "backend='chunk' does not take per-value-channel beta [B,T,H,V]; use backend='scan' "
-            "(or backend='auto', which picks it)"
-        )
-    if backend == "pallas":
-        reason = _pallas_module().supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype)
-        if reason is not None:
-            raise NotImplementedError(f"backend='pallas' {reason}; backend='auto' picks one that takes the call")
-    return backend
+from .backends import (AUTO_F32_MAX_DIM, AUTO_F32_MIN_DIM, BACKENDS, _pallas_module,  # noqa: F401  (importable here)
+                       check_kernel_config, resolve_backend)
 
 
 def gated_delta_rule(
@@ -209,7 +130,7 @@ def gated_delta_rule(
     if isinstance(initial_state, np.ndarray):
         initial_state = jnp.asarray(initial_state)
     forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
-    _check_kernel_config(kernel_config, backend)
+    check_kernel_config(kernel_config, backend)
     K, V = q.shape[-1], v.shape[-1]
     dt = acc_dtype(q, k, v, g, beta, initial_state)
     # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)

@@ -1,4 +1,4 @@
-"""Exact cache-size formulas (the README "Inference" memory table: d 2048, 16 x 128 heads, 48 layers,
+"""Exact cache-size formulas (the docs/inference.md memory table: d 2048, 16 x 128 heads, 48 layers,
 bf16) and their agreement with real caches."""
 import pytest
 from flax import nnx

@@ -266,7 +266,7 @@ def test_bf16_d256_strong_gates_small_dg():
     """K = V = 256, bf16, strong gates, an initial state, T 200 at chunk 64 (benchmarks/check_gpu.py's
     "d256" case). On a typical draw every output and gradient meets the suite's bf16 tolerances. The
     check's own draw is the one where dg itself is smallest (RMS 1.2e-2 against 0.03-0.25 on ten
-    others): its relative dg error is 2.4e-2 in interpret mode (README, Precision), an absolute RMS
+    others): its relative dg error is 2.4e-2 in interpret mode (docs/kernels.md, Precision), an absolute RMS
     error of ~3e-4; held here to 3e-2 relative and 5e-4 absolute, the other gradients to the suite's."""
     x = make(_seed("d256-edge", 4), 1, 200, 2, 256, 256, gates="strong", dtype=BF16, init=True)
     check(run(x, chunk_size=64), ref(x))

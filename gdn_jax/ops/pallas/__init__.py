@@ -6,6 +6,9 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 * :mod:`.config`: :class:`KernelConfig` (the options, a frozen value passed as
   ``gated_delta_rule(..., kernel_config=...)``) and :func:`~.config.resolve`, the one place
   that turns it into the settings of a call (:class:`~.config.KernelCall`);
+* :mod:`.call`: :class:`~.call.KernelCall`, the record every kernel reads;
+* :mod:`.hopper_plan`: which calls the Hopper kernels take, their shared memory and value blocks
+  (plain Python, no kernel);
 * :mod:`.platform`: GPU (Triton) / TPU (Mosaic) / interpret rules of a ``pallas_call``;
 * :mod:`.wy`: the intra-chunk WY / UT representation (A, T = (I + A)^-1, W, U; Aqk or dVl);
 * :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
@@ -17,7 +20,7 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
 * :mod:`.layout`, :mod:`.tiles`: block specs and in-kernel helpers.
 
-Coverage (:func:`supports`): per-head g and beta, initial / final state, ``cu_seqlens``, any T,
+Coverage (:func:`supports`; :func:`gdn_jax.ops.backends.resolve_backend` asks it): per-head g and beta, initial / final state, ``cu_seqlens``, any T,
 K and V multiples of 16 up to 256 (non powers of two are zero-padded to the next one),
 chunk_size 16 / 32 / 64 / 128, float32 / bfloat16 / float16 inputs with float32 accumulation.
 Declined with a reason: per-key-channel g, per-value-channel beta, float64.
@@ -43,11 +46,12 @@ from typing import Optional
 import jax.numpy as jnp
 
 from .._common import GateForms
-from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype
+from . import hopper_plan
+from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype, check_type
 from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
-__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
+__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
            "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 
@@ -73,13 +77,21 @@ def supports(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> Opt
     return None
 
 
+def check_supported(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype) -> None:
+    """``NotImplementedError`` with the reason of :func:`supports` unless ``backend="pallas"`` takes
+    the call (the op's error for an explicit ``backend="pallas"``)."""
+    reason = supports(forms, chunk_size=chunk_size, K=K, V=V, dtype=dtype)
+    if reason is not None:
+        raise NotImplementedError(f"backend='pallas' {reason}; backend='auto' picks one that takes the call")
+
+
 def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
                     kernel_config: Optional[KernelConfig] = None):
     """Which forward kernels ``gated_delta_rule(..., backend="pallas")`` runs for these arrays
     (shapes and dtypes are what count): ``("hopper", None)`` for the Mosaic GPU kernels of
     :mod:`.hopper`, else ``(platform kernels, reason)`` with the platform's kernels ("triton" on
     GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
-    (:func:`.hopper.covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
+    (:func:`.hopper_plan.fwd_covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
     non-Hopper device under the default).
 
     Raises: as ``gated_delta_rule(..., backend="pallas")``: TypeError / ValueError for arguments
@@ -103,12 +115,10 @@ def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
 
 def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config):
     from .._common import check_inputs
-    from ..gated_delta_rule import _check_kernel_config, resolve_backend
-    from . import hopper, hopper_bwd
 
     forms = check_inputs(q, k, v, g, beta, None, cu_seqlens, chunk_size, None)  # the op's checks
-    _check_kernel_config(kernel_config, "pallas")
-    resolve_backend("pallas", forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
+    check_type(kernel_config)
+    check_supported(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     cfg = KernelConfig() if kernel_config is None else kernel_config
     calls = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls
     call = calls[0] if direction == "fwd" else calls[1]
@@ -118,7 +128,7 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
         return ("hopper-blocks" if call.wide_grads == "hopper" else "hopper+xla"), None
     name = "triton" if call.platform == "gpu" else call.platform
     asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
-    covers = hopper.covers if direction == "fwd" else hopper_bwd.covers
+    covers = hopper_plan.fwd_covers if direction == "fwd" else hopper_plan.bwd_covers
     return name, (covers(call) if asked else None)
 
 

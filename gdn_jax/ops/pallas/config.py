@@ -5,7 +5,7 @@ every kernel reads (:func:`kernel_chunk`, :func:`resolve` -> :class:`KernelCall`
 Nothing here is global or mutable: a :class:`KernelConfig` is a frozen, hashable value passed
 to ``gated_delta_rule(..., kernel_config=...)``, so ``jax.jit`` keys its cache on it like on any
 other static argument. None of its fields changes the result beyond floating-point rounding. The
-measurements behind the defaults are in the README's "Pallas backend" section, in each field's
+measurements behind the defaults are in docs/kernels.md, in each field's
 docstring below, in ``results/hopper_h200/`` (KERNELS.md option by option, NOTE.md, HISTORY.md) and in
 ``results/bench_pallas_h200/``.
 """
@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import hopper_plan
+from .call import KernelCall
 from .platform import PLATFORMS, is_tpu_layout
 
 F32 = jnp.float32
@@ -117,7 +119,7 @@ class KernelConfig:
         with ``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1 or ``grad_t_phase="chain"``);
         None: "hopper" (measured on the H200 at 2x8192x8x256, fwd+bwd ms: "triton" 3.92,
         "hopper_xla" 3.72, "hopper" 1.99, jax-linear-attention 2.23;
-        results/hopper_h200/bench_pallas_b_wide_hopper_4ea63e2.txt). Either Hopper option also moves the backward's chunk to 64 on sm_90: a
+        results/hopper_h200/). Either Hopper option also moves the backward's chunk to 64 on sm_90: a
         call whose forward then runs at another chunk (an explicit ``fwd_chunk``) keeps the Triton
         backward, at chunk 64.
     Triton (GPU) launch settings: warps_wy, warps_state, warps_out (default 4), warps_grad
@@ -160,7 +162,7 @@ class KernelConfig:
         blocks alone, as m64n16k16 wgmmas over a compressed [C, 16] form of T, then T expanded
         exactly, and the last two rounds contracting only over the half of K where their
         operands are nonzero: 6.6 MFLOP; same bf16x3 products, so the same T). Default "blocked"
-        (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16 at 879550f).
+        (H200, 4x4096x16x128: the forward WY 0.276 -> 0.255 ms; GPU check 16 of 16).
       wy_precision: the products inside the Hopper WY kernels' doubling rounds of T = (I + A)^-1:
         "bf16x3" (each operand split into bf16 hi + lo, three wgmmas per product: hi hi + lo hi +
         hi lo, ~2^-16 relative), "bf16" (the operands rounded to bf16 once, one wgmma per
@@ -168,7 +170,7 @@ class KernelConfig:
         "bf16_blocks" (bf16 in the three rounds inside the 16 x 16 diagonal blocks, T_2 -> T_16,
         bf16x3 in the two rounds across them). The rounds start from T_2 exact and every round's
         float32 accumulator carries T forward. The products forming W, U (T hi + lo against the
-        scaled K, V) and T's expansion stay exact. Measured (2026-12-02): H200, 4x4096x16x128,
+        scaled K, V) and T's expansion stay exact. Measured: H200, 4x4096x16x128,
         forward WY 0.261 -> 0.175 ms with "bf16" (WY + T 0.265 -> 0.183); T within 1.7e-4 RMS
         relative of bf16x3's. The rounding shows most at beta near 2 (I + A furthest from I):
         against float64 (GPU check, bf16 inputs) o 5.1e-3 -> 6.1e-3, dk 6.8e-3 -> 8.8e-3, dbeta
@@ -178,7 +180,7 @@ class KernelConfig:
         and bf16's 6.1 / 8.8 / 9.2 / 7.2e-3) at 0.217 ms: the rounds across the blocks carry most
         of the rounding. Default "bf16" (fwd+bwd 1.209 -> 1.111 ms pipelined at 4x4096x16x128
         with ``wy_compact``; GPU check 16 of 16 within the suite's tolerances,
-        results/hopper_h200/check_gpu_d3e7322.txt); "bf16x3" for the near-float32 T (~2^-16).
+        results/hopper_h200/); "bf16x3" for the near-float32 T (~2^-16).
       wy_compact: the Hopper forward WY kernel (without and with ``save_wy``'s T) in less shared
         memory and fewer live registers, for three CTAs per SM instead of two (Nsight Compute,
         H200: two CTAs of one warpgroup per SM, held there by BOTH its 196 registers and its 99 KB
@@ -189,7 +191,7 @@ class KernelConfig:
         Same products, so the same values (bit for bit in interpret mode). Applies where K == V;
         other calls keep the separate tiles. Default True: H200, 4x4096x16x128, forward WY 0.261
         -> 0.252 ms (0.252 -> 0.248 in a second call), the outputs bit-equal to the separate
-        layout's on the GPU too (results/hopper_h200/stages_d3e7322.txt); ptxas: 166-196
+        layout's on the GPU too (results/hopper_h200/); ptxas: 166-196
         registers, so still two CTAs per SM -- the gain is small.
       fwd_form: how the Hopper forward hands the WY representation to its state pass: "wu" (the
         WY kernel writes W = T (beta e^gamma K) and U = T (beta V), the state pass forms
@@ -199,35 +201,31 @@ class KernelConfig:
         4x4096x16x128 -- and, in a call that is not differentiated, W's too; W is still written
         where the backward reuses it, ``save_states``). The product with T is bf16x2 (T hi + lo
         against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". At K = 256 the
-        state pass keeps one q tile ("t") or one q and one W tile ("wu", built 2026-12-03, not yet
+        state pass keeps one q tile ("t") or one q and one W tile ("wu", not yet
         run on a GPU: one dependent wgmma less per chunk than "t", for W and U's HBM traffic),
         refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.single_q`). None
         (default): "t" where K > 128 and at K = 128 with at least 128 state-pass CTAs
-        (:func:`t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (2026-12-03, code 1d1c827,
-        results/hopper_h200/stages_1d1c827.txt, bench_d256_1d1c827.txt, pipelined ms):
+        (:func:`t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (results/hopper_h200/, pipelined ms):
         4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
         pass 0.131 / + h, Vn 0.170 vs
         0.160 / 0.180 (230 registers: one more dependent wgmma per chunk), whole op fwd 0.295 vs
         0.293, fwd+bwd 1.106 vs 1.087; 2x8192x16x64 fwd 0.310 vs 0.342, fwd+bwd 0.924 vs 0.963;
         2x8192x8x256 fwd 0.404 against the Triton forward's 1.380 (jax-linear-attention 0.370;
-        0.408 vs 0.367 in the next call, results/hopper_h200/stages_d256_d15482b.txt).
+        0.408 vs 0.367 in the next call, results/hopper_h200/).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
-        "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64; built
-        2026-12-04): the state pass of
+        "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64): the state pass of
         :mod:`gdn_jax.ops.pallas.hopper_transition`, one dependent wgmma group per chunk on the S
         chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed a chunk ahead in the pass),
-        the outputs off the chain (results/hopper_h200/NOTE.md item 28). On one H200 (session 32,
-        results/hopper_h200/stages_transition_85f7bca_s32.txt) correct (GPU check 10 of 10 at
+        the outputs off the chain (results/hopper_h200/NOTE.md item 28). On one H200 (results/hopper_h200/) correct (GPU check 10 of 10 at
         K = 64) but slower: 2x8192x16x64 state pass 0.255 vs 0.157 ms (~1.75x the wgmma work per
         chunk on one warpgroup), so it stays opt-in.
       approx_math: compile the Hopper (Mosaic GPU) kernels with ``approx_math``: exp as
         ``ex2.approx.ftz`` of x log2(e) (one SFU instruction and a multiply, ~2^-22 relative; values
         below float32's normal range flush to 0) instead of libdevice's expf. The WY and gradient
         kernels exponentiate C x C decay matrices per chunk and are bound by their instruction count
-        (Nsight Compute, results/hopper_h200/ncu_kernels_b284d0d.txt). Default True (from
-        2026-12-03): H200, 4x4096x16x128, pipelined (results/hopper_h200/stages_s02_options_0ac7196.txt)
+        (Nsight Compute, results/hopper_h200/). Default True: H200, 4x4096x16x128, pipelined (results/hopper_h200/)
         forward WY 0.160 -> 0.157 ms, whole op fwd 0.293 -> 0.282, fwd+bwd 1.099 -> 1.081;
-        check_gpu bf16 of the new defaults 10 of 10 (check_gpu_4061e56.txt), the same errors as
+        check_gpu bf16 of the new defaults 10 of 10 (results/hopper_h200/), the same errors as
         without it to the printed digits.
       auto_barriers: whether the Hopper WY kernels (the forward's and the backward's), the state
         pass (the forward's and the backward's recompute), the reverse pass and the two-warpgroup
@@ -236,7 +234,7 @@ class KernelConfig:
         memory and before every TMA load, on top of the kernels' own ``commit_smem`` (a fence and
         one ``bar.sync``): ~11 stores per chunk in the forward WY kernel, ~22 barriers, of a kernel
         whose Nsight Compute profile shows barrier stalls as 1.5 of its 5.4 cycles per instruction
-        (results/hopper_h200/ncu_kernels_b284d0d.txt); 6-8 barriers per chunk step on the state
+        (results/hopper_h200/); 6-8 barriers per chunk step on the state
         pass's sequential S chain, ~10 on the reverse pass's dS chain. Without them
         (``CompilerParams(unsafe_no_auto_barriers=True)``) the kernels' own ordering is enough:
         every store into a tile is followed by ``commit_smem`` before a wgmma or TMA reads it; the
@@ -247,15 +245,15 @@ class KernelConfig:
         reverse passes read their last gate of a step before that commit for this); the gradient
         kernel keeps one ``bar.sync`` (``hopper._sync``) between its threads' loads of v and their
         dv stores into the same tile (the same register layout, so insurance). True: all keep
-        Pallas' barriers; False: none does; None (default, from 2026-12-03): all but the reverse
+        Pallas' barriers; False: none does; None (default): all but the reverse
         pass place their own (config.DEFAULT_OWN_BARRIERS). H200, JAX 0.11.2, pipelined, each
-        kernel alone (results/hopper_h200/ab_barriers_6ad70e0.txt), automatic -> own barriers at
+        kernel alone (results/hopper_h200/), automatic -> own barriers at
         4x4096x16x128 / 1x16384x16x128: gradient kernel 0.444 -> 0.428 / 0.472 -> 0.419 ms,
         state pass (+ h, Vn) 0.176 -> 0.173 / 0.439 -> 0.424, forward WY 0.143 -> 0.146 /
         0.147 -> 0.143, reverse pass 0.192 -> 0.210 / 0.496 -> 0.542 (slower: it keeps them by
         default); every kernel's outputs bit-equal to the automatic barriers' on the GPU. The
         backward's WY from the saved T (``save_wy`` with ``save_states=False``) counts as a "wy"
-        kernel (0.156 -> 0.150 ms at 4x4096x16x128, bit-equal; hopper_h200/stages_a41dd43.txt);
+        kernel (0.156 -> 0.150 ms at 4x4096x16x128, bit-equal; results/hopper_h200/);
         the one-warpgroup gradient kernel always keeps the automatic barriers. Interpret mode has
         no barriers: the same values.
       wy_chunks_per_cta: chunks of one head per CTA of the Hopper forward WY kernel (compact
@@ -265,30 +263,29 @@ class KernelConfig:
         TMA slots, the next chunk's arriving while this one computes (its stores waited only until
         they have read their tiles). Same values (the arithmetic per chunk is unchanged). Applies
         where the forward WY runs its compact layout (``wy_compact`` with K == V, or ``fwd_form``
-        "t"); elsewhere (and in the backward's WY) one chunk per CTA. H200 (2026-12-03,
-        stages_*_options_0ac7196.txt, pipelined): outputs equal to one chunk per CTA on the GPU;
+        "t"); elsewhere (and in the backward's WY) one chunk per CTA. H200 (results/hopper_h200/, pipelined): outputs equal to one chunk per CTA on the GPU;
         forward WY at 4x4096x16x128 0.160 (m = 1) vs 0.155 / 0.160 / 0.154 (m = 2 / 4 / 8), the
         T form at 2x8192x8x256 0.099 vs 0.116-0.118: no gain, so opt-in.
       late_o_store: the Hopper forward state pass stores chunk i's output during chunk i+1's first
         wgmmas (W S / K S and Q S) instead of before chunk i+1 starts: its conversion, shared-memory
         store, fence and TMA issue leave the S -> S' chain (the output is carried in registers, in
-        the input dtype, for one step). Same values. Default True (from 2026-12-03): H200 pipelined
+        the input dtype, for one step). Same values. Default True: H200 pipelined
         state pass 0.132 -> 0.127 ms at 4x4096x16x128, whole op fwd 0.293 -> 0.280; 2x8192x8x256
-        fwd 0.403 -> 0.399 (stages_*_options_0ac7196.txt).
+        fwd 0.403 -> 0.399 (results/hopper_h200/).
       state_producer: the Hopper state passes (the forward's and the backward's recompute, K <= 128)
         warp-specialised: a producer warpgroup issues every chunk's TMA copies ``state_slots``
         chunks ahead and waits for the compute warpgroups to release a slot, so the copies' issue
         and their waits leave the S -> S' chain; without it the one warpgroup issues chunk i+1's
         copies at the start of chunk i. Same values (bit for bit on the H200 too). Motive (H200,
-        1x16384x16x128, results/hopper_h200/knockouts_state_3b46fa8.txt, pipelined): the state pass
+        1x16384x16x128, results/hopper_h200/, pipelined): the state pass
         takes 0.430 ms; with no loads after the first 0.219, with the loads issued but never waited
-        for 0.369. Default True (from 2026-12-03; results/hopper_h200/stages_producer_89efcf0.txt,
+        for 0.369. Default True (results/hopper_h200/,
         pipelined ms): 1x16384x16x128 state pass 0.430 -> 0.320 (3 slots 0.322, 2 warpgroups
         0.401), with h, Vn 0.489 -> 0.456, the backward's recompute 0.296 -> 0.280 (3 slots 0.264),
         whole op fwd 0.567 -> 0.466, fwd+bwd 1.704 -> 1.669; 4x4096x16x128 state pass 0.120 ->
         0.121, whole op fwd 0.277 -> 0.266, fwd+bwd 1.079 -> 1.081. check_gpu bf16 with two
         warpgroups 10 of 10, with 3 slots and the recompute 6 of 6 run, the same errors as the
-        one-warpgroup pass (check_gpu_producer_89efcf0.txt). On the GPU only: in interpret mode the op runs the
+        one-warpgroup pass (results/hopper_h200/). On the GPU only: in interpret mode the op runs the
         one-warpgroup pass, because Mosaic GPU's interpreter, inside a larger jitted program on
         XLA:CPU, can starve XLA's thread pool while one warpgroup blocks on another's barrier (a
         hang, seen on 2 cores with the CPU client's default one device); the warp-specialised
@@ -310,10 +307,9 @@ class KernelConfig:
         ``state_producer``: a producer warpgroup issues each chunk's q, k, W, dVl (or Aqk), dO and
         gates copies into two slots, the consumer releases a slot after its step's last wgmma (h_n,
         read off the dS chain, is still copied by the consumer). Same values (bit-equal on the
-        H200). Default True since 2026-12-03: H200 1x16384x16x128 reverse pass 0.529 -> 0.488 ms,
+        H200). Default True: H200 1x16384x16x128 reverse pass 0.529 -> 0.488 ms,
         whole op fwd+bwd 1.658 -> 1.642; 4x4096x16x128 0.206 -> 0.207, 1.084 -> 1.089 (noise);
-        check_gpu bf16 10 of 10 (results/hopper_h200/stages_reverse_producer_956f7c8.txt,
-        check_gpu_reverse_producer_956f7c8.txt). GPU only, like ``state_producer`` (interpret mode
+        check_gpu bf16 10 of 10 (results/hopper_h200/). GPU only, like ``state_producer`` (interpret mode
         runs the one-warpgroup pass inside the op; tests/ops/test_hopper_bwd.py checks the kernel
         call by call).
       grad_t_phase: the gradient kernels' dA (T = (I + A)^-1): "direct" (default; dA =
@@ -325,32 +321,31 @@ class KernelConfig:
         it has (one C x C x bv product per block; no dT, no dW X^T, no T products). With bf16
         intermediates the whole-K kernel keeps the chain: it reads v, X and h there, while the
         direct form reads the stored bf16 Vn, whose rounding is relative to |U| + |W S| -- where Vn
-        cancels, dbeta came out 1.2-2x less accurate (review 2026-12-03). The Hopper kernels and
-        the K-split kernel read the stored Vn in both forms (no accuracy change). Default "direct"
-        since 2026-12-03: H200, Hopper gradient kernel 0.539 -> 0.464 ms at 4x4096x16x128 and
+        cancels, dbeta came out 1.2-2x less accurate (in a review). The Hopper kernels and
+        the K-split kernel read the stored Vn in both forms (no accuracy change). Default "direct":
+        H200, Hopper gradient kernel 0.539 -> 0.464 ms at 4x4096x16x128 and
         0.544 -> 0.467 at 1x16384x16x128; whole op fwd+bwd 1.078 -> 1.008 and 1.668 -> 1.583 ms;
         2x8192x8x256 (Triton backward) 4.055 -> 3.996; check_gpu bf16 30 of 30 with it (Hopper and
-        Triton) (results/hopper_h200/stages_direct_3ebdaae.txt, check_gpu_direct_3ebdaae.txt).
-        The defaults before 2026-12-03 are ``grad_t_phase="chain", grad_precision="bf16x3"``
+        Triton) (results/hopper_h200/).
+        The previous defaults are ``grad_t_phase="chain", grad_precision="bf16x3"``
         ("chain" alone now runs with the bf16 T phase: at beta 1.9 dk 9.1e-3, dbeta 9.5e-3 on the
         GPU against bf16x3's 8.8 / 9.2e-3).
       grad_precision: the products of the Hopper gradient kernels' T phase (``grad_t_phase``
         "direct": (T^T dVn) Vn^T -- T^T dVn itself is dv's product and keeps T's hi / lo pair;
-        "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16" (default since
-        2026-12-03; one wgmma each, the register operand rounded to bf16 once -- T's hi part in the
+        "chain": dT = (dVn Vn^T)(I + A)^T, T^T dT, (T^T dT) T^T -> dA): "bf16" (default; one wgmma each, the register operand rounded to bf16 once -- T's hi part in the
         chain --, float32 accumulation) or "bf16x3" (hi / lo pairs, two or three wgmmas each).
         With the direct dA: H200, 4x4096x16x128, gradient kernel 0.432 -> 0.393 ms (same lease,
-        results/hopper_h200/ab_tp1_1b0eebf.txt, "bwd grads, bf16 T phase"); GPU check bf16 10 of 10
-        (check_gpu_grad_bf16_0313446.txt), every error as with bf16x3 to the printed digits but at
+        results/hopper_h200/, "bwd grads, bf16 T phase"); GPU check bf16 10 of 10
+        (results/hopper_h200/), every error as with bf16x3 to the printed digits but at
         beta 1.9 dk 7.8e-3 -> 8.0e-3, dbeta 7.9e-3 -> 7.8e-3 (tolerance 1.2e-2; interpret mode
-        gives the same: 7.83 -> 7.99e-3, 7.76 -> 7.68e-3). With the chain (3b5d244) the same
+        gives the same: 7.83 -> 7.99e-3, 7.76 -> 7.68e-3). With the chain the same
         option cost more at beta 1.9 (dk 8.8 -> 9.1e-3, dbeta 9.2 -> 9.5e-3) and saved 0.549 ->
         0.489 ms. tests/ops/test_hopper.py bounds the change against bf16x3 at 3e-3.
       grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path on one, dv, dKd, the T phase --
         on the first with ``grad_t_phase="chain"`` -- and the W phase on the other, side by side;
         the second warpgroup's dk partial as a single bf16 operand). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
-        ms; GPU check 16 of 16 at 097d608). In interpret mode the two warpgroups' work runs in
+        ms; GPU check 16 of 16). In interpret mode the two warpgroups' work runs in
         turn in one thread (Mosaic GPU's interpreter hung with two warpgroup threads on 2 cores).
       grad_chunks_per_cta: chunks of one head per CTA of the Hopper two-warpgroup gradient kernel.
         None / 1 (default): one CTA per chunk (its ~180 KB of input tiles arrive before it computes,
@@ -362,7 +357,7 @@ class KernelConfig:
         and the gates, 17 of ~180 KB, once dk has left). Same
         values (the arithmetic per chunk is unchanged). Needs ``grad_warpgroups=2``. Ran on the
         H200 (results/hopper_h200/NOTE.md items 12, 20): correct, slower than one chunk per CTA
-        (0.59-0.66 vs 0.43 ms at 4x4096x16x128 in session 25), hence opt-in.
+        (0.59-0.66 vs 0.43 ms at 4x4096x16x128 in an earlier measurement), hence opt-in.
       save_states: on the Hopper kernels (as ``save_wy``: both directions Mosaic GPU at one chunk
         size), the forward's state pass also writes the state entering each chunk ``h`` [B*H,
         chunks, K, V] and ``Vn`` = U - W h [B*H, T, V] (bf16: what the backward's forward
@@ -373,7 +368,7 @@ class KernelConfig:
         residual memory of K / C + 1 value tensors plus one key tensor (at K = V = 128, C = 64:
         4 times the size of v) and the forward's h / Vn writes. None (default) / True: on where
         both directions run the Hopper kernels, ignored elsewhere (like ``save_wy``); False: off
-        (the backward recomputes them: less residual memory). H200, 4x4096x16x128 (107bcdb):
+        (the backward recomputes them: less residual memory). H200, 4x4096x16x128:
         fwd+bwd 1.407 -> 1.204 ms pipelined, 1.847 -> 1.653 ms per call; GPU check 16 of 16.
         A call that is not differentiated writes none of these residuals (``save_wy`` neither).
       merge_state: run the two backward state passes (forward recompute, reverse) in one launch
@@ -475,76 +470,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be one of {SUPPORTED_CHUNK_SIZES} or None, got {val!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelCall:
-    """Everything static the kernels of one direction (forward or backward) of one call read:
-    shapes, dtypes and the resolved settings of :class:`KernelConfig` (hashable: it keys the
-    custom_vjp and the jit cache). Built by :func:`resolve` only."""
-
-    platform: str
-    layout: str  # "bthd": token arrays [B, T, H, D] as given; "hm": head-major [B*H, T, D] (TPU)
-    BH: int
-    H: int  # value heads (the kernels' bh axis is batch x value heads)
-    group: int  # value heads per key head (grouped value heads; 1: one key head per value head)
-    n: int  # chunks
-    C: int  # tokens per chunk
-    K: int  # key / value head dims as the kernels see them (powers of two >= 16)
-    V: int
-    scale: float  # query scale, applied in-kernel
-    in_dt: str  # dtype of q, k, v, do as read (and of o, dq, dk, dv as written)
-    mid_dt: str  # intermediates in HBM and operands of most dots
-    u_dt: str
-    state_dt: str
-    out_dt: str
-    f32_inv: str  # Triton precision of float32 dots: triangular inverse / others
-    f32_mm: str
-    packed: bool  # cu_seqlens: per-chunk reset / readout flags
-    nseq: int  # states per (batch x head) row: 1, or N with cu_seqlens
-    bv_state: int
-    bv_out: int
-    bv_grad: int
-    grad_nk: int  # key-channel blocks of the gradient kernel (1: the whole-K kernel)
-    warps_wy: int
-    warps_state: int
-    warps_out: int
-    warps_grad: int
-    num_stages: int
-    fuse_output: bool
-    save_t: bool
-    merge_state: bool
-    mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
-    mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
-    bv_mosaic: int = 64  # value block of the Hopper state pass
-    save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
-    wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
-    wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
-    grad_precision: str = "bf16"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
-    grad_tp: str = "direct"  # KernelConfig.grad_t_phase
-    fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
-    approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
-    own_barriers: Tuple[str, ...] = ()  # KernelConfig.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
-    wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
-    late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
-    state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
-    state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
-    state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
-    rev_prod: bool = False  # KernelConfig.reverse_producer (the Hopper reverse pass)
-    wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
-    grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
-    grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
-    save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
-    # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
-    # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
-    mixed_bwd: bool = False
-    # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
-    # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
-    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
-    grad_blocks: Tuple[int, int] = (1, 1)
-    wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
-
-    @property
-    def Tp(self) -> int:
-        return self.n * self.C
+def check_type(kernel_config) -> None:
+    """``kernel_config`` must be None or a :class:`KernelConfig` (``TypeError`` naming it otherwise)."""
+    if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+        raise TypeError(f"kernel_config must be a gdn_jax.ops.KernelConfig or None, got {type(kernel_config).__name__}")
 
 
 def auto_mid_dtype(in_dt, K: int, V: int):
@@ -689,8 +618,7 @@ def t_form_default(call: KernelCall) -> bool:
     """Whether ``KernelConfig.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
     set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
     (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
-    CTA's chain is the bound and "wu" wins. Measured on one H200 (2026-12-04, code f1a7d50,
-    results/hopper_h200/stages_tform_f1a7d50.txt, pipelined ms, "wu" vs "t"): 4x4096x16x128
+    CTA's chain is the bound and "wu" wins. Measured on one H200 (results/hopper_h200/, pipelined ms, "wu" vs "t"): 4x4096x16x128
     (128 CTAs) fwd 0.259 vs 0.215, fwd+bwd 0.967 vs 0.925; 1x16384x16x128 (64 CTAs) 0.443 vs
     0.435, 1.494 vs 1.576; 2x8192x16x64 (64 CTAs) 0.242 vs 0.253, 0.732 vs 0.764."""
     return call.K == 128 and call.BH * (call.V // call.bv_mosaic) >= T_FORM_MIN_CTAS
@@ -711,29 +639,27 @@ def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
 
 def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     """Turn on the Hopper forward / backward kernels where ``config.gpu_kernels`` asks for them
-    (None: on an sm_90 GPU) and :func:`gdn_jax.ops.pallas.hopper.covers` /
-    :func:`gdn_jax.ops.pallas.hopper_bwd.covers` take the call."""
-    from . import hopper, hopper_bwd
-
+    (None: on an sm_90 GPU) and :func:`.hopper_plan.fwd_covers` /
+    :func:`.hopper_plan.bwd_covers` take the call."""
     if not _mosaic_wanted(config, call.platform):
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
     # forward to Triton, and hopper.covers' reason names that value and V
     if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
         call = dataclasses.replace(call, state_prod=False, rev_prod=False)
-    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper.block_for(call))
+    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper_plan.block_for(call))
     if config.fwd_form is None and t_form_default(call):  # K = 128 with many state-pass CTAs: "t"
         t = dataclasses.replace(call, fwd_form="t")
-        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper.block_for(t))
-        if hopper.covers(t) is None:
+        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper_plan.block_for(t))
+        if hopper_plan.fwd_covers(t) is None:
             call = t
-    call = dataclasses.replace(call, mosaic_fwd=hopper.covers(call) is None, mosaic_bwd=hopper_bwd.covers(call) is None)
+    call = dataclasses.replace(call, mosaic_fwd=hopper_plan.fwd_covers(call) is None, mosaic_bwd=hopper_plan.bwd_covers(call) is None)
     # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
     # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
     # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
     mixed = (not call.mosaic_bwd and max(call.K, call.V) > 128 and call.mosaic_fwd and _wide_hopper(config)
-             and call.layout == "bthd" and hopper_bwd.reverse_smem_bytes(call, 16, True) <= hopper_bwd.SMEM_BYTES)
+             and call.layout == "bthd" and hopper_plan.reverse_smem_bytes(call, 16, True) <= hopper_plan.SMEM_BYTES)
     wide = "xla" if config.wide_backward == "hopper_xla" else "hopper"
-    if mixed and wide == "hopper" and hopper_bwd.block_call(call) is None:
+    if mixed and wide == "hopper" and hopper_plan.block_call(call) is None:
         wide = "xla"  # no block split the Hopper gradient kernel takes: the XLA gradients
     return dataclasses.replace(call, mixed_bwd=mixed, wide_grads=wide)

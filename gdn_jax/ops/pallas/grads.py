@@ -113,7 +113,7 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
     # KernelConfig.grad_t_phase="direct" here only with float32 intermediates: the chain reads v, X
     # and h, the direct form the stored Vn, whose bf16 rounding is relative to |U| + |W S|, not to
     # |Vn| -- where Vn cancels (the state already predicts v) dbeta came out 1.2-2x less accurate
-    # (review of 2026-12-03, repeated keys, bf16 intermediates). The K-split kernel's chain already
+    # (found in a review: repeated keys, bf16 intermediates). The K-split kernel's chain already
     # reads Vn (dvn Vn^T), so there "direct" changes nothing but the product count.
     direct = call.grad_tp == "direct" and call.mid_dt == "float32"
 

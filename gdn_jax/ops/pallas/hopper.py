@@ -37,11 +37,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
+from .hopper_plan import (SMEM_BYTES, block_for, default_block, producer, single_q, smem_bytes, wy_compact,  # noqa: F401
+                          wy_smem_bytes)
+from .hopper_plan import fwd_covers as covers  # noqa: F401  (the planning module's; re-exported)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-# shared memory per CTA on an H100 / H200 (227 KB usable)
-SMEM_BYTES = 227 * 1024
 
 
 def _plgpu():
@@ -217,108 +217,6 @@ def _slot_flags(g_s, slot):
     of :func:`gdn_jax.ops.packing.chunk_flags`)."""
     f = g_s[slot, 2, 1].astype(jnp.int32)
     return f >> 2, (f & 1) != 0, (f & 2) != 0
-
-
-def default_block(BH: int, V: int, platform: str = "gpu") -> int:
-    """Value channels per CTA of the Hopper state passes before the shared-memory check of
-    :func:`block_for` (the default, which ``KernelConfig.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
-    leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
-    chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
-    win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
-    BH 32, V 64: bv 64 / 32 / 16 = 0.214 / 0.161 / 0.170 ms (results/hopper_h200/stages_5e1db07.txt)."""
-    bv = min(64, V)
-    while platform == "gpu" and bv > 16 and BH * (V // bv) < 64:
-        bv //= 2
-    return bv
-
-
-def single_q(call: KernelCall) -> bool:
-    """Whether the forward state pass keeps one q tile (and, in the "wu" form, one W tile) instead
-    of two TMA slots (K > 128, where two slots of q and k would not leave room for the rest): the
-    next chunk's q (W) is copied once Q S (W S) has read this one, the rest of a chunk step ahead
-    of its use."""
-    return call.K > 128
-
-
-def block_for(call: KernelCall) -> int:
-    """The Hopper state pass's default value block for ``call`` (``KernelConfig.bv_state`` None):
-    :func:`default_block`, then halved (down to 16) until :func:`smem_bytes` fits an SM's shared
-    memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32; K = 128 with ``state_slots`` 3: 32) and,
-    with :func:`producer`, until ``state_warpgroups`` value blocks tile V."""
-    bv = default_block(call.BH, call.V, call.platform)
-    nc = call.state_wgs if producer(call) else 1
-    while bv > 16 and (smem_bytes(call, bv) > SMEM_BYTES or call.V % (bv * nc)):
-        bv //= 2
-    return bv
-
-
-def producer(call: KernelCall) -> bool:
-    """Whether the state passes of ``call`` run warp-specialised (``KernelConfig.state_producer``,
-    applied where K <= 128: at K = 256 the single q / W tiles of :func:`single_q` stay)."""
-    return call.state_prod and not single_q(call)
-
-
-def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_and_output` (two TMA slots, or ``state_slots`` with
-    :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
-    of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
-    block in place of W and U; where :func:`single_q`, one q tile and, in "wu", one W tile). Counts
-    the forward's tiles: the backward's recompute (no q, Aqk, o) needs less."""
-    C, K = call.C, call.K
-    isz = jnp.dtype(call.in_dt).itemsize
-    one = single_q(call)
-    D, nc = (call.state_slots, call.state_wgs) if producer(call) else (2, 1)
-    state = K * bv * 2 + 2 * C * bv * 2 + C * bv * isz + K * bv * 4  # S (bf16), Vn, e^.. Vn, o, h0 / final
-    if call.fwd_form == "t":
-        shared = (1 + (not one)) * C * K * isz + 2 * C * C * 2 + C * C * 2 + 5 * C * 4
-        return D * (shared + nc * C * bv * isz) + (C * K * isz if one else 0) + nc * state
-    # "wu": q, k, W, U, Aqk, gates per slot (q and W single where single_q)
-    shared = (1 + (not one)) * C * K * isz + (not one) * C * K * 2 + C * C * 2 + 3 * C * 4
-    return D * (shared + nc * C * bv * 2) + (C * K * isz + C * K * 2 if one else 0) + nc * state
-
-
-def covers(call: KernelCall) -> str | None:
-    """None when the Hopper forward kernels take this call, else what they lack (the first that
-    fails of): K in (64, 128, 256); the token layout; the fused output (``fuse_output``); bf16
-    inputs; a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 256:
-    the forward's chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
-    value block (``KernelConfig.bv_state``, default :func:`default_block`) of 16, 32 or 64
-    dividing V; shared memory (:func:`smem_bytes`, :func:`wy_smem_bytes`).
-    :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
-    if call.K not in (64, 128, 256):
-        return f"K={call.K} (needs 64, 128 or 256)"
-    if call.layout != "bthd":
-        return f"head-major layout of platform {call.platform!r} (Mosaic GPU runs on 'gpu' or 'interpret')"
-    if not call.fuse_output:
-        return "fuse_output=False"
-    if jnp.dtype(call.in_dt) != jnp.dtype(BF16):
-        return f"inputs {call.in_dt} (needs bfloat16)"
-    if call.C != 64:
-        return f"forward kernel chunk {call.C} (needs 64: chunk_size >= 64 on GPU, or KernelConfig.fwd_chunk=64)"
-    for name in ("mid_dt", "u_dt", "out_dt", "state_dt"):
-        if jnp.dtype(getattr(call, name)) != jnp.dtype(BF16):
-            return f"{name} {getattr(call, name)} (needs bfloat16)"
-    if call.bv_mosaic not in (16, 32, 64) or call.V % call.bv_mosaic:
-        return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
-    if producer(call) and call.V % (call.bv_mosaic * call.state_wgs):
-        return (f"state_warpgroups={call.state_wgs} x value block {call.bv_mosaic} does not divide V={call.V} "
-                f"(KernelConfig.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
-    if call.fwd_form == "transition":
-        from . import hopper_transition
-
-        why = hopper_transition.covers(call)
-        if why is not None:
-            return why
-    elif smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
-        fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
-        return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
-                f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"
-                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else "")
-                + (f"; with state_slots={call.state_slots}, state_warpgroups={call.state_wgs} (fewer fit)"
-                   if producer(call) and (call.state_slots, call.state_wgs) != (2, 1) and not fit else ""))
-    if wy_smem_bytes(call) > SMEM_BYTES:
-        return f"shared memory: the WY kernel needs {wy_smem_bytes(call) // 1024} KB of {SMEM_BYTES // 1024} KB"
-    return None
 
 
 def chunk_last_row(call: KernelCall, e_gam_last, flags):
@@ -603,26 +501,6 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     return dict(o=out[0], final=out[1])
 
 
-def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
-    tiles, Aqk's staging tile, T and L as bf16 (hi, lo) pairs (their lo tiles only where
-    ``wy_precision`` uses them), and their compressed [C, 16] pairs with ``wy_inverse="blocked"``."""
-    C, K, V = call.C, call.K, call.V
-    isz = jnp.dtype(call.in_dt).itemsize
-    hp_in, lo_any = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
-    blocked = (2 + 2 * hp_in) * C * 16 * 2 if call.wy_inverse == "blocked" else 0
-    cc = (2 + 2 * lo_any) * C * C * 2  # T hi, L hi (Aqk's staging tile when compact), lo tiles
-    if wy_compact(call):  # the forward's: v shares q's tile
-        return 2 * C * K * isz + cc + 5 * C * 4 + blocked
-    return (2 * C * K + C * V) * isz + C * C * 2 + cc + 5 * C * 4 + blocked
-
-
-def wy_compact(call: KernelCall) -> bool:
-    """Whether the forward WY kernel runs in its compact layout (``KernelConfig.wy_compact``, where
-    K == V: v takes q's tile)."""
-    return call.wy_compact and call.K == call.V
-
-
 def scaled_t(t, col, C):
     """A zero-argument function giving T diag(s) as a bf16 (hi, lo) register pair (to ~2^-16) for
     :func:`write_w_u`: ``t`` the float32 [C, C] T in the wgmma layout, ``col`` the [C] scales s in
@@ -897,7 +775,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             plgpu.barrier_wait(bar(i))
         # Q K^T first, Aqk formed and stored, then K K^T: one [C, C] accumulator live at a time (185
         # registers instead of 196; H200 whole forward 0.274 -> 0.265 ms at 4x4096x16x128, 0.475 ->
-        # 0.461 at 1x16384x16x128: tree .base/v1 of results/hopper_h200/ab_wy_dee6582.txt, measured
+        # 0.461 at 1x16384x16x128, results/hopper_h200/, measured
         # before W and U took T as t_hi + t_lo, a change not yet timed or checked on the GPU)
         (qk,) = _mmas([((C, C), q_s, _T(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse

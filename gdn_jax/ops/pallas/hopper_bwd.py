@@ -26,8 +26,6 @@ Interpret mode (CPU) runs the same bodies with ``jnp`` matmuls (see :mod:`.hoppe
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,41 +34,14 @@ from jax.experimental import pallas as pl
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _sync, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
                      _wait_slot, chunk_last_row, scaled_t, tile_in, tile_out, write_w_u)
-
-SMEM_BYTES = 227 * 1024
-
-
-def covers(call: KernelCall) -> str | None:
-    """None when the Hopper backward kernels take this (backward) call, else what they lack: the
-    forward kernels' conditions (:func:`gdn_jax.ops.pallas.hopper.covers`, the fused-output one
-    aside) at the backward's chunk (64: on GPU the default with ``gpu_kernels`` "mosaic" / None,
-    bf16 inputs and head dims 64 .. 128), and the gradient kernel's shared memory."""
-    from .hopper import covers as fwd_covers
-
-    if call.K not in (64, 128):
-        return f"K={call.K} (the Hopper backward needs 64 or 128)"
-    why = fwd_covers(dataclasses.replace(call, fuse_output=True))
-    if why is not None:
-        return why.replace("forward kernel chunk", "backward kernel chunk").replace("fwd_chunk", "bwd_chunk")
-    if grads_smem_bytes(call) > SMEM_BYTES:
-        return "shared memory (gradient kernel)"
-    return None
+from .hopper_plan import (SMEM_BYTES, block_call, grads_smem_bytes, reverse_block, reverse_single_tiles,  # noqa: F401
+                          reverse_smem_bytes)
+from .hopper_plan import bwd_covers as covers  # noqa: F401  (the planning module's; re-exported)
 
 
 def _zeros(shape, interp):
     z = jnp.zeros(shape, F32)
     return z if interp else _plgpu().layout_cast(z, _plgpu().Layout.WGMMA)
-
-
-def grads_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
-    gates), the output scalars and the phase scratch (dKK and the T phase's two [C, C] tiles); with
-    two warpgroups (``call.grad_wgs == 2``) also the dk partial's [C, K] tile and nine output rows."""
-    C, K, V = call.C, call.K, call.V
-    inputs = (2 * C * K + 4 * C * V + 2 * K * V + 2 * C * C) * 2
-    if call.grad_wgs == 2:
-        return inputs + 14 * C * 4 + 3 * C * C * 2 + C * K * 2
-    return inputs + 10 * C * 4 + 3 * C * C * 2
 
 
 def _grad_gates(call: KernelCall, beta, gam, e_gam, e_gam_end):
@@ -487,7 +458,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             # arrival): a float32 copy live through the T phase and dX cost 64 registers, and
             # T^T dVn is split into its bf16 (hi, lo) pair once, for the T phase and _dx (H200,
             # 4x4096x16x128: with dvb and k live through _dx the kernel spilled 740 bytes per
-            # thread and took 0.532 ms against bebff6b's 0.395, results/hopper_h200/ab_dx_657f96a.txt)
+            # thread and took 0.532 ms against 0.395 before, results/hopper_h200/)
             kf = lambda: ld(k_s).astype(F32)
             de_end = jnp.sum(dkd * kf(), axis=1)
             dk1 = dkd * bc_r(ee_r, (C, K))
@@ -601,25 +572,6 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 de_gam_end=col(sc[:, :, 4]))
 
 
-def block_call(call: KernelCall) -> KernelCall | None:
-    """The sub-call :func:`chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
-    K > 128 (backward) call -- key and value dims cut into blocks of 128 (``grad_blocks`` = their
-    counts), one virtual head per (head, key block, value block) -- or None where that kernel does
-    not take the blocks (:func:`covers`) or the call asks for options it lacks there
-    (``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1, ``grad_t_phase="chain"`` with several key
-    blocks: the chain's dT (dVn Vn^T)(I + A)^T needs the whole A, not a key block's part)."""
-    nk, nv = max(1, call.K // 128), max(1, call.V // 128)
-    if call.grad_wgs != 2 or call.grad_per_cta != 1 or call.K % nk or call.V % nv:
-        return None
-    if nk > 1 and call.grad_tp != "direct":
-        # grad_t_phase="chain" forms dA through (I + A)^T with A from the CTA's own key block: not a
-        # sum over key blocks (review of 2026-12-04: dk 2.7e-2 against float64 at K = 256)
-        return None
-    sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
-                              grad_blocks=(nk, nv), mixed_bwd=False)
-    return sub if covers(sub) is None else None
-
-
 def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
     """:func:`chunk_grads` for K > 128 (``KernelConfig.wide_backward="hopper"``): the two-warpgroup
     gradient kernel on every (key block, value block) pair of 128 columns (:func:`block_call`: q, k
@@ -723,34 +675,6 @@ def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags
     from .hopper import forward_states_and_output
 
     return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
-
-
-def reverse_single_tiles(call: KernelCall) -> bool:
-    """Whether :func:`reverse_states` keeps q, k and W in one tile each instead of two TMA slots
-    (K > 128, where two slots of the three [C, K] tiles alone would take 192 KB): k is refilled as
-    soon as K dS has read it, q and W once the chunk's last wgmma has, so the next chunk's copies
-    land during the rest of this step (k) or during the whole next step until its last wgmma (q, W)."""
-    return call.K > 128
-
-
-def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
-    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
-    with the Aqk tile that forms dVl in the kernel instead of a dVl tile; q, k, W single where
-    :func:`reverse_single_tiles`)."""
-    C, K = call.C, call.K
-    kw_tiles = 3 * C * K * 2
-    one = reverse_single_tiles(call)
-    per_slot = (0 if one else kw_tiles) + (C * C if own_dvl else C * bv) * 2 + C * bv * 2 + 3 * C * 4
-    return 2 * per_slot + (kw_tiles if one else 0) + 2 * K * bv * 2 + 3 * C * bv * 2 + K * bv * 4 + K * 4
-
-
-def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
-    """The value block of :func:`reverse_states`: the forward's block (``bv_mosaic``) or the largest
-    smaller one whose two TMA slots fit in shared memory."""
-    bv = call.bv_mosaic
-    while bv > 16 and reverse_smem_bytes(call, bv, own_dvl) > SMEM_BYTES:
-        bv //= 2
-    return bv
 
 
 def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags, aqk=None):

@@ -1,5 +1,5 @@
 """The forward state pass in its "transition" form on Hopper (``KernelConfig.fwd_form="transition"``,
-opt-in; built 2026-12-04: results/hopper_h200/NOTE.md items 28-29). On one H200 it is correct (GPU
+opt-in; results/hopper_h200/NOTE.md items 28-29). On one H200 it is correct (GPU
 check 10 of 10 at K = 64) but slower than the default pass: 2x8192x16x64 state pass 0.255 vs 0.157 ms
 (~1.75x the wgmma work per chunk step on one warpgroup; the rounds were not the bound).
 
@@ -32,28 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .config import KernelCall
-from .hopper import (BF16, F32, SMEM_BYTES, _T, _i32, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem,
+from .hopper import (BF16, F32, _T, _i32, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem,
                      chunk_last_row, tile_in, tile_out)
-
-SLOTS = 3
-
-
-def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_transition` at value block ``bv``: three slots of q, k,
-    W, U's value block, Aqk and the gates; two K~ and two M tiles; the S, Vn, o and h0 / final tiles."""
-    C, K = call.C, call.K
-    isz = jnp.dtype(call.in_dt).itemsize
-    slot = 2 * C * K * isz + C * K * 2 + C * bv * 2 + C * C * 2 + 3 * C * 4
-    return SLOTS * slot + 2 * (C * K + K * K) * 2 + K * bv * 2 + C * bv * 2 + C * bv * isz + K * bv * 4
-
-
-def covers(call: KernelCall) -> str | None:
-    """None when the transition pass takes ``call`` (after :func:`.hopper.covers`), else why not."""
-    if smem_bytes(call, call.bv_mosaic) > SMEM_BYTES:
-        return (f"shared memory: the transition pass (fwd_form='transition') at K={call.K}, value block "
-                f"{call.bv_mosaic} needs {smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB "
-                f"(it fits at K = 64)")
-    return None
+from .hopper_plan import SLOTS, SMEM_BYTES  # noqa: F401
+from .hopper_plan import transition_covers as covers, transition_smem_bytes as smem_bytes  # noqa: F401  (re-exported)
 
 
 def forward_states_transition(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk,

@@ -1,0 +1,79 @@
+"""The settings of one direction of one ``backend="pallas"`` call (:class:`KernelCall`): a plain
+record that the kernels, the planning module (:mod:`.hopper_plan`) and :mod:`.config` (which
+builds it) all read; it imports nothing of theirs."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Everything static the kernels of one direction (forward or backward) of one call read:
+    shapes, dtypes and the resolved settings of :class:`~.config.KernelConfig` (hashable: it keys the
+    custom_vjp and the jit cache). Built by :func:`.config.resolve` only."""
+
+    platform: str
+    layout: str  # "bthd": token arrays [B, T, H, D] as given; "hm": head-major [B*H, T, D] (TPU)
+    BH: int
+    H: int  # value heads (the kernels' bh axis is batch x value heads)
+    group: int  # value heads per key head (grouped value heads; 1: one key head per value head)
+    n: int  # chunks
+    C: int  # tokens per chunk
+    K: int  # key / value head dims as the kernels see them (powers of two >= 16)
+    V: int
+    scale: float  # query scale, applied in-kernel
+    in_dt: str  # dtype of q, k, v, do as read (and of o, dq, dk, dv as written)
+    mid_dt: str  # intermediates in HBM and operands of most dots
+    u_dt: str
+    state_dt: str
+    out_dt: str
+    f32_inv: str  # Triton precision of float32 dots: triangular inverse / others
+    f32_mm: str
+    packed: bool  # cu_seqlens: per-chunk reset / readout flags
+    nseq: int  # states per (batch x head) row: 1, or N with cu_seqlens
+    bv_state: int
+    bv_out: int
+    bv_grad: int
+    grad_nk: int  # key-channel blocks of the gradient kernel (1: the whole-K kernel)
+    warps_wy: int
+    warps_state: int
+    warps_out: int
+    warps_grad: int
+    num_stages: int
+    fuse_output: bool
+    save_t: bool
+    merge_state: bool
+    mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
+    mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
+    bv_mosaic: int = 64  # value block of the Hopper state pass
+    save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
+    wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
+    wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
+    grad_precision: str = "bf16"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
+    grad_tp: str = "direct"  # KernelConfig.grad_t_phase
+    fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
+    approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
+    own_barriers: Tuple[str, ...] = ()  # KernelConfig.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
+    wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
+    late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
+    state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
+    state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
+    state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
+    rev_prod: bool = False  # KernelConfig.reverse_producer (the Hopper reverse pass)
+    wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
+    grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
+    grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
+    save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
+    # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
+    # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
+    mixed_bwd: bool = False
+    # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
+    # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
+    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
+    grad_blocks: Tuple[int, int] = (1, 1)
+    wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
+
+    @property
+    def Tp(self) -> int:
+        return self.n * self.C
