@@ -192,6 +192,8 @@ def shard_gated_delta_rule(
     n = int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
     if v.shape[1] % n:
         raise ValueError(f"T = {v.shape[1]} must be a multiple of the {n} devices of mesh axis {axis!r}")
+    if cu_seqlens is not None:  # concrete values checked here: inside shard_map they are traced
+        _check_call(v, beta, cu_seqlens, False, v.shape[1])
     seq = P(batch_axis, axis)
     st = P(batch_axis) if cu_seqlens is None else P()
     args = (q, k, v, g, beta, initial_state, cu_seqlens)

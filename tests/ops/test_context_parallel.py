@@ -1,0 +1,108 @@
+"""Context parallelism (T sharded over a mesh axis, ``gdn_jax.ops.context_parallel``) against the
+unsharded op: o, final state and the gradient of every input (q, k, v, g, beta, initial_state),
+each gradient also shard by shard (FLA #1115's bug class: wrong gradients on non-last shards).
+
+2 and 4 shards run in this process (tests/conftest.py gives it 4 CPU devices), 8 in a subprocess
+of 8 simulated devices (tests/ops/cp_check.py). Cases are pairwise over backend (scan, chunk,
+pallas in interpret mode), packed documents crossing shards (``cu_seqlens``, one empty document,
+one starting on a boundary), GVA, per-key-channel g, l2norm, initial state.
+Tolerance: max |sharded - unsharded| <= 1e-5 max |unsharded| per array and per shard (float32
+rounding: measured <= 4e-7, docs/context_parallel.md).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from gdn_jax.ops.context_parallel import context_parallel_gated_delta_rule, shard_gated_delta_rule
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cp_check  # noqa: E402
+
+TOL = 1e-5
+FIELDS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "ds0")
+
+CASES = {  # devices -> cases (pairwise: every backend packed and not, GVA, per-key-channel g)
+    2: [dict(backend="pallas", packed=True, Hk=1, H=2), dict(backend="scan", g_pc=True, B=2)],
+    4: [dict(backend="chunk", packed=True, g_pc=True), dict(backend="scan", packed=True, Hk=1, H=2, l2norm=True),
+        dict(backend="pallas", B=2, init=False)],
+    8: [dict(backend="chunk", B=2, Hk=1, H=2), dict(backend="scan", packed=True, g_pc=True),
+        dict(backend="pallas", packed=True)],
+}
+
+
+def check(res):
+    for f in FIELDS:
+        if f in res:
+            assert res[f] <= TOL, (f, res[f], res["case"])
+        for i, e in enumerate(res.get(f + "_per_shard", [])):
+            assert e <= TOL, (f, "shard", i, e, res["case"])
+            assert res[f + "_shard_norms"][i] > 0, (f, "zero gradient on shard", i)  # a test that can fail
+
+
+@pytest.mark.parametrize("devices, case", [(d, c) for d in (2, 4) for c in CASES[d]])
+def test_sharded_equals_unsharded(devices, case):
+    check(cp_check.run_case(case, devices))
+
+
+def test_eight_devices():
+    """8 simulated devices (a process of its own), T = 32: 4 tokens a shard."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, cp_check.__file__, "--devices", "8", "--cases", json.dumps(CASES[8])],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == len(CASES[8])
+    for res in lines:
+        assert res["devices"] == 8
+        check(res)
+
+
+def _mesh(n=2):
+    return Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+
+def _inputs(B=1, T=8, H=1, K=16, V=16, beta_v=False):
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.standard_normal((B, T, H, d)), jnp.float32) for d in (K, K, V))
+    g = -jnp.ones((B, T, H)) * 0.1
+    beta = jnp.full((B, T, H) + ((V,) if beta_v else ()), 0.5)
+    return q, k, v, g, beta
+
+
+def test_refusals():
+    """Per-value-channel beta, mask_nonfinite, a T the axis does not divide and a bad cu_seqlens are refused by name."""
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="per-value-channel beta"):
+        shard_gated_delta_rule(*_inputs(beta_v=True), mesh=mesh, axis="seq", backend="scan")
+    with pytest.raises(ValueError, match="mask_nonfinite"):
+        shard_gated_delta_rule(*_inputs(), mesh=mesh, axis="seq", backend="scan", mask_nonfinite=True)
+    with pytest.raises(ValueError, match="multiple of the 2 devices"):
+        shard_gated_delta_rule(*_inputs(T=7), mesh=mesh, axis="seq", backend="scan")
+    with pytest.raises(ValueError, match="end at T = 8"):
+        shard_gated_delta_rule(*_inputs(), mesh=mesh, axis="seq", backend="scan", cu_seqlens=jnp.array([0, 3, 4]))
+
+
+def test_user_shard_map():
+    """context_parallel_gated_delta_rule inside a shard_map of one's own (batch over 'data', T over 'seq')."""
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.ops import gated_delta_rule
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "seq"))
+    q, k, v, g, beta = _inputs(B=2, T=16)
+    spec = P("data", "seq")
+    f = jax.shard_map(lambda *a: context_parallel_gated_delta_rule(*a, axis_name="seq", backend="chunk",
+                                                                   chunk_size=16, output_final_state=True),
+                      mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P("data")))
+    o1, s1 = jax.jit(f)(q, k / jnp.linalg.norm(k, axis=-1, keepdims=True), v, g, beta)
+    o0, s0 = gated_delta_rule(q, k / jnp.linalg.norm(k, axis=-1, keepdims=True), v, g, beta, backend="chunk",
+                              chunk_size=16, output_final_state=True)
+    np.testing.assert_allclose(o1, o0, rtol=0, atol=1e-5 * float(jnp.abs(o0).max()))
+    np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-5 * float(jnp.abs(s0).max()))
