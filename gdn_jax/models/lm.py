@@ -406,11 +406,9 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-# mixers that take ``context_axis`` (T sharded over a mesh axis inside shard_map): the delta-rule
-# layers, through their state maps. Not (yet): mamba2 / gla / linear (gated_linear_attention has no
-# state-map path), attention / gated_attention (would all-gather K, V over the axis with RoPE at
-# global positions). docs/context_parallel.md.
-CONTEXT_PARALLEL_MIXERS = frozenset({"gdn", "deltanet", "kda"})
+# mixers that take ``context_axis`` (T sharded over a mesh axis inside shard_map): the recurrent
+# layers, through their state maps (docs/context_parallel.md).
+CONTEXT_PARALLEL_MIXERS = frozenset({"gdn", "deltanet", "kda", "mamba2", "gla", "linear"})
 
 
 class Block(nnx.Module):

@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 from ._common import acc_dtype, check_cu_values, check_flags, poison_if_invalid
 from .gated_delta_rule import gated_delta_rule
 from ._vma import match_vma
-from .state_maps import apply_map, state_map
+from .linear_attention import gated_linear_attention
+from .state_maps import affine_state_map, apply_map, state_map
 
 
 def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
@@ -108,16 +109,35 @@ def context_parallel_gated_delta_rule(
     jax-linear-attention's ``context_parallel_linear_attention`` use the same maps.
     """
     check_flags(output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
+    _check_call(v, beta, cu_seqlens, mask_nonfinite, jax.lax.axis_size(axis_name) * v.shape[1])
+    op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
+
+    def run(s, cu, fin):
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=s, cu_seqlens=cu,
+                                output_final_state=fin, **op)
+
+    def maps(init, cu, continues):
+        return state_map(k, v, g, beta, initial_state=init, cu_seqlens=cu, continues=continues, **op)
+
+    return sharded_recurrence(run, maps, k, v, axis_name=axis_name, dtype=acc_dtype(q, k, v, g, beta, initial_state),
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens)
+
+
+def sharded_recurrence(run, maps, k, v, *, axis_name, dtype, initial_state, output_final_state, cu_seqlens):
+    """The shared part of the context-parallel ops (inside ``shard_map``): ``run(initial_state,
+    cu_seqlens, output_final_state) -> (o, final)`` runs the op on this shard and ``maps(initial_state,
+    cu_seqlens, continues) -> (M, N)`` gives its state map (:func:`~gdn_jax.ops.state_maps.state_map`);
+    the rest (all-gather, float32 composition, packed-document bookkeeping, final states) as
+    :func:`context_parallel_gated_delta_rule`."""
     n_dev = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     Ts = v.shape[1]
-    _check_call(v, beta, cu_seqlens, mask_nonfinite, n_dev * Ts)
-    dt = acc_dtype(q, k, v, g, beta, initial_state)
+    dt = dtype
     K, V, H = k.shape[-1], v.shape[-1], v.shape[-2]
-    op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
     valid = jnp.asarray(True)
     if cu_seqlens is None:
-        M, N = state_map(k, v, g, beta, **op)
+        M, N = maps(None, None, None)
         x0 = jnp.zeros((v.shape[0], H, K, V), dt) if initial_state is None else initial_state.astype(dt)
     else:
         cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -128,7 +148,7 @@ def context_parallel_gated_delta_rule(
         first = jnp.minimum(jnp.searchsorted(cu[1:], off, side="right"), n_docs - 1)
         continues = cu[first] < off  # the document of this shard's first token started on an earlier shard
         init = jnp.zeros((n_docs, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-        M, N = state_map(k, v, g, beta, initial_state=init, cu_seqlens=local_cu, continues=continues, **op)
+        M, N = maps(init, local_cu, continues)
         x0 = jnp.zeros((1, H, K, V), dt)  # shard 0 never continues (its M is 0): any start
     # every shard's map, in shard order (one all-gather), composed in float32
     Ms = jax.lax.all_gather(M.astype(dt), axis_name)
@@ -140,15 +160,14 @@ def context_parallel_gated_delta_rule(
     x_last, entering = jax.lax.scan(step, match_vma(x0, Ms, Ns), (Ms, Ns))
     entry = entering[me]  # the state entering this shard
     if cu_seqlens is None:
-        o, _ = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=entry, **op)
+        o, _ = run(entry, None, False)
         if not output_final_state:
             return o, None
         # the last shard's value on every shard (an all-reduce of B H K V words; psum's result is
         # replicated over the axis for shard_map's out_specs, the all-gather's is not)
         return o, jax.lax.psum(jnp.where(me == n_dev - 1, x_last, 0), axis_name)
     local_init = init.at[first].set(jnp.where(continues, entry[0], init[first]))
-    o, fin = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=local_init, cu_seqlens=local_cu,
-                              output_final_state=True, **op)
+    o, fin = run(local_init, local_cu, True)
     o = poison_if_invalid(o, valid)
     if not output_final_state:
         return o, None
@@ -157,6 +176,49 @@ def context_parallel_gated_delta_rule(
     mine = (owner == me)[:, None, None, None]
     fin = jax.lax.psum(jnp.where(mine, fin, 0), axis_name)
     return o, poison_if_invalid(fin, valid)
+
+
+def context_parallel_linear_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: Optional[jax.Array] = None,
+    *,
+    axis_name,
+    scale: Optional[float] = None,
+    initial_state: Optional[jax.Array] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[jax.Array] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """:func:`gdn_jax.ops.gated_linear_attention` (no delta rule: linear attention, Mamba2-style
+    per-head decay, GLA per-key-channel decay) on this device's shard of T inside ``shard_map``,
+    exact: the same state maps (M is the diagonal decay product here) and collectives as
+    :func:`context_parallel_gated_delta_rule`, whose arguments these are (``g`` None: no decay).
+
+    Raises: as :func:`gdn_jax.ops.gated_linear_attention` for the shard's arguments; ValueError for
+    a concrete ``cu_seqlens`` not from 0 to ``P T_s``."""
+    check_flags(output_final_state=output_final_state)
+    if cu_seqlens is not None:
+        check_cu_values(cu_seqlens, jax.lax.axis_size(axis_name) * v.shape[1])
+    op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend)
+
+    def run(s, cu, fin):
+        return gated_linear_attention(q, k, v, g, scale=scale, initial_state=s, cu_seqlens=cu, output_final_state=fin,
+                                      **op)
+
+    dt = acc_dtype(*[x for x in (q, k, v, g, initial_state) if x is not None])
+
+    def maps(init, cu, continues):
+        def final_state(values, start):
+            return gated_linear_attention(k, k, values, g, initial_state=start, cu_seqlens=cu, output_final_state=True,
+                                          **op)[1]
+        return affine_state_map(final_state, k, v, g, dtype=dt, initial_state=init, cu_seqlens=cu, continues=continues)
+
+    return sharded_recurrence(run, maps, k, v, axis_name=axis_name, dtype=dt, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def shard_gated_delta_rule(

@@ -93,14 +93,34 @@ def state_map(
     jax-linear-attention's context parallelism use the same maps.
     """
     _check_beta(beta, v)
+    dt = acc_dtype(k, v, g, beta)
+    forms = GateForms(g_per_channel=g.ndim == 4, beta_per_channel=False)
+    K, V = k.shape[-1], v.shape[-1]
+    vdt = jnp.float64 if dt == jnp.float64 else v.dtype
+    kw = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config,
+              output_final_state=True)
+
+    def final_state(values, start):
+        return gated_delta_rule(k, k, values, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kw)[1]
+
+    return affine_state_map(final_state, k, v, g, beta, dtype=dt, initial_state=initial_state,
+                            cu_seqlens=cu_seqlens, continues=continues,
+                            augmented=_augmented_widths(backend, forms, chunk_size, K, V, vdt))
+
+
+def affine_state_map(final_state, k, v, *rest, dtype, initial_state=None, cu_seqlens=None, continues=None,
+                     augmented: bool = True):
+    """The map ``(M, N)`` of any recurrence whose final state is linear in (initial state, values)
+    jointly and acts on the state's columns alike: ``final_state(values [B, T, H, W], start
+    [B or N, H, K, W]) -> [B or N, H, K, W]`` runs it (with the piece's ``cu_seqlens`` bound) for
+    any width W. Arguments and result as :func:`state_map`; ``rest`` are the other inputs (for
+    ``shard_map``'s varying-axes types only); ``augmented=False`` runs M and N as two calls."""
     if cu_seqlens is None and initial_state is not None:
         raise ValueError("state_map: initial_state is read only with cu_seqlens (documents that start inside "
                          "the piece); without it the map does not depend on a state")
     B, T, H, V = v.shape
     K = k.shape[-1]
-    dt = acc_dtype(k, v, g, beta)
-    forms = GateForms(g_per_channel=g.ndim == 4, beta_per_channel=False)
-    vdt = jnp.float64 if dt == jnp.float64 else v.dtype
+    dt = dtype
     eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (H, K, K))
     if cu_seqlens is None:
         start_m = jnp.broadcast_to(eye, (B, H, K, K))
@@ -114,17 +134,14 @@ def state_map(
         start_m = jnp.zeros((n_docs, H, K, K), dt).at[first].set(jnp.where(cont, eye, 0))
         start_n = init.at[first].set(jnp.where(cont, 0, init[first]))
         last = jnp.minimum(jnp.searchsorted(cu[1:], T - 1, side="right"), n_docs - 1)
-    kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend,
-              kernel_config=kernel_config, output_final_state=True)
     zeros = jnp.zeros(v.shape[:-1] + (K,), v.dtype)
-    start_m, start_n, zeros = (match_vma(x, k, v, g, beta) for x in (start_m, start_n, zeros))
-    if _augmented_widths(backend, forms, chunk_size, K, V, vdt):
-        _, S = gated_delta_rule(k, k, jnp.concatenate([zeros, v], -1), g, beta,
-                                initial_state=jnp.concatenate([start_m, start_n], -1), **kw)
+    start_m, start_n, zeros = (match_vma(x, k, v, *[r for r in rest if r is not None])
+                               for x in (start_m, start_n, zeros))
+    if augmented:
+        S = final_state(jnp.concatenate([zeros, v], -1), jnp.concatenate([start_m, start_n], -1))
         M, N = S[..., :K], S[..., K:]
     else:  # the columns are independent: the same maps from two calls of the backend's widths
-        _, M = gated_delta_rule(k, k, zeros, g, beta, initial_state=start_m, **kw)
-        _, N = gated_delta_rule(k, k, v, g, beta, initial_state=start_n, **kw)
+        M, N = final_state(zeros, start_m), final_state(v, start_n)
     if cu_seqlens is not None:
         M, N = M[last][None], N[last][None]
     return M, N

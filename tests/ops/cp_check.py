@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-DEFAULT = dict(backend="chunk", B=1, T=32, Hk=2, H=2, K=16, V=16, g_pc=False, packed=False, init=True,
+DEFAULT = dict(op="gdn", backend="chunk", B=1, T=32, Hk=2, H=2, K=16, V=16, g_pc=False, packed=False, init=True,
                chunk=16, dtype="float32", l2norm=False, seed=0)
 # documents crossing the shard boundaries of 2, 4 and 8 shards of T = 32, one empty, one starting on a boundary
 PACKED_CU = [0, 5, 5, 14, 19, 24, 27, 32]
@@ -39,8 +39,10 @@ def run_case(case: dict, devices: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh
 
-    from gdn_jax.ops import gated_delta_rule
-    from gdn_jax.ops.context_parallel import shard_gated_delta_rule
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.ops import gated_delta_rule, gated_linear_attention
+    from gdn_jax.ops.context_parallel import context_parallel_linear_attention, shard_gated_delta_rule
 
     c = dict(DEFAULT, **case)
     dt = jnp.dtype(c["dtype"])
@@ -69,9 +71,24 @@ def run_case(case: dict, devices: int) -> dict:
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5) if c["init"] else (0, 1, 2, 3, 4),
                                           has_aux=True))
 
-    ref = loss(lambda q, k, v, g, b, s: gated_delta_rule(q, k, v, g, b, initial_state=s, **kw))
-    cp = loss(lambda q, k, v, g, b, s: shard_gated_delta_rule(q, k, v, g, b, mesh=mesh, axis="seq",
-                                                              initial_state=s, **kw))
+    if c["op"] == "la":  # gated_linear_attention: g per head (mamba2), per key channel (gla) or none
+        kw.pop("cu_seqlens")
+        gate = (lambda g: None) if c.get("no_decay") else (lambda g: g)
+        ref = loss(lambda q, k, v, g, b, s: gated_linear_attention(q, k, v, gate(g), initial_state=s, cu_seqlens=cu,
+                                                                   **kw))
+        seq, st = P(None, "seq"), P()
+
+        def sharded(q, k, v, g, b, s):
+            body = lambda q, k, v, g, s, cu: context_parallel_linear_attention(
+                q, k, v, gate(g), axis_name="seq", initial_state=s, cu_seqlens=cu, **kw)
+            return jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 4 + (st if s is not None else None,
+                                                                         P() if cu is not None else None),
+                                 out_specs=(seq, st))(q, k, v, g, s, cu)
+        cp = loss(sharded)
+    else:
+        ref = loss(lambda q, k, v, g, b, s: gated_delta_rule(q, k, v, g, b, initial_state=s, **kw))
+        cp = loss(lambda q, k, v, g, b, s: shard_gated_delta_rule(q, k, v, g, b, mesh=mesh, axis="seq",
+                                                                  initial_state=s, **kw))
     t0 = time.perf_counter()
     (_, (o0, f0)), g0 = ref(q, k, v, g, beta, s0)
     (_, (o1, f1)), g1 = cp(q, k, v, g, beta, s0)
@@ -81,6 +98,8 @@ def run_case(case: dict, devices: int) -> dict:
     names = ["dq", "dk", "dv", "dg", "dbeta", "ds0"]
     Ts = T // devices
     for name, a, b in zip(names, g0, g1):
+        if c["op"] == "la" and name in ("dbeta",) + (("dg",) if c.get("no_decay") else ()):
+            continue  # not an input of that op
         out[name] = rel(a, b)
         if name != "ds0":  # every shard's gradient (FLA #1115: wrong gradients on non-last shards)
             out[name + "_per_shard"] = [float(jnp.max(jnp.abs(a[:, i * Ts:(i + 1) * Ts] - b[:, i * Ts:(i + 1) * Ts]))

@@ -1,5 +1,6 @@
 """Context parallelism (T sharded over a mesh axis, ``gdn_jax.ops.context_parallel``) against the
-unsharded op: o, final state and the gradient of every input (q, k, v, g, beta, initial_state),
+unsharded op (gated_delta_rule; op="la": gated_linear_attention, the no-delta-rule baselines):
+o, final state and the gradient of every input (q, k, v, g, beta, initial_state),
 each gradient also shard by shard (FLA #1115's bug class: wrong gradients on non-last shards).
 
 2 and 4 shards run in this process (tests/conftest.py gives it 4 CPU devices), 8 in a subprocess
@@ -29,11 +30,12 @@ TOL = 1e-5
 FIELDS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "ds0")
 
 CASES = {  # devices -> cases (pairwise: every backend packed and not, GVA, per-key-channel g)
-    2: [dict(backend="pallas", packed=True, Hk=1, H=2), dict(backend="scan", g_pc=True, B=2)],
+    2: [dict(backend="pallas", packed=True, Hk=1, H=2), dict(backend="scan", g_pc=True, B=2),
+        dict(op="la", no_decay=True, B=2)],
     4: [dict(backend="chunk", packed=True, g_pc=True), dict(backend="scan", packed=True, Hk=1, H=2, l2norm=True),
-        dict(backend="pallas", B=2, init=False)],
+        dict(backend="pallas", B=2, init=False), dict(op="la", packed=True, g_pc=True)],
     8: [dict(backend="chunk", B=2, Hk=1, H=2), dict(backend="scan", packed=True, g_pc=True),
-        dict(backend="pallas", packed=True)],
+        dict(backend="pallas", packed=True), dict(op="la", backend="scan", packed=True)],
 }
 
 
@@ -150,7 +152,7 @@ def test_layer_sharded_equals_unsharded(packed, per_channel):
 
 
 def test_lm_train_step_data_times_sequence():
-    """A 2-layer LM (gdn, deltanet) training step on a 2 x 2 mesh (batch over 'data', T over
+    """A 2-layer LM (gdn, mamba2) training step on a 2 x 2 mesh (batch over 'data', T over
     'seq') equals the unsharded step: loss, accuracy, gradient norm and the updated parameters."""
     import optax
     from flax import nnx
@@ -159,7 +161,7 @@ def test_lm_train_step_data_times_sequence():
     from gdn_jax.models import LM, LMConfig
     from gdn_jax.training import create_train_state, make_train_step
 
-    cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "deltanet"),
+    cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "mamba2"),
                    backend="chunk", chunk_size=16)
     r = np.random.default_rng(5)
     tokens = jnp.asarray(r.integers(0, 16, (2, 32)), jnp.int32)
