@@ -407,8 +407,9 @@ class SwiGLU(nnx.Module):
 
 
 # mixers that take ``context_axis`` (T sharded over a mesh axis inside shard_map): the recurrent
-# layers, through their state maps (docs/context_parallel.md).
-CONTEXT_PARALLEL_MIXERS = frozenset({"gdn", "deltanet", "kda", "mamba2", "gla", "linear"})
+# layers through their state maps, attention by an all-gather of K and V (docs/context_parallel.md).
+CONTEXT_PARALLEL_MIXERS = frozenset({"gdn", "deltanet", "kda", "mamba2", "gla", "linear", "attention",
+                                     "gated_attention"})
 
 
 class Block(nnx.Module):

@@ -110,18 +110,24 @@ def test_user_shard_map():
     np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-5 * float(jnp.abs(s0).max()))
 
 
-@pytest.mark.parametrize("packed, per_channel", [(False, False), (True, True)])
-def test_layer_sharded_equals_unsharded(packed, per_channel):
-    """GatedDeltaNet (per_channel: KDA-style per-key-channel decay) over 4 shards of T = 32 with
-    the short conv's halo: output and the gradients of every parameter and of x equal the unsharded
-    layer's (packed: documents crossing shards, the conv restarting inside a shard)."""
+@pytest.mark.parametrize("kind, packed", [("gdn", False), ("kda", True), ("gla", True), ("gated_attention", True)])
+def test_layer_sharded_equals_unsharded(kind, packed):
+    """A layer over 4 shards of T = 32 (gdn; kda: GatedDeltaNet with per-key-channel decay; gla:
+    GatedLinearAttention with per-key-channel decay; gated_attention: K, V all-gathered, RoPE at
+    global positions) with the short conv's halo: output and the gradients of every parameter and
+    of x equal the unsharded layer's (packed: documents crossing shards, the conv, the recurrence
+    and RoPE restarting inside a shard)."""
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from gdn_jax.layers import GatedDeltaNet
+    from gdn_jax.layers import Attention, GatedDeltaNet, GatedLinearAttention
 
-    layer = GatedDeltaNet(32, 2, 16, decay_per_channel=per_channel, backend="chunk", chunk_size=16,
-                          rngs=nnx.Rngs(0))
+    layer = {"gdn": lambda: GatedDeltaNet(32, 2, 16, backend="chunk", chunk_size=16, rngs=nnx.Rngs(0)),
+             "kda": lambda: GatedDeltaNet(32, 2, 16, decay_per_channel=True, backend="chunk", chunk_size=16,
+                                          rngs=nnx.Rngs(0)),
+             "gla": lambda: GatedLinearAttention(32, 2, 16, decay="gla", chunk_size=16, rngs=nnx.Rngs(0)),
+             "gated_attention": lambda: Attention(32, 2, 16, rope_fraction=0.5, qk_norm=True, output_gate=True,
+                                                  rngs=nnx.Rngs(0))}[kind]()
     graphdef, params = nnx.split(layer)
     r = np.random.default_rng(3)
     B = 1 if packed else 2
@@ -152,7 +158,7 @@ def test_layer_sharded_equals_unsharded(packed, per_channel):
 
 
 def test_lm_train_step_data_times_sequence():
-    """A 2-layer LM (gdn, mamba2) training step on a 2 x 2 mesh (batch over 'data', T over
+    """A 2-layer hybrid LM (gdn, gated_attention) training step on a 2 x 2 mesh (batch over 'data', T over
     'seq') equals the unsharded step: loss, accuracy, gradient norm and the updated parameters."""
     import optax
     from flax import nnx
@@ -161,7 +167,7 @@ def test_lm_train_step_data_times_sequence():
     from gdn_jax.models import LM, LMConfig
     from gdn_jax.training import create_train_state, make_train_step
 
-    cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "mamba2"),
+    cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "gated_attention"),
                    backend="chunk", chunk_size=16)
     r = np.random.default_rng(5)
     tokens = jnp.asarray(r.integers(0, 16, (2, 32)), jnp.int32)
