@@ -163,25 +163,27 @@ def test_lm_train_step_data_times_sequence():
     import optax
     from flax import nnx
 
-    from gdn_jax.context_loss import make_context_parallel_lm_loss
     from gdn_jax.models import LM, LMConfig
-    from gdn_jax.training import create_train_state, make_train_step
+    from gdn_jax.training import create_train_state, make_eval_step, make_mesh, make_train_step
 
     cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "gated_attention"),
                    backend="chunk", chunk_size=16)
     r = np.random.default_rng(5)
     tokens = jnp.asarray(r.integers(0, 16, (2, 32)), jnp.int32)
     targets = jnp.asarray(np.where(r.random((2, 32)) < 0.7, r.integers(0, 16, (2, 32)), -100), jnp.int32)
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "seq"))
+    mesh = make_mesh(jax.devices()[:4], seq=2)  # ("data", "seq") = 2 x 2
+    assert dict(mesh.shape) == {"data": 2, "seq": 2}
     tx = optax.sgd(0.5)
     out = []
-    for loss_fn in (None, make_context_parallel_lm_loss(mesh)):
-        graphdef, state = create_train_state(LM(cfg, rngs=nnx.Rngs(0)), tx, seed=0)
-        step = make_train_step(graphdef, tx, **({} if loss_fn is None else dict(loss_fn=loss_fn)))
-        state, metrics = step(state, (tokens, targets))
-        out.append((state.params, metrics))
-    (p0, m0), (p1, m1) = out
+    for m in (None, mesh):
+        graphdef, state = create_train_state(LM(cfg, rngs=nnx.Rngs(0)), tx, seed=0, mesh=m)
+        state, metrics = make_train_step(graphdef, tx, m)(state, (tokens, targets))
+        ev = make_eval_step(graphdef, m)(state, (tokens, targets))
+        out.append((state.params, metrics, ev))
+    (p0, m0, e0), (p1, m1, e1) = out
     for k in ("loss", "accuracy", "grad_norm"):
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, err_msg=k)
+    for k in ("loss_sum", "correct", "count"):
+        np.testing.assert_allclose(e1[k], e0[k], rtol=1e-5, err_msg=k)
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
