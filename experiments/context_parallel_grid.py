@@ -1,5 +1,6 @@
 """Context parallelism on CPU, a bigger grid than CI: every backend x packed or not x 2 / 4 / 8
-simulated devices, with GVA and per-key-channel g (where the backend takes it), T = 32.
+simulated devices, with GVA and per-key-channel g (where the backend takes it), T = 32; and
+gated_linear_attention (op "la": no decay, per-head and per-key-channel decay) on scan and chunk.
 Each device count runs tests/ops/cp_check.py in a process of its own; the max relative differences
 (sharded vs unsharded: o, final state, every gradient, each gradient shard by shard) go to
 ``<out>/grid.jsonl`` and a Markdown summary to ``<out>/summary.md``.
@@ -23,6 +24,11 @@ def cases():
         for packed in (False, True):
             out.append(dict(backend=backend, packed=packed, B=1 if packed else 2, Hk=1, H=2,
                             g_pc=backend != "pallas" and packed))
+    for backend in ("scan", "chunk"):  # gated_linear_attention: none / per-head (mamba2) / per-key-channel (gla)
+        for kind in ("none", "mamba2", "gla"):
+            packed = kind != "mamba2"
+            out.append(dict(op="la", backend=backend, packed=packed, B=1 if packed else 2, no_decay=kind == "none",
+                            g_pc=kind == "gla"))
     return out
 
 
@@ -41,12 +47,13 @@ def main(argv=None):
     with open(os.path.join(a.out, "grid.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    lines = ["| devices | backend | packed | GVA | per-key g | " + " | ".join(FIELDS) + " | worst shard (grads) |",
-             "|---" * (6 + len(FIELDS)) + "|"]
+    lines = ["| devices | op | backend | packed | GVA | g | " + " | ".join(FIELDS) + " | worst shard (grads) |",
+             "|---" * (7 + len(FIELDS)) + "|"]
     for r in rows:
         c = r["case"]
         worst = max(max(r.get(f + "_per_shard", [0])) for f in FIELDS)
-        lines.append(f"| {r['devices']} | {c['backend']} | {c['packed']} | {c['H'] // c['Hk']} | {c['g_pc']} | "
+        gate = "none" if c.get("no_decay") else "per key channel" if c["g_pc"] else "per head"
+        lines.append(f"| {r['devices']} | {c['op']} | {c['backend']} | {c['packed']} | {c['H'] // c['Hk']} | {gate} | "
                      + " | ".join(f"{r[f]:.1e}" if f in r else "-" for f in FIELDS) + f" | {worst:.1e} |")
     worst = max(r[f] for r in rows for f in FIELDS if f in r)
     lines.append(f"\nmax over the grid: {worst:.1e} (max |sharded - unsharded| / max |unsharded|, float32)")
