@@ -187,3 +187,22 @@ def test_lm_train_step_data_times_sequence():
         np.testing.assert_allclose(e1[k], e0[k], rtol=1e-5, err_msg=k)
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+def test_state_map_composes():
+    """state_map alone (no mesh): M S + N is the op's final state from S, and the map of a
+    sequence is the composition of its halves' maps (float32 rounding: <= 1e-5 of the max)."""
+    from gdn_jax.ops import gated_delta_rule
+    from gdn_jax.ops.state_maps import apply_map, compose, state_map
+
+    q, k, v, g, beta = _inputs(B=2, T=32, H=2)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    S = jnp.asarray(np.random.default_rng(2).standard_normal((2, 2, 16, 16)), jnp.float32)
+    kw = dict(backend="chunk", chunk_size=16)
+    M, N = state_map(k, v, g, beta, **kw)
+    _, ref = gated_delta_rule(q, k, v, g, beta, initial_state=S, output_final_state=True, **kw)
+    close = lambda a, b: float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+    assert close(apply_map(M, N, S), ref)
+    half = lambda sl: state_map(*(x[:, sl] for x in (k, v, g, beta)), **kw)
+    M2, N2 = compose(*half(slice(16, 32)), *half(slice(0, 16)))
+    assert close(M2, M) and close(N2, N)
