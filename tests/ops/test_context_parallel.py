@@ -206,3 +206,33 @@ def test_state_map_composes():
     half = lambda sl: state_map(*(x[:, sl] for x in (k, v, g, beta)), **kw)
     M2, N2 = compose(*half(slice(16, 32)), *half(slice(0, 16)))
     assert close(M2, M) and close(N2, N)
+
+
+def test_refusals_layers_and_models():
+    """Shards shorter than the conv halo, learned positions and a user-registered mixer are
+    refused by name under context_axis."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.layers import GatedDeltaNet
+    from gdn_jax.models import LM, LMConfig
+    from gdn_jax.models.lm import MIXERS, register_mixer
+
+    layer = GatedDeltaNet(32, 2, 16, backend="chunk", chunk_size=16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+    body = lambda p, x: nnx.merge(graphdef, p)(x, context_axis="seq")
+    f = jax.shard_map(body, mesh=_mesh(4), in_specs=(P(), P(None, "seq")), out_specs=P(None, "seq"))
+    with pytest.raises(ValueError, match="kernel_size - 1 = 3"):
+        f(params, jnp.ones((1, 8, 32)))  # 2 tokens a shard, a halo of 3
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(NotImplementedError, match="pos_embedding"):
+        LM(LMConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2, pos_embedding="learned", max_seq_len=8),
+           rngs=nnx.Rngs(0))(tokens, context_axis="seq")
+    register_mixer("cp_test_custom", lambda cfg, i, rngs: GatedDeltaNet(cfg.d_model, cfg.num_heads, rngs=rngs))
+    try:
+        lm = LM(LMConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2, mixer="cp_test_custom"),
+                rngs=nnx.Rngs(0))
+        with pytest.raises(NotImplementedError, match="cp_test_custom"):
+            lm(tokens, context_axis="seq")
+    finally:
+        MIXERS.pop("cp_test_custom", None)
