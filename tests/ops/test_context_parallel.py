@@ -167,7 +167,7 @@ def test_lm_train_step_data_times_sequence():
     from gdn_jax.training import create_train_state, make_eval_step, make_mesh, make_train_step
 
     cfg = LMConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=2, mixer=("gdn", "gated_attention"),
-                   backend="chunk", chunk_size=16)
+                   backend="pallas", chunk_size=16)  # the kernels (interpret mode) under the training shard_map
     r = np.random.default_rng(5)
     tokens = jnp.asarray(r.integers(0, 16, (2, 32)), jnp.int32)
     targets = jnp.asarray(np.where(r.random((2, 32)) < 0.7, r.integers(0, 16, (2, 32)), -100), jnp.int32)
