@@ -52,6 +52,7 @@ __all__ = [
     "lm_loss",
     "make_lm_loss",
     "make_eval_step",
+    "make_context_parallel_lm_loss",
     "make_mesh",
     "make_optimizer",
     "make_schedule",
@@ -257,10 +258,64 @@ def lm_loss(model, batch, key) -> Tuple[jax.Array, Dict[str, jax.Array]]:
 # --------------------------------------------------------------------------
 
 
-def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A 1-D data-parallel mesh with axis ``"data"`` over ``devices`` (default ``jax.local_devices()``)."""
+SEQ_AXIS = "seq"  # the mesh axis T is split over (context parallelism, docs/context_parallel.md)
+
+
+def make_mesh(devices: Optional[Sequence[jax.Device]] = None, *, seq: int = 1) -> Mesh:
+    """A data-parallel mesh with axis ``"data"`` over ``devices`` (default ``jax.local_devices()``);
+    with ``seq > 1`` a 2-D mesh ``("data", "seq")`` whose ``"seq"`` axis (``seq`` devices) splits
+    every sequence (context parallelism: :func:`make_train_step` / :func:`make_eval_step` then run
+    the model with ``context_axis="seq"``). ValueError if ``seq`` does not divide the devices."""
     devices = list(jax.local_devices() if devices is None else devices)
-    return Mesh(np.array(devices), ("data",))
+    positive_int("seq", seq)
+    if seq == 1:
+        return Mesh(np.array(devices), ("data",))
+    if len(devices) % seq:
+        raise ValueError(f"seq={seq} must divide the {len(devices)} devices")
+    return Mesh(np.array(devices).reshape(-1, seq), ("data", SEQ_AXIS))
+
+
+def _context_parallel(mesh: Optional[Mesh]) -> bool:
+    return mesh is not None and SEQ_AXIS in mesh.axis_names and mesh.shape[SEQ_AXIS] > 1
+
+
+def _sharded_lm_terms(mesh: Mesh, model, inputs, targets, ignore_index):
+    """(sum of CE, correct, count) over the whole batch, the LM run with B over "data" and T over
+    "seq" inside ``shard_map`` (each device its block; the sums reduced over both axes)."""
+    B, T = inputs.shape
+    if B % mesh.shape["data"] or T % mesh.shape[SEQ_AXIS]:
+        raise ValueError(f"batch [B, T] = {(B, T)}: B must be a multiple of {mesh.shape['data']} (mesh axis 'data') "
+                         f"and T of {mesh.shape[SEQ_AXIS]} (mesh axis {SEQ_AXIS!r})")
+    graphdef, state = nnx.split(model)
+    axes = ("data", SEQ_AXIS)
+
+    def body(state, x, y):
+        ce, correct, mask = _ce_terms(nnx.merge(graphdef, state)(x, context_axis=SEQ_AXIS), y, ignore_index)
+        return tuple(jax.lax.psum(a.sum(), axes) for a in (ce, correct, mask))
+
+    spec = P("data", SEQ_AXIS)
+    # check_vma off: the Pallas kernels' output types carry no varying mesh axes (the gradients
+    # are the same: tests/ops/test_context_parallel.py runs this path)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P(), P()),
+                         check_vma=False)(state, inputs, targets)
+
+
+def make_context_parallel_lm_loss(mesh: Mesh, *, ignore_index: int = IGNORE_INDEX) -> Callable:
+    """:func:`lm_loss` with the batch split over ``mesh``'s ``"data"`` axis and every sequence over
+    its ``"seq"`` axis (context parallelism): each device runs ``LM(..., context_axis="seq")`` on
+    its ``[B / D, T / S]`` block (exact: the recurrent layers exchange state maps and conv halos,
+    attention all-gathers K, V); loss and accuracy are sums of token terms and label counts over
+    both axes divided once, equal to the unsharded values to float32 rounding, as are the
+    gradients. :func:`make_train_step` uses it for ``lm_loss`` on a mesh with a ``"seq"`` axis.
+
+    Raises: ValueError (at call time) for B not a multiple of the data axis or T of the seq axis."""
+
+    def loss_fn(model, batch, key):
+        ce, correct, count = _sharded_lm_terms(mesh, model, *batch, ignore_index)
+        n = jnp.maximum(count, 1)
+        return ce / n, {"accuracy": correct / n}
+
+    return loss_fn
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -496,7 +551,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
     With ``mesh`` the state is replicated and the batch split along ``"data"`` (use
     :func:`shard_batch`); gradients are reduced across devices by XLA. ``donate`` donates the
     input state's buffers (saves memory on accelerators; then don't reuse the old state).
+    A mesh with a ``"seq"`` axis (``make_mesh(seq=S)``) also splits every sequence over it: the
+    default :func:`lm_loss` becomes :func:`make_context_parallel_lm_loss`; a custom ``loss_fn``
+    must run its model with ``context_axis="seq"`` inside ``jax.shard_map`` itself.
     """
+    if loss_fn is lm_loss and _context_parallel(mesh):
+        loss_fn = make_context_parallel_lm_loss(mesh)
 
     def step(state: TrainState, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -528,9 +588,16 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Optional[Mesh] = None, *,
     beyond it are counted in ``unscored``.
     """
 
+    cp = _context_parallel(mesh)
+    if cp and max_scored is not None:
+        raise ValueError("make_eval_step: max_scored with a mesh that splits sequences ('seq' axis) is not supported")
+
     def step(state: TrainState, batch):
         inputs, targets = batch
         model = merge_model(graphdef, state)
+        if cp:
+            ce, correct, count = _sharded_lm_terms(mesh, model, inputs, targets, ignore_index)
+            return {"loss_sum": ce, "correct": correct, "count": count, "unscored": jnp.zeros((), jnp.int32)}
         if max_scored is None:
             logits, dropped = model(inputs), jnp.zeros((), jnp.int32)
         else:

@@ -188,9 +188,38 @@ class Attention(nnx.Module):
             y = poison_if_invalid(y, valid)
         return y, k, v
 
-    def __call__(self, x, *, cu_seqlens=None):
+    def __call__(self, x, *, cu_seqlens=None, context_axis=None):
+        """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1): packed
+        sequences (attention within each, RoPE positions restart).
+
+        ``context_axis``: inside ``jax.shard_map`` with T split over that mesh axis, x is this
+        shard's ``[B, T_s, hidden_size]`` and ``cu_seqlens`` the global boundaries: the keys and
+        values are all-gathered over the axis (each device then holds all T of them; exact, the
+        plain version of ring attention: docs/context_parallel.md) and the causal mask and RoPE
+        use global positions."""
+        if context_axis is not None:
+            _checks.mixer_input(x, self.hidden_size)
+            return self._sharded_sequence(x, cu_seqlens, context_axis)
         _checks.mixer_input(x, self.hidden_size, cu_seqlens)
         return self._sequence(x, cu_seqlens=cu_seqlens)[0]
+
+    def _sharded_sequence(self, x, cu_seqlens, axis):
+        """This shard's causal attention over the keys / values of every shard (all-gathered)."""
+        Ts = x.shape[1]
+        n_dev = jax.lax.axis_size(axis)
+        T = n_dev * Ts
+        t = jax.lax.axis_index(axis) * Ts + jnp.arange(Ts)  # global positions of this shard's queries
+        s = jnp.arange(T)
+        mask = s[None, :] <= t[:, None]
+        positions, valid = t, None
+        if cu_seqlens is not None:
+            seq_id, _, _, valid = seq_info(cu_seqlens, T)
+            positions = t - jnp.asarray(cu_seqlens).astype(jnp.int32)[seq_id[t]]
+            mask = mask & (seq_id[t][:, None] == seq_id[None, :])
+        q, k, v = self.qkv(x, positions)
+        k_all, v_all = (jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
+        y = self.output(_sdpa(q, k_all, v_all, mask=mask[None, None]), x)
+        return y if valid is None else poison_if_invalid(y, valid)
 
     def attention_weights(self, x):
         """The causal softmax weights ``[B, N, T, T]`` (float32; row t: query t over keys <= t) that

@@ -55,10 +55,17 @@ class ShortConv(nnx.Module):
         self.kernel_size = kernel_size
         self.activation = activation
 
-    def __call__(self, x, *, cu_seqlens=None, cache: Optional[jax.Array] = None):
+    def __call__(self, x, *, cu_seqlens=None, cache: Optional[jax.Array] = None, context_axis=None):
+        """``context_axis`` (inside ``jax.shard_map``, T split over that mesh axis): x is this
+        shard's ``[B, T_s, D]``; the last W-1 inputs of the previous shard arrive by ``ppermute``
+        (the halo, zeros on the first shard) and ``cu_seqlens`` holds the GLOBAL boundaries."""
         W = self.kernel_size
         B, T, D = x.shape
         w = self.weight[...].astype(x.dtype)
+        if context_axis is not None:
+            if cache is not None:
+                raise ValueError("ShortConv: cache (decode) and context_axis (a sharded sequence) do not go together")
+            return self._sharded(x, w, cu_seqlens, context_axis)
         if cache is not None:
             if cache.shape != (B, W - 1, D):
                 raise ValueError(f"conv cache must have shape [B, W-1, D] = {(B, W - 1, D)}, got {cache.shape}")
@@ -80,3 +87,27 @@ class ShortConv(nnx.Module):
         if cache is not None:
             return y, xx[:, -(W - 1):] if W > 1 else xx[:, :0]
         return y
+
+    def _sharded(self, x, w, cu_seqlens, axis):
+        """The convolution of this shard of a sequence split over mesh axis ``axis`` (halo exchange)."""
+        W = self.kernel_size
+        B, T, D = x.shape
+        n_dev = jax.lax.axis_size(axis)
+        me = jax.lax.axis_index(axis)
+        if W > 1 and W - 1 > T:
+            raise ValueError(f"ShortConv: each shard needs at least kernel_size - 1 = {W - 1} tokens, got {T}")
+        halo = jax.lax.ppermute(x[:, T - (W - 1):], axis, [(i, i + 1) for i in range(n_dev - 1)]) if W > 1 \
+            else x[:, :0]
+        xx = jnp.concatenate([halo, x], axis=1)  # the first shard receives zeros: the sequence start
+        if cu_seqlens is not None:
+            cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+            t = me * T + jnp.arange(T, dtype=jnp.int32)  # global positions
+            seq_id = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), cu.shape[0] - 2)
+            pos_in_seq = t - cu[seq_id]
+        y = jnp.zeros_like(x)
+        for s in range(W):
+            xs = jax.lax.dynamic_slice_in_dim(xx, W - 1 - s, T, axis=1)
+            if cu_seqlens is not None and s > 0:
+                xs = jnp.where((pos_in_seq >= s)[None, :, None], xs, 0)
+            y = y + xs * w[W - 1 - s]
+        return jax.nn.silu(y) if self.activation else y

@@ -2,6 +2,9 @@
 the baseline mixers share (:func:`mamba2_log_decay`, :func:`mamba2_decay_init`, :func:`head_dims`)."""
 from __future__ import annotations
 
+import functools
+
+
 import math
 import numbers
 from typing import Optional
@@ -12,6 +15,7 @@ from flax import nnx
 
 from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops import backends
+from ..ops.context_parallel import context_parallel_gated_delta_rule
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
 
@@ -263,26 +267,38 @@ class GatedDeltaNet(RecurrentMixer):
             beta = beta.reshape(B, T, H, V)
         return g, beta
 
-    def _sequence(self, x, *, cu_seqlens=None, with_cache: bool = False):
+    def _sequence(self, x, *, cu_seqlens=None, with_cache: bool = False, context_axis=None):
         """The op over the whole of x: ``y``, or ``(y, cache after x)`` with ``with_cache``."""
         cache = self.init_cache(x.shape[0]) if with_cache else None
-        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
+        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache, context_axis=context_axis)
         g, beta = self.gates(x)
-        o, state = gated_delta_rule(
+        op = gated_delta_rule if context_axis is None else functools.partial(context_parallel_gated_delta_rule,
+                                                                               axis_name=context_axis)
+        o, state = op(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
             chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
         )
         y = self._output(o, x)
         return (y, GDNCache(state.astype(self.state_dtype), *convs)) if with_cache else y
 
-    def __call__(self, x, *, cu_seqlens=None):
+    def __call__(self, x, *, cu_seqlens=None, context_axis=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]`` (dtype ``self.dtype``).
 
         ``cu_seqlens`` (B = 1): packed sequences; the recurrence and the short conv restart at
         every boundary.
+
+        ``context_axis`` (context parallelism, docs/context_parallel.md): called inside
+        ``jax.shard_map`` with T split over that mesh axis, x is this shard's ``[B, T_s,
+        hidden_size]`` and ``cu_seqlens`` the GLOBAL boundaries; the short conv exchanges a halo of
+        ``conv_size - 1`` tokens with the previous shard and the op composes the shards' state
+        maps (:func:`gdn_jax.ops.context_parallel.context_parallel_gated_delta_rule`); the result
+        equals the unsharded layer's to float32 rounding. Per-value-channel beta is a ValueError.
         """
-        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
-        return self._sequence(x, cu_seqlens=cu_seqlens)
+        _checks.mixer_input(x, self.hidden_size, None if context_axis is not None else cu_seqlens)
+        if context_axis is not None and self.beta_per_channel:
+            raise ValueError(f"{type(self).__name__}: context_axis does not take beta_per_channel=True (one state "
+                             "map per value column)")
+        return self._sequence(x, cu_seqlens=cu_seqlens, context_axis=context_axis)
 
     def prefill(self, x, *, max_len=None):
         """Run the prompt ``x [B, T, hidden_size]`` with the layer's backend (chunk / pallas / scan)

@@ -3,6 +3,8 @@ per-head decay and GLA per-key-channel decay, all through :func:`gdn_jax.ops.gat
 (docs/baselines.md)."""
 from __future__ import annotations
 
+import functools
+
 import warnings
 from typing import Optional
 
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops import gated_linear_attention
+from ..ops.context_parallel import context_parallel_linear_attention
 from ..ops.linear_attention import LA_BACKENDS
 from . import _checks
 from .gated_deltanet import check_decay_init, head_dims, mamba2_decay_init, mamba2_log_decay
@@ -151,13 +154,16 @@ class GatedLinearAttention(RecurrentMixer):
         a = self.gk_proj2(self.gk_proj1(x)).astype(jnp.float32)
         return (jax.nn.log_sigmoid(a) / self.gate_logit_normalizer).reshape(B, T, self.num_heads, self.head_dim)
 
-    def _run(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None, backend: Optional[str] = None):
+    def _run(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None, backend: Optional[str] = None,
+             context_axis=None):
         """The op over x: ``y``, or ``(y, cache after x)`` when starting from ``cache``."""
-        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
+        q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache, context_axis=context_axis)
         if self.dt_input:  # Mamba2's discretised input dt_t * x_t (dt per head)
             dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
             v = (v.astype(jnp.float32) * dt[..., None]).astype(v.dtype)
-        o, state = gated_linear_attention(
+        op = gated_linear_attention if context_axis is None else functools.partial(
+            context_parallel_linear_attention, axis_name=context_axis)
+        o, state = op(
             q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
             initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
             use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
@@ -165,11 +171,15 @@ class GatedLinearAttention(RecurrentMixer):
         y = self._output(o, x)
         return y if cache is None else (y, GDNCache(state.astype(jnp.float32), *convs))
 
-    def __call__(self, x, *, cu_seqlens=None):
+    def __call__(self, x, *, cu_seqlens=None, context_axis=None):
         """``x [B, T, hidden_size]`` -> ``[B, T, hidden_size]``; ``cu_seqlens`` (B = 1) restarts the
-        recurrence and the short conv at every packed-sequence boundary."""
-        _checks.mixer_input(x, self.hidden_size, cu_seqlens)
-        return self._run(x, cu_seqlens=cu_seqlens)
+        recurrence and the short conv at every packed-sequence boundary.
+
+        ``context_axis``: inside ``jax.shard_map`` with T split over that mesh axis, x is this
+        shard's block and ``cu_seqlens`` the global boundaries (context parallelism, exact:
+        :func:`gdn_jax.ops.context_parallel.context_parallel_linear_attention`, a conv halo)."""
+        _checks.mixer_input(x, self.hidden_size, None if context_axis is not None else cu_seqlens)
+        return self._run(x, cu_seqlens=cu_seqlens, context_axis=context_axis)
 
     def prefill(self, x, *, max_len=None):
         """Prompt ``x [B, T, hidden_size]`` -> ``(y [B, T, hidden_size], cache)``; ``y == self(x)``

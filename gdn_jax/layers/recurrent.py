@@ -84,7 +84,7 @@ class RecurrentMixer(nnx.Module):
         z = lambda d: jnp.zeros((batch, self.conv_size - 1, d), self.dtype)
         return GDNCache(state, z(Hk * K), z(Hk * K), z(Hv * V))
 
-    def _qkv(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None):
+    def _qkv(self, x, *, cu_seqlens=None, cache: Optional[GDNCache] = None, context_axis=None):
         """Projections and short conv: ``(q, k [B,T,Hk,K], v [B,T,Hv,V], convs)``.
 
         Without ``cache`` the convs see zeros before the start of x (or of each packed sequence,
@@ -98,7 +98,8 @@ class RecurrentMixer(nnx.Module):
         if self.use_short_conv:
             layers = (self.q_conv, self.k_conv, self.v_conv)
             if cache is None:
-                q, k, v = (conv(a, cu_seqlens=cu_seqlens) for conv, a in zip(layers, (q, k, v)))
+                q, k, v = (conv(a, cu_seqlens=cu_seqlens, context_axis=context_axis)
+                           for conv, a in zip(layers, (q, k, v)))
             else:
                 if any(c is None for c in (cache.conv_q, cache.conv_k, cache.conv_v)):
                     raise ValueError("cache has no short-conv states (conv_q / conv_k / conv_v None) but the layer "

@@ -406,6 +406,12 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+# mixers that take ``context_axis`` (T sharded over a mesh axis inside shard_map): the recurrent
+# layers through their state maps, attention by an all-gather of K and V (docs/context_parallel.md).
+CONTEXT_PARALLEL_MIXERS = frozenset({"gdn", "deltanet", "kda", "mamba2", "gla", "linear", "attention",
+                                     "gated_attention"})
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (if any)."""
 
@@ -424,8 +430,14 @@ class Block(nnx.Module):
         else:
             self.norm2 = self.mlp = None
 
-    def __call__(self, x, *, cu_seqlens=None):
-        return self._mlp(x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens))
+    def __call__(self, x, *, cu_seqlens=None, context_axis=None):
+        if context_axis is None:
+            return self._mlp(x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens))
+        if self.mixer_name not in CONTEXT_PARALLEL_MIXERS:
+            raise NotImplementedError(
+                f"mixer {self.mixer_name!r} does not take context parallelism (context_axis); those that do: "
+                f"{sorted(CONTEXT_PARALLEL_MIXERS)} (docs/context_parallel.md says what the others would need)")
+        return self._mlp(x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens, context_axis=context_axis))
 
     def _need(self, name):
         if not hasattr(self.mixer, name):
@@ -510,14 +522,25 @@ class LM(nnx.Module):
             self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
                                       rngs=rngs)
 
-    def __call__(self, tokens, *, cu_seqlens=None):
-        return self.logits(self.features(tokens, cu_seqlens=cu_seqlens))
+    def __call__(self, tokens, *, cu_seqlens=None, context_axis=None):
+        return self.logits(self.features(tokens, cu_seqlens=cu_seqlens, context_axis=context_axis))
 
-    def features(self, tokens, *, cu_seqlens=None):
+    def features(self, tokens, *, cu_seqlens=None, context_axis=None):
         """``tokens [B, T] int -> [B, T, d_model]``: the final-normed hidden states that the tied
-        head turns into logits (``self(tokens) == self.logits(self.features(tokens))``)."""
+        head turns into logits (``self(tokens) == self.logits(self.features(tokens))``).
+
+        ``context_axis``: inside ``jax.shard_map`` with T split over that mesh axis (context
+        parallelism, docs/context_parallel.md): tokens are this shard's ``[B, T_s]``, ``cu_seqlens``
+        the global boundaries; every mixer must be in ``CONTEXT_PARALLEL_MIXERS``
+        (NotImplementedError naming it otherwise), ``pos_embedding`` "none"."""
         _check_token_array(tokens)
         _check_token_range(tokens, self.cfg.vocab_size)
+        if context_axis is not None:
+            self._no_learned_positions("context_axis (a sequence sharded over devices)")
+            x = self.embed_tokens(tokens)
+            for blk in self.blocks:
+                x = blk(x, cu_seqlens=cu_seqlens, context_axis=context_axis)
+            return self.norm(x)
         if cu_seqlens is not None:
             from ..layers._checks import cu_seqlens_arg
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._vma import match_vma
+
 
 def seq_info(cu_seqlens, T: int):
     """Per-token sequence ids and start flags for packed sequences.
@@ -63,7 +65,8 @@ def scan_with_resets(step, xs, initial_state, *, state_shape, dtype, resets=None
         fin = fin.at[sid].set(jnp.where(is_last, S[0], fin[sid]))
         return (S, fin), y
 
-    (_, fin), ys = jax.lax.scan(body, (jnp.zeros(state_shape, dtype), h0), (seq, first, last, xs))
+    S0 = match_vma(jnp.zeros(state_shape, dtype), h0, *jax.tree.leaves(xs))  # varying like them under shard_map
+    (_, fin), ys = jax.lax.scan(body, (S0, match_vma(h0, *jax.tree.leaves(xs))), (seq, first, last, xs))
     return fin, ys
 
 

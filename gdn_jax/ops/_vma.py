@@ -1,0 +1,29 @@
+"""Varying-manual-axes bookkeeping for code that may run inside ``jax.shard_map``: a constant
+that meets sharded values in a ``scan`` carry must be marked varying over the same axes."""
+from __future__ import annotations
+
+import jax
+
+
+def _varying_axes(x) -> set:
+    """The ``shard_map`` axes ``x`` varies over (``aval.vma`` in some JAX versions,
+    ``aval.mat.varying`` in others; empty outside ``shard_map``)."""
+    t = jax.typeof(x)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(t, "mat", None), "varying", None)
+    return set(vma or ())
+
+
+def match_vma(x, *like):
+    """``x`` marked varying over every ``shard_map`` axis that an array of ``like`` varies over
+    (a constant start state of a ``scan`` whose body reads sharded inputs must be; a no-op
+    outside ``shard_map`` or with ``check_vma=False``)."""
+    vma = set()
+    for y in like:
+        vma |= _varying_axes(y)
+    missing = tuple(sorted(vma - _varying_axes(x), key=str))
+    if not missing:
+        return x
+    cast = getattr(jax.lax, "pcast", None)
+    return cast(x, missing, to="varying") if cast is not None else jax.lax.pvary(x, missing)
