@@ -593,10 +593,9 @@ def _progress_logger(bar, cell: Cell, lr: float, seed: Optional[int], rc):
 
     def show(metrics: Dict[str, float], step: int) -> None:
         last.update(metrics)
-        parts = [f"{cell.name} {_run_label(lr, seed)}", f"step {step}/{total}"]
-        parts += [f"{name} {last[k]:.3f}" for k, name in (("train/loss", "loss"), ("train/accuracy", "acc"),
-                                                          ("test/accuracy", "test")) if k in last]
-        bar.set_postfix_str(", ".join(parts))
+        parts = [f"step {step}/{total}"] + [f"{name} {last[k]:.3f}" for k, name in (
+            ("train/loss", "loss"), ("train/accuracy", "acc"), ("test/accuracy", "test")) if k in last]
+        bar.set_postfix_str(f"{cell.name} {_run_label(lr, seed)}: " + ", ".join(parts))
 
     return CallbackLogger(show)
 
@@ -903,7 +902,7 @@ def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequen
     grid = cells(cfg)
     by = {b["cell"]: b for b in best}
     mean = (f"mean ± std over seeds {', '.join(map(str, cfg.seeds))}, steps / epochs their mean; "
-            if cfg.seeds else "")
+            if len(cfg.seeds) > 1 else f"seed {cfg.seeds[0]}; " if cfg.seeds else "")
     out = [f"# {cfg.task} sweep `{cfg.out}` ({mean}{metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
            f"without reaching the target; (partial) = learning rates still to run; — (in progress) = no run "
            f"finished yet, one checkpointed; — = not run yet)\n"]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops._warnings import internal_call
 from ..ops.gated_delta_rule import BACKENDS
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
@@ -268,10 +269,11 @@ class GatedDeltaNet(RecurrentMixer):
         cache = self.init_cache(x.shape[0]) if with_cache else None
         q, k, v, convs = self._qkv(x, cu_seqlens=cu_seqlens, cache=cache)
         g, beta = self.gates(x)
-        o, state = gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
-            chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
-        )
+        with internal_call():  # [B, T, H, D] by construction: no head-first layout warning (a short prompt)
+            o, state = gated_delta_rule(
+                q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
+                chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
+            )
         y = self._output(o, x)
         return (y, GDNCache(state.astype(self.state_dtype), *convs)) if with_cache else y
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops import gated_linear_attention
+from ..ops._warnings import internal_call
 from ..ops.linear_attention import LA_BACKENDS
 from . import _checks
 from .gated_deltanet import check_decay_init, head_dims, mamba2_decay_init, mamba2_log_decay
@@ -157,11 +158,12 @@ class GatedLinearAttention(RecurrentMixer):
         if self.dt_input:  # Mamba2's discretised input dt_t * x_t (dt per head)
             dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
             v = (v.astype(jnp.float32) * dt[..., None]).astype(v.dtype)
-        o, state = gated_linear_attention(
-            q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
-            initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
-            use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
-        )
+        with internal_call():  # [B, T, H, D] by construction: no head-first layout warning (a short prompt)
+            o, state = gated_linear_attention(
+                q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
+                initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
+                use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
+            )
         y = self._output(o, x)
         return y if cache is None else (y, GDNCache(state.astype(jnp.float32), *convs))
 
