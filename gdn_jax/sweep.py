@@ -4,7 +4,9 @@ rate[, beta range]) -> a table of the best learning rate per cell and Zoology-st
 A *cell* is one (task, mixer, d_model, seq_len, num_kv_pairs, neg_eigval) point of the grid; each
 cell trains once per learning rate in ``lrs`` (in that order; with ``skip_lrs_after_target`` the
 remaining rates are skipped once one run reaches ``target_accuracy``) and keeps the run with the best
-test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints):
+test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints).
+With ``seeds`` every (cell, rate) trains once per seed, in ``<out>/runs/<cell>/lr<lr>_seed<s>/``, and
+the summaries report the mean ± standard deviation over the seeds (docs/loggers_and_sweeps.md):
 
 * **resumable** -- a run whose ``results.json`` exists is skipped; an interrupted run resumes from its
   last checkpoint (taken at every evaluation). With ``time_budget_s`` the sweep stops by itself
@@ -19,7 +21,11 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
   cells through lock files, so cells are spread dynamically (``lrs_in_parallel``: single (cell,
   learning rate) runs, so one cell's rates train at once; a rate not started when another reached the
   target is skipped, a started one finishes);
-* **progress** -- a tqdm bar over cells.
+* **progress** -- a tqdm bar over cells; in one process its postfix shows the run in flight (cell,
+  rate, step, train loss / accuracy, test accuracy) at every train-curve point;
+* **one compilation per shape** -- the runs of a process with the same model, optimizer settings but
+  the rate, and devices share their compiled steps (:mod:`gdn_jax.step_cache`);
+* **loggers** -- ``logger`` sends every run's metrics to TensorBoard or W&B (:mod:`gdn_jax.loggers`).
 
 At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
 ``summary.json`` (the best learning rate of each cell) and ``accuracy_vs_dmodel.png`` (test accuracy,
@@ -393,6 +399,10 @@ def validate(cfg: SweepConfig) -> List[Cell]:
                       f"(their runs would share a folder): {list(cfg.lrs)}")
     if cfg.workers < 0:
         errors.append(f"SweepConfig.workers must be >= 0, got {cfg.workers}")
+    from gdn_jax.loggers import LOGGERS
+
+    if cfg.logger not in LOGGERS:
+        errors.append(f"SweepConfig.logger must be one of {LOGGERS}, got {cfg.logger!r}")
     if cfg.workers_per_device < 1:
         errors.append(f"SweepConfig.workers_per_device must be >= 1, got {cfg.workers_per_device}")
     for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval", "shapes", "seeds"):

@@ -9,9 +9,13 @@ scripts in ``experiments/`` sit on top of it; README "Experiments and results").
     graphdef, state = create_train_state(model, tx, seed=seed, mesh=mesh)
     train_step = make_train_step(graphdef, tx, mesh)          # compiled once
     eval_step = make_eval_step(graphdef, mesh)
+    logger = make_logger("tensorboard", logdir="runs/my_run/tb")  # gdn_jax.loggers ("wandb", "none")
     for step in range(int(state.step), total_steps):
         state, metrics = train_step(state, shard_batch(loader.batch(step), mesh))
+        if step % 10 == 0:                                   # a host sync: not every step
+            logger.log({f"train/{k}": v for k, v in metrics.items()}, step)
     evaluate(eval_step, state, test_set, batch_size=256, mesh=mesh)
+    logger.close()
 
 Batches are ``(inputs, targets)`` pairs (e.g. :class:`gdn_jax.data.TaskBatch`) with
 ``targets[t]`` the label of ``logits[:, t]`` (no shift) and :data:`IGNORE_INDEX` (-100, the one
