@@ -164,7 +164,8 @@ class RecallConfig:
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
     # -- metric loggers (gdn_jax.loggers; pip install -e '.[loggers]') --
-    logger: Literal["none", "tensorboard", "wandb"] = "none"  # also log metrics to TensorBoard (<out>/tb) or W&B (<out>/wandb; WANDB_MODE=offline: no network)
+    # also log the metrics to TensorBoard (<out>/tb) or W&B (<out>/wandb; WANDB_MODE=offline: no network)
+    logger: Literal["none", "tensorboard", "wandb"] = "none"
     wandb_project: str = "gdn_jax"  # logger wandb: the W&B project
     wandb_group: Optional[str] = None  # logger wandb: the W&B group (a sweep sets its folder's name)
 

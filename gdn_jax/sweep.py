@@ -90,7 +90,8 @@ class SweepConfig:
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
     workers_per_device: int = 1  # >1: that many worker processes share each accelerator (small models)
     progress: bool = True  # tqdm progress bar (in one process: also the step, loss and accuracy of the run in flight)
-    logger: Literal["none", "tensorboard", "wandb"] = "none"  # every run's metrics also to TensorBoard / W&B (RecallConfig.logger)
+    # every run's metrics also to TensorBoard / W&B (RecallConfig.logger; docs/loggers_and_sweeps.md)
+    logger: Literal["none", "tensorboard", "wandb"] = "none"
     time_budget_s: Optional[float] = None  # stop (checkpointing the current run) after this many seconds
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
     deadline: Optional[float] = None  # internal: time.time() at which time_budget_s ends (set by the parent)

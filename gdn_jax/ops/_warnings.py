@@ -69,9 +69,9 @@ def warn_head_first(op: str, q, *, stacklevel: int = 2) -> None:
     T, H = q.shape[1], q.shape[2]
     if 1 < T < H:
         _once(HeadFirstLayoutWarning,
-              f"{op}: q has shape {tuple(q.shape)}, read as [B, T, H, K] = T {T} tokens of H {H} heads; fewer tokens "
-              f"than heads suggests a head-first [B, H, T, K] array (transpose it: jnp.swapaxes(x, 1, 2)); the ops take "
-              f"[B, T, H, K]. Shown once; silence with warnings.filterwarnings('ignore', "
+              f"{op}: q has shape {tuple(q.shape)}, read as [B, T, H, K] = T {T} tokens of H {H} heads; fewer "
+              f"tokens than heads suggests a head-first [B, H, T, K] array (transpose it: jnp.swapaxes(x, 1, 2)); "
+              f"the ops take [B, T, H, K]. Shown once; silence with warnings.filterwarnings('ignore', "
               f"category=gdn_jax.ops.HeadFirstLayoutWarning)", stacklevel + 1)
 
 
