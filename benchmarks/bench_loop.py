@@ -105,14 +105,16 @@ def bench(mixer, args):
     it = T.prefetch_batches(r.loader.batch, range(N + 20), r.mesh)
     rows.append(_timed("+ host batches (prefetch)", N, lambda i, c: run_step(i, c, next(it)[1])))
     it.close()
-    stream = R.build(dataclasses.replace(base, data_mode="stream"))[1]
+    # stream data has no fixed training set: its size left at the default (a set one is refused)
+    stream_cfg = dataclasses.replace(base, data_mode="stream", train_examples=R.RecallConfig.train_examples)
+    stream = R.build(stream_cfg)[1]
     t = time.perf_counter()
     for i in range(min(N, 200)):
         stream.batch(i)
     gen = min(N, 200) / (time.perf_counter() - t)
     rows.append(("stream data gen (host only)", gen, None))
     for mode in ("fixed", "stream"):
-        r.cfg = dataclasses.replace(base, data_mode=mode)
+        r.cfg = base if mode == "fixed" else stream_cfg
         if mode == "stream":
             r.loader = stream
         for n in (20, N):  # the first, short, run compiles what the loop's data path needs

@@ -45,7 +45,8 @@
 #   train      bench_train_step.py, float32 gdn / deltanet steps with backend auto (TRAIN_ARGS replaces
 #              the mixers / widths, e.g. "--mixers gdn attention --d_models 64 --population 1 2 4")
 #   zoology / fig2  the next piece of a Zoology grid, `experiments/sweep.py --preset
-#              zoology_mqar|zoology_fig2` with a time budget of LIMIT_SWEEP - 60 s, resuming from
+#              zoology_mqar|zoology_fig2` with a time budget of LIMIT_SWEEP - 60 s (LIMIT_SWEEP=none: no
+#              limit, the runs bounded by their steps / epochs only), resuming from
 #              results/<name> and .base/ckpt_<name> in the working tree
 #   pub_gla / pub_mamba2 / pub_attention  the same for the published-variant baselines at the
 #              zoology_mqar protocol (docs/baselines.md; results/zoology_{gla,mamba2}_published,
@@ -102,9 +103,15 @@ sweep_step() {  # $1 = a sweep step: the next piece of that Zoology grid (see th
   # bundle_sweeps dropped (over CKPT_MB): laid over the carried ones, a run resumes from its newest step
   if [ -d "/tmp/keep_ckpt_$name" ]; then cp -r "/tmp/keep_ckpt_$name/." "/tmp/ckpt_$name/"; echo "kept checkpoints of $name reused"; fi
   # SWEEP_ARGS_<step> (else SWEEP_ARGS): extra sweep flags, e.g. "--d_models 64 --workers_per_device 2"
-  JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache timeout "${LIMIT_SWEEP:-540}" python experiments/sweep.py \
+  # LIMIT_SWEEP=none: no wall-clock limit and no time budget (the sweep ends when its runs end:
+  # bounded by their steps / epochs; the CPU round-trip test, whose result must not depend on speed)
+  local limit=() budget=()
+  if [ "${LIMIT_SWEEP:-540}" != none ]; then
+    limit=(timeout "${LIMIT_SWEEP:-540}"); budget=(--time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )))
+  fi
+  JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache "${limit[@]}" python experiments/sweep.py \
     --preset $name --out "/tmp/$name" --ckpt_root "/tmp/ckpt_$name" --no-progress \
-    --time_budget_s $(( ${LIMIT_SWEEP:-540} - 60 )) $args_var \
+    "${budget[@]}" $args_var \
     2>&1 | grep -v -i warning > "/tmp/sweep_logs/$name.txt"
   echo "--- sweep $1 ($name)"; tail -8 "/tmp/sweep_logs/$name.txt"
   # keep only the checkpoints of runs without a results.json (finished runs need none); a started rate

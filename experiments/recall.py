@@ -9,6 +9,7 @@ A thin script over :func:`gdn_jax.recall.run`. Every setting is a field of
     python experiments/recall.py --task niah --seq_len 1024 --vocab_size 128
     python experiments/recall.py --task state_tracking --mixer deltanet --allow_neg_eigval
     python experiments/recall.py --mixer attention --lr 1e-3 --out runs/mqar_attn --resume  # continue it
+    python experiments/recall.py --logger tensorboard      # or wandb (WANDB_MODE=offline); docs/loggers_and_sweeps.md
 
 ``--resume`` continues the checkpoint in ``--out`` (or ``--ckpt_dir``) with the settings given on the
 command line, not those of the stopped run: repeat its flags (a model or optimizer that does not

@@ -10,6 +10,7 @@ A thin script over :mod:`gdn_jax.sweep` (every flag is a field of :class:`gdn_ja
     python experiments/sweep.py --preset zoology_fig2 --out runs/zoology_fig2 --time_budget_s 500
     python experiments/sweep.py --task niah --mixers gdn attention --d_models 64 128 \\
         --seq_lens 1024 2048 --lrs 1e-3 3e-3 --base vocab_size=128 steps=2000 --out runs/niah
+    python experiments/sweep.py --preset cpu_mqar --seeds 0 1 2 --logger tensorboard --out runs/seeds  # mean ± std
 
 Re-running the same command resumes (finished runs are skipped, interrupted ones continue from
 their checkpoint; ``--time_budget_s`` stops the sweep by itself, checkpointing the run in progress).

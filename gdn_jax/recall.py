@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import typing
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -41,10 +41,12 @@ from flax import nnx
 
 from gdn_jax import training as T
 from gdn_jax.data import TASK_CONFIGS, TaskLoader, make_test_set, scaled_accuracy
+from gdn_jax.loggers import LOGGERS, Logger, MultiLogger, make_logger, require as require_logger
 from gdn_jax.models import LM, LMConfig
+from gdn_jax.step_cache import shared_steps
 
 __all__ = ["RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "make_lm_config", "make_task", "run",
-           "scaled_accuracy", "task_label", "validate"]
+           "scaled_accuracy", "task_label", "task_options", "validate"]
 
 TASKS = tuple(TASK_CONFIGS)
 
@@ -82,7 +84,8 @@ class RecallConfig:
 
     Defaults: MQAR with a 2-layer GDN, d_model 128, and a 3000-step cosine (measured to cross 0.99
     in ~500 steps on 2 CPU cores). ``task`` selects the generator (:data:`gdn_jax.data.TASK_CONFIGS`),
-    which takes the fields of its config's names; the task fields that do not belong to it are ignored:
+    which takes the fields of its config's names; a task field that does not belong to it is refused
+    (ValueError) when set away from its default (:func:`task_options`):
 
     * ``"mqar"`` (:class:`gdn_jax.data.MQARConfig`): vocab_size, seq_len, num_kv_pairs, power_a,
       random_non_queries;
@@ -160,6 +163,11 @@ class RecallConfig:
     progress: bool = True  # tqdm bar
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
+    # -- metric loggers (gdn_jax.loggers; pip install -e '.[loggers]') --
+    # also log the metrics to TensorBoard (<out>/tb) or W&B (<out>/wandb; WANDB_MODE=offline: no network)
+    logger: Literal["none", "tensorboard", "wandb"] = "none"
+    wandb_project: str = "gdn_jax"  # logger wandb: the W&B project
+    wandb_group: Optional[str] = None  # logger wandb: the W&B group (a sweep sets its folder's name)
 
 
     def __post_init__(self):
@@ -174,7 +182,8 @@ class RecallConfig:
 #: Fields that may differ between a run and its resumption without changing the result.
 RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints",
                                 "progress", "log_every", "eval_every", "target_accuracy", "eval_batch_size",
-                                "backend", "chunk_size", "session_time_s", "device_data"})
+                                "backend", "chunk_size", "session_time_s", "device_data", "logger", "wandb_project",
+                                "wandb_group"})
 
 
 def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
@@ -266,6 +275,44 @@ def _check_mixer_options(cfg: RecallConfig) -> None:
     check_unread_options(cfg, {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set()), _MIXER_OPTIONS)
 
 
+def task_options() -> Dict[str, Tuple[str, ...]]:
+    """``{field: tasks that read it}`` for the :class:`RecallConfig` fields that only some tasks'
+    configs (:data:`gdn_jax.data.TASK_CONFIGS`) have (e.g. ``num_kv_pairs``: ``("mqar",)``); the
+    fields every task has (``test_examples``, ``seed``) are not listed."""
+    ours = {f.name for f in dataclasses.fields(RecallConfig)}
+    readers: Dict[str, List[str]] = {}
+    for name, cls in TASK_CONFIGS.items():
+        for f in dataclasses.fields(cls):
+            if f.init and f.name in ours:
+                readers.setdefault(f.name, []).append(name)
+    return {k: tuple(v) for k, v in readers.items() if len(v) < len(TASK_CONFIGS)}
+
+
+def _check_task_options(cfg: RecallConfig) -> None:
+    """ValueError for a task option set away from its default when the run's task does not read it
+    (``--task niah --num_kv_pairs 4`` used to train NIAH and record num_kv_pairs in results.json),
+    and for the fixed training set's options (``train_examples``, ``device_data``) with stream data;
+    likewise the W&B options without ``logger="wandb"``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+
+    def refuse(name: str, reader: str, why: str):
+        raise ValueError(f"RecallConfig.{name} = {getattr(cfg, name)!r} is an option of {reader}; {why} (it would "
+                         f"change nothing): leave it at {defaults[name]!r}")
+
+    for name, users in task_options().items():
+        if getattr(cfg, name) != defaults[name] and cfg.task not in users:
+            refuse(name, f"the {' / '.join(users)} task", f"task {cfg.task!r} does not read it")
+    if cfg.data_mode != "fixed":
+        for name in ("train_examples", "device_data"):
+            if getattr(cfg, name) != defaults[name]:
+                refuse(name, "data_mode 'fixed' (the fixed training set)", f"data_mode {cfg.data_mode!r} does not "
+                       f"read it")
+    if cfg.logger != "wandb":
+        for name in ("wandb_project", "wandb_group"):
+            if getattr(cfg, name) != defaults[name]:
+                refuse(name, "logger 'wandb'", f"logger {cfg.logger!r} does not read it")
+
+
 def validate(cfg: RecallConfig) -> None:
     """Check the settings of ``cfg`` that the task and model configs do not check themselves (those
     are checked when :func:`build` makes them: the task's sizes, the model's backend options).
@@ -339,6 +386,14 @@ def validate(cfg: RecallConfig) -> None:
     check_out_dir("RecallConfig.out", cfg.out)
     check_out_dir("RecallConfig.ckpt_dir", cfg.ckpt_dir)
     _check_mixer_options(cfg)
+    if cfg.logger not in LOGGERS:
+        bad("logger", f"one of {LOGGERS}")
+    _check_task_options(cfg)
+    if cfg.logger != "none":
+        try:
+            require_logger(cfg.logger)
+        except ImportError as e:
+            raise ValueError(f"RecallConfig.logger={cfg.logger!r}: {e}") from None
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
             f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")
@@ -363,11 +418,16 @@ def build(cfg: RecallConfig):
                          f"{list(layer_mixers)}")
     lm_cfg = make_lm_config(cfg, task.model_vocab_size)
     model_fn = lambda: LM(lm_cfg, rngs=nnx.Rngs(cfg.seed))
-    tx = T.make_optimizer(cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps,
-                          weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
-                          b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip,
-                          steps_per_epoch=loader.steps_per_epoch if cfg.lr_per_epoch else None)
+    tx = T.make_optimizer(cfg.lr, **optimizer_settings(cfg, loader))
     return task, loader, lm_cfg, model_fn, tx
+
+
+def optimizer_settings(cfg: RecallConfig, loader: TaskLoader) -> Dict[str, Any]:
+    """The keyword arguments of :func:`gdn_jax.training.make_optimizer` but the learning rate for
+    ``cfg`` (``loader``: the steps per epoch of ``lr_per_epoch``)."""
+    return dict(warmup_steps=cfg.warmup, total_steps=cfg.steps, weight_decay=cfg.weight_decay,
+                min_lr_ratio=cfg.min_lr_ratio, b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip,
+                steps_per_epoch=loader.steps_per_epoch if cfg.lr_per_epoch else None)
 
 
 def resolved_backends(model: LM) -> List[str]:
@@ -462,6 +522,30 @@ class _Run:
         self.stopped_by_time = self.diverged = False
         self.interrupted: Optional[str] = None  # "session_time" or "sigint": checkpointed, unfinished
         self.sigint = False  # a Ctrl-C arrived during train()
+        self.logger: Logger = Logger()  # RecallConfig.logger and run()'s loggers (open_logger); no-op until then
+        self.lr_at = None  # step -> learning rate, for the loggers
+
+    def open_logger(self, extra: Sequence[Logger] = ()) -> None:
+        """``self.logger``: the ``RecallConfig.logger`` (TensorBoard in ``<out>/tb``, W&B in
+        ``<out>/wandb``, its run id fixed by the output folder so that a resumed session continues
+        it) and the ``extra`` loggers (e.g. a sweep's progress bar)."""
+        cfg = self.cfg
+        loggers = list(extra)
+        if cfg.logger != "none":
+            import hashlib
+
+            out = os.path.abspath(self.out)
+            loggers.append(make_logger(
+                cfg.logger, logdir=os.path.join(out, "tb") if cfg.logger == "tensorboard" else out,
+                config=dataclasses.asdict(cfg), project=cfg.wandb_project, group=cfg.wandb_group,
+                name=f"{cfg.task} {mixer_label(cfg)} d={cfg.d_model} lr={cfg.lr:g} seed={cfg.seed}",
+                run_id=hashlib.sha1(out.encode()).hexdigest()[:16]))
+        if loggers:
+            self.logger = loggers[0] if len(loggers) == 1 else MultiLogger(loggers)
+            schedule = T.make_schedule(cfg.lr, warmup_steps=cfg.warmup, total_steps=cfg.steps,
+                                       min_lr_ratio=cfg.min_lr_ratio,
+                                       steps_per_epoch=self.loader.steps_per_epoch if cfg.lr_per_epoch else None)
+            self.lr_at = lambda step: float(schedule(max(step - 1, 0)))  # the rate of the point's last step
 
     # -- restore or init ----------------------------------------------------------------------------
 
@@ -504,8 +588,10 @@ class _Run:
         if restored is not None:
             print(f"resumed from step {self.start} ({self.ckpt_dir})", file=sys.stderr)
         n_labels = self.task.max_labels  # sparse LM head: logits only where something is scored
-        self.train_step = T.make_train_step(self.graphdef, self.tx, self.mesh, loss_fn=T.make_lm_loss(n_labels))
-        self.eval_step = T.make_eval_step(self.graphdef, self.mesh, max_scored=n_labels)
+        # compiled once per process for runs of the same model, optimizer settings and devices (the
+        # learning rate is an argument): a sweep's rates and seeds reuse them (gdn_jax.step_cache)
+        self.train_step, self.eval_step = shared_steps(self.graphdef, self.mesh, lr=cfg.lr, max_scored=n_labels,
+                                                       optimizer=optimizer_settings(cfg, self.loader))
         self.test_set = make_test_set(self.task)
         self.test_batches = T.device_eval_batches(self.test_set, batch_size=cfg.eval_batch_size, mesh=self.mesh)
 
@@ -541,6 +627,8 @@ class _Run:
                 raise RuntimeError(f"training batches have more labels per row than max_labels={self.task.max_labels}")
             la = float(np.mean(v["loss"])), float(np.mean(v["accuracy"]))
             self.history["train"].append([step, *la])
+            if self.lr_at is not None:
+                self.logger.log({"train/loss": la[0], "train/accuracy": la[1], "train/lr": self.lr_at(step)}, step)
             self.since_eval.extend(float(x) for x in np.ravel(v["loss"]))
         return la
 
@@ -662,6 +750,11 @@ class _Run:
                "test_loss": ev["loss"], "test_accuracy": ev["accuracy"], "wall_s": round(self.wall(), 3)}
         self.since_eval.clear()
         self.history["evals"].append(rec)
+        if self.lr_at is not None:
+            test = {"test/loss": rec["test_loss"], "test/accuracy": rec["test_accuracy"]}
+            if self.task.metric == "scaled_accuracy":
+                test["test/scaled_accuracy"] = scaled_accuracy(rec["test_accuracy"], self.task.chance)
+            self.logger.log(test, step)
         self.eval_s += time.perf_counter() - t_eval
         self.save()
         return rec
@@ -763,7 +856,7 @@ class _Run:
               f"-> {os.path.join(out, 'results.json')}", flush=True)
 
 
-def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
+def run(cfg: RecallConfig, *, loggers: Sequence[Logger] = ()) -> Tuple[Dict[str, Any], T.TrainState]:
     """Train (or resume) according to ``cfg``; write results.json, curves.png and checkpoints.
 
     Returns ``(results, final TrainState)``. Timing fields of ``results`` (this session):
@@ -791,6 +884,15 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
     """
     r = _Run(cfg)
     r.restore_or_init()
+    r.open_logger(loggers)
+    try:
+        return _train_and_report(r)
+    finally:
+        r.logger.close()
+
+
+def _train_and_report(r: _Run) -> Tuple[Dict[str, Any], T.TrainState]:
+    """:func:`run` after the restore: train, then suspend (interrupted) or finish and write the outputs."""
     try:
         r.train()
     except KeyboardInterrupt:  # a second Ctrl-C: no new checkpoint, but a write in flight completes
@@ -803,6 +905,7 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
         return rec, r.state
     r.finish()
     results = r.results()
+    r.logger.log_summary(results)
     r.write_outputs(results)
     if r.sigint:  # Ctrl-C in the run's last step: it finished and wrote its results; stop the caller
         raise KeyboardInterrupt(f"the run finished at step {r.step} (results in {os.path.abspath(r.out)})")

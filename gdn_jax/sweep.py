@@ -4,7 +4,9 @@ rate[, beta range]) -> a table of the best learning rate per cell and Zoology-st
 A *cell* is one (task, mixer, d_model, seq_len, num_kv_pairs, neg_eigval) point of the grid; each
 cell trains once per learning rate in ``lrs`` (in that order; with ``skip_lrs_after_target`` the
 remaining rates are skipped once one run reaches ``target_accuracy``) and keeps the run with the best
-test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints):
+test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their orbax checkpoints).
+With ``seeds`` every (cell, rate) trains once per seed, in ``<out>/runs/<cell>/lr<lr>_seed<s>/``, and
+the summaries report the mean ± standard deviation over the seeds (docs/loggers_and_sweeps.md):
 
 * **resumable** -- a run whose ``results.json`` exists is skipped; an interrupted run resumes from its
   last checkpoint (taken at every evaluation). With ``time_budget_s`` the sweep stops by itself
@@ -19,7 +21,11 @@ test accuracy. Runs write ``<out>/runs/<cell>/lr<lr>/results.json`` (plus their 
   cells through lock files, so cells are spread dynamically (``lrs_in_parallel``: single (cell,
   learning rate) runs, so one cell's rates train at once; a rate not started when another reached the
   target is skipped, a started one finishes);
-* **progress** -- a tqdm bar over cells.
+* **progress** -- a tqdm bar over cells; in one process its postfix shows the run in flight (cell,
+  rate, step, train loss / accuracy, test accuracy) at every train-curve point;
+* **one compilation per shape** -- the runs of a process with the same model, optimizer settings but
+  the rate, and devices share their compiled steps (:mod:`gdn_jax.step_cache`);
+* **loggers** -- ``logger`` sends every run's metrics to TensorBoard or W&B (:mod:`gdn_jax.loggers`).
 
 At the end :func:`summarize` writes ``runs.csv`` (one row per run), ``summary.csv`` and
 ``summary.json`` (the best learning rate of each cell) and ``accuracy_vs_dmodel.png`` (test accuracy,
@@ -45,7 +51,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
 
 __all__ = ["SweepConfig", "PRESETS", "Cell", "cells", "apply_preset", "run_config", "run_sweep", "summarize"]
 
@@ -65,6 +71,9 @@ class SweepConfig:
     seq_lens: Tuple[int, ...] = (64,)  # sequence lengths of the grid
     num_kv_pairs: Tuple[int, ...] = (8,)  # MQAR key-value pairs of the grid
     lrs: Tuple[float, ...] = (3e-3,)  # learning rates; each cell reports its best
+    # seeds (data and init) of every (cell, learning rate): runs lr<lr>_seed<s>, summaries mean ± std over them;
+    # empty: one run per rate at RecallConfig.seed (--base seed=N), in lr<lr>
+    seeds: Tuple[int, ...] = ()
     neg_eigval: Tuple[bool, ...] = (False,)  # beta in (0,1) / (0,2); True only for gdn, deltanet, hybrid
     # (seq_len, kv pairs[, batch size]) points "LxN" / "LxNxB" instead of the seq_lens x num_kv_pairs product
     shapes: Tuple[str, ...] = ()
@@ -80,7 +89,9 @@ class SweepConfig:
     ckpt_root: Optional[str] = None  # checkpoints under <ckpt_root>/<cell>/lr<lr> (default: inside each run's out)
     workers: int = 0  # 0: one per local accelerator when there are several, else run in this process
     workers_per_device: int = 1  # >1: that many worker processes share each accelerator (small models)
-    progress: bool = True  # tqdm progress bars
+    progress: bool = True  # tqdm progress bar (in one process: also the step, loss and accuracy of the run in flight)
+    # every run's metrics also to TensorBoard / W&B (RecallConfig.logger; docs/loggers_and_sweeps.md)
+    logger: Literal["none", "tensorboard", "wandb"] = "none"
     time_budget_s: Optional[float] = None  # stop (checkpointing the current run) after this many seconds
     worker_index: Optional[int] = None  # internal: this process is worker i (started by the parent)
     deadline: Optional[float] = None  # internal: time.time() at which time_budget_s ends (set by the parent)
@@ -183,9 +194,19 @@ def apply_preset(cfg: SweepConfig, explicit: Iterable[str] = ()) -> SweepConfig:
         raise ValueError(f"SweepConfig.preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     explicit = set(explicit)
     p = dict(PRESETS[cfg.preset])
-    base = tuple(p.pop("base", ())) + tuple(cfg.base)
-    upd = {k: v for k, v in p.items() if k not in explicit}
+    upd = {k: v for k, v in p.items() if k not in explicit and k != "base"}
+    base = _task_settings(p.get("base", ()), upd.get("task", cfg.task)) + tuple(cfg.base)
     return dataclasses.replace(cfg, **upd, base=base)
+
+
+def _task_settings(base: Sequence[str], task: str) -> Tuple[str, ...]:
+    """A preset's ``base`` settings without the task options that ``task`` does not read
+    (:func:`gdn_jax.recall.task_options`): a preset such as ``cpu_smoke`` serves every task, while
+    a run refuses an option its task does not read."""
+    from gdn_jax.recall import task_options
+
+    opts = task_options()
+    return tuple(x for x in base if not (x.split("=", 1)[0] in opts and task not in opts[x.split("=", 1)[0]]))
 
 
 _TASK_AXES = ("seq_len", "num_kv_pairs")  # the grid's task axes; a task uses those its config has
@@ -280,7 +301,7 @@ def parse_shape(text: str) -> Tuple[int, int, Optional[int]]:
 _SET_BY_SWEEP = {"task": "SweepConfig.task", "mixer": "SweepConfig.mixers", "d_model": "SweepConfig.d_models",
                  "seq_len": "SweepConfig.seq_lens", "num_kv_pairs": "SweepConfig.num_kv_pairs", "lr": "SweepConfig.lrs",
                  "allow_neg_eigval": "SweepConfig.neg_eigval", "out": "SweepConfig.out",
-                 "ckpt_dir": "SweepConfig.ckpt_root", "resume": None,
+                 "ckpt_dir": "SweepConfig.ckpt_root", "resume": None, "logger": "SweepConfig.logger",
                  "hybrid_every": "the mixer name 'hybrid' in SweepConfig.mixers"}
 
 
@@ -301,14 +322,32 @@ def _parse_base(base: Sequence[str]) -> Dict[str, Any]:
     return kw
 
 
-def run_config(cfg: SweepConfig, cell: Cell, lr: float):
-    """The :class:`gdn_jax.recall.RecallConfig` of one run of ``cell`` at learning rate ``lr``."""
+def seeds(cfg: SweepConfig) -> List[Optional[int]]:
+    """The seeds of every (cell, learning rate): ``cfg.seeds``, or ``[None]`` (one run at the base's
+    ``RecallConfig.seed``) without a seed axis."""
+    return list(cfg.seeds) or [None]
+
+
+def run_name(lr: float, seed: Optional[int] = None) -> str:
+    """A run's folder under its cell: ``lr<lr>`` or, on the seed axis, ``lr<lr>_seed<seed>``."""
+    return f"lr{lr:g}" + ("" if seed is None else f"_seed{seed}")
+
+
+def run_config(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None):
+    """The :class:`gdn_jax.recall.RecallConfig` of one run of ``cell`` at learning rate ``lr``
+    (and ``seed`` on the seed axis, :attr:`SweepConfig.seeds`)."""
     from gdn_jax.recall import RecallConfig
 
     kw = _parse_base(cfg.base)
     explicit_eval = "eval_every" in kw
     kw.update(task=cell.task, d_model=cell.d_model, lr=float(lr), allow_neg_eigval=cell.neg_eigval,
-              out=os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}"), progress=False, keep_checkpoints=1)
+              out=os.path.join(cfg.out, "runs", cell.name, run_name(lr, seed)), progress=False, keep_checkpoints=1)
+    if seed is not None:
+        kw["seed"] = int(seed)
+    if cfg.logger != "none":
+        kw["logger"] = cfg.logger
+        if cfg.logger == "wandb":
+            kw.setdefault("wandb_group", os.path.basename(os.path.normpath(cfg.out)))
     if cell.batch_size is not None:
         kw["batch_size"] = cell.batch_size
     if cfg.epochs is not None:  # steps per epoch of the fixed set; evaluate once per epoch (Zoology)
@@ -320,7 +359,7 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
     if cfg.deadline is not None:  # this session's share of SweepConfig.time_budget_s
         kw["session_time_s"] = max(cfg.deadline - time.time(), 1e-3)
     if cfg.ckpt_root:
-        kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, f"lr{lr:g}")
+        kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, run_name(lr, seed))
     ckpt = kw.get("ckpt_dir") or os.path.join(kw["out"], "ckpt")
     kw["resume"] = os.path.isdir(ckpt) and bool(os.listdir(ckpt))  # an interrupted run continues
     kw.update({a: getattr(cell, a) for a in _task_axes(cell.task)})
@@ -331,8 +370,8 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float):
     return RecallConfig(**kw)
 
 
-def _results_path(cfg: SweepConfig, cell: Cell, lr: float) -> str:
-    return os.path.join(cfg.out, "runs", cell.name, f"lr{lr:g}", "results.json")
+def _results_path(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None) -> str:
+    return os.path.join(cfg.out, "runs", cell.name, run_name(lr, seed), "results.json")
 
 
 def _load(path: str) -> Optional[Dict[str, Any]]:
@@ -362,11 +401,15 @@ def validate(cfg: SweepConfig) -> List[Cell]:
                       f"(their runs would share a folder): {list(cfg.lrs)}")
     if cfg.workers < 0:
         errors.append(f"SweepConfig.workers must be >= 0, got {cfg.workers}")
+    from gdn_jax.loggers import LOGGERS
+
+    if cfg.logger not in LOGGERS:
+        errors.append(f"SweepConfig.logger must be one of {LOGGERS}, got {cfg.logger!r}")
     if cfg.workers_per_device < 1:
         errors.append(f"SweepConfig.workers_per_device must be >= 1, got {cfg.workers_per_device}")
-    for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval", "shapes"):
+    for name in ("d_models", "seq_lens", "num_kv_pairs", "mixers", "neg_eigval", "shapes", "seeds"):
         values = list(getattr(cfg, name))
-        if not values and name != "shapes":
+        if not values and name not in ("shapes", "seeds"):
             errors.append(f"SweepConfig.{name} is empty")
         elif len(set(values)) < len(values):  # cells that repeat would share a run folder
             errors.append(f"SweepConfig.{name} repeats a value: {values}")
@@ -404,7 +447,8 @@ def validate(cfg: SweepConfig) -> List[Cell]:
     if cfg.time_budget_s is not None and not cfg.time_budget_s > 0:
         errors.append(f"SweepConfig.time_budget_s must be None or > 0 (seconds), got {cfg.time_budget_s!r}")
     try:
-        _parse_base(cfg.base)  # once, not once per run
+        if "seed" in _parse_base(cfg.base) and cfg.seeds:  # parsed once, not once per run
+            errors.append("SweepConfig.base setting 'seed' is set by the sweep's seed axis; use SweepConfig.seeds")
     except ValueError as e:
         errors.append(str(e))
     if errors:
@@ -415,12 +459,13 @@ def validate(cfg: SweepConfig) -> List[Cell]:
                          f"{sorted(_NEG_OK)}, SweepConfig.mixers={list(cfg.mixers)}")
     for cell in grid:
         for lr in cfg.lrs:
-            try:
-                model_fn = build(run_config(cfg, cell, lr))[3]
-                if lr == cfg.lrs[0]:
-                    nnx.eval_shape(model_fn)
-            except (TypeError, ValueError) as e:
-                errors.append(f"{cell.name} lr {lr:g}: {e}")
+            for seed in seeds(cfg):
+                try:
+                    model_fn = build(run_config(cfg, cell, lr, seed))[3]
+                    if lr == cfg.lrs[0] and seed == seeds(cfg)[0]:
+                        nnx.eval_shape(model_fn)
+                except (TypeError, ValueError) as e:
+                    errors.append(f"{cell.name} {_run_label(lr, seed)}: {e}")
     if not errors:
         errors += _changed_settings(cfg, grid)
     if errors:
@@ -439,27 +484,36 @@ def _changed_settings(cfg: SweepConfig, grid: Sequence[Cell]) -> List[str]:
     ignore = RESUME_FREE_FIELDS
     errors = []
     for cell in grid:
-        for lr in cfg.lrs:
-            r = _load(_results_path(cfg, cell, lr))
+        for lr, seed in _runs(cfg):
+            r = _load(_results_path(cfg, cell, lr, seed))
             if r is None or "config" not in r:
                 continue
-            now = dataclasses.asdict(run_config(cfg, cell, lr))
+            now = dataclasses.asdict(run_config(cfg, cell, lr, seed))
             diff = [f"{k}: {r['config'].get(k)!r} -> {v!r}" for k, v in now.items()
                     if k not in ignore and r["config"].get(k, v) != v]
             if diff:
-                errors.append(f"{cell.name} lr {lr:g} already finished in {cfg.out} with other settings "
+                errors.append(f"{cell.name} {_run_label(lr, seed)} already finished in {cfg.out} with other settings "
                               f"({', '.join(diff)}); use a new SweepConfig.out, or the settings it was run with")
     return errors
 
 
-def _started(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
+def _runs(cfg: SweepConfig, lrs: Optional[Sequence[float]] = None) -> List[Tuple[float, Optional[int]]]:
+    """The (learning rate, seed) runs of a cell, in the order they train: every seed of a rate, then the next rate."""
+    return [(lr, seed) for lr in (cfg.lrs if lrs is None else lrs) for seed in seeds(cfg)]
+
+
+def _run_label(lr: float, seed: Optional[int] = None) -> str:
+    return f"lr {lr:g}" + ("" if seed is None else f" seed {seed}")
+
+
+def _started(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None) -> bool:
     """The run has a checkpoint (it was interrupted and resumes from there)."""
-    return bool(run_config(cfg, cell, lr).resume)
+    return bool(run_config(cfg, cell, lr, seed).resume)
 
 
-def _checkpoint_step(cfg: SweepConfig, cell: Cell, lr: float) -> Optional[int]:
+def _checkpoint_step(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None) -> Optional[int]:
     """The latest checkpointed step of an interrupted run (its orbax step folders), or None."""
-    rc = run_config(cfg, cell, lr)
+    rc = run_config(cfg, cell, lr, seed)
     ckpt = rc.ckpt_dir or os.path.join(rc.out, "ckpt")
     try:
         steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
@@ -468,20 +522,30 @@ def _checkpoint_step(cfg: SweepConfig, cell: Cell, lr: float) -> Optional[int]:
     return max(steps) if steps else None
 
 
-def _skipped(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
-    """With ``skip_lrs_after_target``: the rate has no results, was never started, and another rate of
-    the cell reached the target. A started rate (``--lrs_in_parallel``: running beside the one that
-    reached the target, then interrupted) is not skipped: it resumes and finishes."""
-    if not cfg.skip_lrs_after_target or _load(_results_path(cfg, cell, lr)) is not None:
+def _rate_reached(cfg: SweepConfig, cell: Cell, lr: float) -> bool:
+    """Every seed of rate ``lr`` finished and reached the target."""
+    rs = [_load(_results_path(cfg, cell, lr, seed)) for seed in seeds(cfg)]
+    return all(r is not None and r.get("reached_target") for r in rs)
+
+
+def _skipped(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None) -> bool:
+    """With ``skip_lrs_after_target``: the run has no results, was never started, and another rate of
+    the cell reached the target (with every seed). A started run (``--lrs_in_parallel``: running
+    beside the rate that reached the target, then interrupted) is not skipped: it resumes and finishes."""
+    if not cfg.skip_lrs_after_target or _load(_results_path(cfg, cell, lr, seed)) is not None:
         return False
-    reached = any((r := _load(_results_path(cfg, cell, x))) is not None and r.get("reached_target") for x in cfg.lrs)
-    return reached and not _started(cfg, cell, lr)
+    reached = any(_rate_reached(cfg, cell, x) for x in cfg.lrs if x != lr)
+    return reached and not _started(cfg, cell, lr, seed)
 
 
 def cell_done(cfg: SweepConfig, cell: Cell) -> bool:
-    """Every rate of the cell is finished or skipped: with ``skip_lrs_after_target`` the rates not
-    started when one reached the target are skipped (:func:`_skipped`)."""
-    return all(_load(_results_path(cfg, cell, lr)) is not None or _skipped(cfg, cell, lr) for lr in cfg.lrs)
+    """Every run of the cell (rate x seed) is finished or skipped: with ``skip_lrs_after_target`` the
+    runs not started when a rate reached the target are skipped (:func:`_skipped`)."""
+    return all(_run_done(cfg, cell, lr, seed) for lr, seed in _runs(cfg))
+
+
+def _run_done(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = None) -> bool:
+    return _load(_results_path(cfg, cell, lr, seed)) is not None or _skipped(cfg, cell, lr, seed)
 
 
 def out_of_budget(cfg: SweepConfig) -> bool:
@@ -489,39 +553,63 @@ def out_of_budget(cfg: SweepConfig) -> bool:
     return cfg.deadline is not None and time.time() >= cfg.deadline
 
 
-def run_cell(cfg: SweepConfig, cell: Cell, lrs: Optional[Sequence[float]] = None) -> bool:
-    """Train ``cell`` at each learning rate (``lrs``, default ``cfg.lrs``; skipping finished runs, and
-    with ``skip_lrs_after_target`` every rate after one reached the target) and write their results.
-    A run that raises is reported (``<run out>/error.txt`` and stderr) and the sweep goes on. Returns
-    False when the time budget ran out (the run in progress is checkpointed, unfinished)."""
+def run_cell(cfg: SweepConfig, cell: Cell, lrs: Optional[Sequence[float]] = None, *,
+             progress: Optional[Any] = None) -> bool:
+    """Train ``cell`` at each learning rate (``lrs``, default ``cfg.lrs``) and each seed
+    (``cfg.seeds``), skipping finished runs, and with ``skip_lrs_after_target`` every rate after one
+    reached the target with every seed; write their results. A run that raises is reported (``<run
+    out>/error.txt`` and stderr) and the sweep goes on. ``progress``: a tqdm bar whose postfix shows
+    the run in flight (step, loss, accuracy, test accuracy). Returns False when the time budget ran
+    out (the run in progress is checkpointed, unfinished)."""
     import traceback
 
-    from gdn_jax.recall import run
+    from gdn_jax import recall
 
     for lr in (cfg.lrs if lrs is None else lrs):
-        r = _load(_results_path(cfg, cell, lr))
-        if r is None:
-            if _skipped(cfg, cell, lr):  # another worker's rate of this cell reached the target
+        for seed in seeds(cfg):
+            r = _load(_results_path(cfg, cell, lr, seed))
+            if r is not None:
+                continue
+            if _skipped(cfg, cell, lr, seed):  # another rate of this cell reached the target
                 continue
             if out_of_budget(cfg):
                 return False
-            rc = run_config(cfg, cell, lr)
+            rc = run_config(cfg, cell, lr, seed)
             try:
-                r = run(rc)[0]
+                kw = {"loggers": [_progress_logger(progress, cell, lr, seed, rc)]} if progress is not None else {}
+                r = recall.run(rc, **kw)[0]
             except Exception as e:  # keep the other cells going; the error is kept with the run
                 os.makedirs(rc.out, exist_ok=True)
                 with open(os.path.join(rc.out, "error.txt"), "w") as f:
                     f.write(traceback.format_exc())
-                print(f"{cell.name} lr {lr:g} FAILED: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+                print(f"{cell.name} {_run_label(lr, seed)} FAILED: {type(e).__name__}: {str(e)[:300]}",
+                      file=sys.stderr, flush=True)
                 continue
             if r.get("interrupted"):  # the time budget ran out inside this run: resumed next time
                 return False
             import shutil
 
             shutil.rmtree(r["ckpt_dir"], ignore_errors=True)  # finished: checkpoints no longer needed
-        if cfg.skip_lrs_after_target and r.get("reached_target"):
+        if cfg.skip_lrs_after_target and _rate_reached(cfg, cell, lr):
             break
     return True
+
+
+def _progress_logger(bar, cell: Cell, lr: float, seed: Optional[int], rc):
+    """A :class:`gdn_jax.loggers.CallbackLogger` that writes the run in flight into ``bar``'s postfix:
+    its cell, rate (seed), step of its total, and the last train loss / accuracy and test accuracy."""
+    from gdn_jax.loggers import CallbackLogger
+
+    total = rc.max_steps if rc.max_steps is not None else rc.steps
+    last: Dict[str, float] = {}
+
+    def show(metrics: Dict[str, float], step: int) -> None:
+        last.update(metrics)
+        parts = [f"step {step}/{total}"] + [f"{name} {last[k]:.3f}" for k, name in (
+            ("train/loss", "loss"), ("train/accuracy", "acc"), ("test/accuracy", "test")) if k in last]
+        bar.set_postfix_str(f"{cell.name} {_run_label(lr, seed)}: " + ", ".join(parts))
+
+    return CallbackLogger(show)
 
 
 def _claim(cfg: SweepConfig, name: str) -> bool:
@@ -547,13 +635,13 @@ def _worker(cfg: SweepConfig) -> None:
                     print(f"[worker {cfg.worker_index}] time budget spent in {cell.name}; stopping", flush=True)
                     return
             continue
-        for lr in cfg.lrs:  # one (cell, learning rate) run at a time
+        for lr in cfg.lrs:  # one (cell, learning rate) at a time, its seeds one after the other
             if out_of_budget(cfg):
                 print(f"[worker {cfg.worker_index}] time budget spent; stopping", flush=True)
                 return
             if cell_done(cfg, cell):
                 break
-            if (_load(_results_path(cfg, cell, lr)) is None and not _skipped(cfg, cell, lr)
+            if (not all(_run_done(cfg, cell, lr, seed) for seed in seeds(cfg))
                     and _claim(cfg, f"{cell.name}_lr{lr:g}")):
                 print(f"[worker {cfg.worker_index}] {cell.name} lr {lr:g}", flush=True)
                 if not run_cell(cfg, cell, lrs=(lr,)):
@@ -626,7 +714,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             if not cell_done(cfg, cell):
                 bar.set_postfix_str(cell.name)
                 try:
-                    ok = run_cell(cfg, cell)
+                    ok = run_cell(cfg, cell, progress=bar if cfg.progress else None)
                 except KeyboardInterrupt:  # Ctrl-C: the run checkpointed its step (recall.run); summary so far
                     bar.close()
                     summarize(cfg)
@@ -682,46 +770,52 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
 
 
 def summarize(cfg: SweepConfig) -> Dict[str, Any]:
-    """Collect the finished runs of ``cfg``: ``runs.csv``, ``summary.csv``/``summary.json`` (best
-    learning rate per cell; ``unfinished``: cells with runs still to finish, ``in_progress``: the
-    interrupted runs and their checkpointed step, ``not_started``: cells with no run begun), ``accuracy_vs_dmodel.png`` and, with several learning rates,
-    ``accuracy_vs_lr.png`` (every run; :func:`plot_lrs`). Returns the summary (its ``metric``: the
-    task's headline metric, ``best_test_accuracy`` or, for state tracking, ``best_scaled_accuracy``)."""
+    """Collect the finished runs of ``cfg``: ``runs.csv`` (one row per run), ``summary.csv`` /
+    ``summary.json`` (best learning rate per cell; ``unfinished``: cells with runs still to finish,
+    ``in_progress``: the interrupted runs and their checkpointed step, ``not_started``: cells with no
+    run begun), ``summary.md``, ``accuracy_vs_dmodel.png`` and, with several learning rates,
+    ``accuracy_vs_lr.png`` (every rate; :func:`plot_lrs`). Returns the summary (its ``metric``: the
+    task's headline metric, ``best_test_accuracy`` or, for state tracking, ``best_scaled_accuracy``).
+
+    With a seed axis (``cfg.seeds``) a cell's rate is the mean over its finished seeds (the best rate
+    has the highest mean): the accuracies and steps of ``summary.*`` are means, with their standard
+    deviation over the seeds (``<field>_std``, None for one seed), ``n_seeds`` and ``seeds``; the
+    table and the plots show mean ± std. Without one, every field is the run's own (as before the
+    seed axis)."""
     from gdn_jax.data import TASK_CONFIGS
 
     metric = "best_" + TASK_CONFIGS[cfg.task].metric
     scaled = metric == "best_scaled_accuracy"
-    rows, best, failed, pending, in_progress = [], [], [], [], []
+    seeded = bool(cfg.seeds)
+    rows, rates, best, failed, pending, in_progress = [], [], [], [], [], []
     for cell in cells(cfg):
         runs, started = [], False
         for lr in cfg.lrs:
-            r = _load(_results_path(cfg, cell, lr))
-            if r is None:
-                if os.path.exists(os.path.join(os.path.dirname(_results_path(cfg, cell, lr)), "error.txt")):
-                    failed.append(f"{cell.name} lr {lr:g}")
-                step = _checkpoint_step(cfg, cell, lr)
-                if step is not None:  # interrupted (time budget, a stopped process): resumes from its checkpoint
-                    in_progress.append(f"{cell.name} lr {lr:g} (checkpoint at step {step})")
-                    started = True
-                continue
-            axes = _task_axes(cell.task)  # an axis the task has not: None (its run never used the value)
-            row = dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model,
-                       seq_len=cell.seq_len if "seq_len" in axes else None,
-                       num_kv_pairs=cell.num_kv_pairs if "num_kv_pairs" in axes else None,
-                       neg_eigval=cell.neg_eigval, lr=lr,
-                       best_test_accuracy=r["best_test_accuracy"], final_test_accuracy=r["final_test_accuracy"],
-                       best_scaled_accuracy=r.get("best_scaled_accuracy"),
-                       final_scaled_accuracy=r.get("final_scaled_accuracy"), steps=r["steps"],
-                       reached_target=r["reached_target"], stopped_by_time=r.get("stopped_by_time", False),
-                       diverged=r.get("diverged", False), epochs=_epochs(r), hit_budget=_hit_budget(r),
-                       wall_s=r["wall_s"], num_params=r["num_params"], device=r["device_kind"],
-                       backend=",".join(r.get("backend_resolved") or []) or "-")
-            rows.append(row)
-            runs.append(row)
+            group = []
+            for seed in seeds(cfg):
+                path = _results_path(cfg, cell, lr, seed)
+                r = _load(path)
+                if r is None:
+                    if os.path.exists(os.path.join(os.path.dirname(path), "error.txt")):
+                        failed.append(f"{cell.name} {_run_label(lr, seed)}")
+                    step = _checkpoint_step(cfg, cell, lr, seed)
+                    if step is not None:  # interrupted (time budget, a stopped process): resumes from its checkpoint
+                        in_progress.append(f"{cell.name} {_run_label(lr, seed)} (checkpoint at step {step})")
+                        started = True
+                    continue
+                row = _run_row(cell, lr, r)
+                if seeded:
+                    row["seed"] = seed
+                rows.append(row)
+                group.append(row)
+            if group:
+                runs.append(_mean_over_seeds(group) if seeded else group[0])
+        rates += runs
         if (runs or started) and not cell_done(cfg, cell):
             pending.append(cell.name)
         if runs:
             # best LR: highest best-over-evaluations test accuracy, then highest final accuracy, then fewest steps
+            # (with seeds: their means)
             b = max(runs, key=lambda x: (x["best_test_accuracy"], x["final_test_accuracy"], -x["steps"]))
             best.append(dict(b, lrs_tried=[x["lr"] for x in runs]))
     for name, data in (("runs.csv", rows), ("summary.csv", best)):
@@ -740,10 +834,58 @@ def summarize(cfg: SweepConfig) -> Dict[str, Any]:
     if best:
         plot(best, os.path.join(cfg.out, "accuracy_vs_dmodel.png"), scaled=scaled)
     if len({r["lr"] for r in rows}) > 1:
-        plot_lrs(rows, os.path.join(cfg.out, "accuracy_vs_lr.png"), scaled=scaled)
+        plot_lrs(rates, os.path.join(cfg.out, "accuracy_vs_lr.png"), scaled=scaled, runs=rows if seeded else None)
     with open(os.path.join(cfg.out, "summary.md"), "w") as f:
         f.write(markdown_table(cfg, best, pending, metric))
     return summary
+
+
+def _run_row(cell: Cell, lr: float, r: Dict[str, Any]) -> Dict[str, Any]:
+    """One finished run's row of ``runs.csv`` (from its results.json ``r``)."""
+    axes = _task_axes(cell.task)  # an axis the task has not: None (its run never used the value)
+    return dict(cell=cell.name, task=cell.task, mixer=cell.mixer, d_model=cell.d_model,
+                seq_len=cell.seq_len if "seq_len" in axes else None,
+                num_kv_pairs=cell.num_kv_pairs if "num_kv_pairs" in axes else None,
+                neg_eigval=cell.neg_eigval, lr=lr,
+                best_test_accuracy=r["best_test_accuracy"], final_test_accuracy=r["final_test_accuracy"],
+                best_scaled_accuracy=r.get("best_scaled_accuracy"),
+                final_scaled_accuracy=r.get("final_scaled_accuracy"), steps=r["steps"],
+                reached_target=r["reached_target"], stopped_by_time=r.get("stopped_by_time", False),
+                diverged=r.get("diverged", False), epochs=_epochs(r), hit_budget=_hit_budget(r),
+                wall_s=r["wall_s"], num_params=r["num_params"], device=r["device_kind"],
+                backend=",".join(r.get("backend_resolved") or []) or "-")
+
+
+#: The fields of a rate's row that are averaged over its seeds, with their standard deviation beside them.
+SPREAD_FIELDS = ("best_test_accuracy", "final_test_accuracy", "best_scaled_accuracy", "final_scaled_accuracy",
+                 "steps", "epochs")
+
+
+def _mean_over_seeds(group: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One row for the seeds of a (cell, learning rate): :data:`SPREAD_FIELDS` as the mean and
+    ``<field>_std`` (the sample standard deviation, ddof 1; None for one seed), ``wall_s`` the mean,
+    ``reached_target`` only if every seed reached it, ``stopped_by_time`` / ``diverged`` /
+    ``hit_budget`` if any seed did, ``n_seeds`` and ``seeds``."""
+    import numpy as np
+
+    out: Dict[str, Any] = {}
+    for k, v in group[0].items():
+        if k == "seed":
+            continue
+        if k not in SPREAD_FIELDS + ("wall_s",):
+            out[k] = v
+            continue
+        vals = [g[k] for g in group if g[k] is not None]
+        full = len(vals) == len(group)  # else not measured for every seed (e.g. epochs in stream mode)
+        out[k] = float(np.mean(vals)) if full else None
+        if k != "wall_s":
+            out[k + "_std"] = float(np.std(vals, ddof=1)) if full and len(vals) > 1 else None
+    out["reached_target"] = all(g["reached_target"] for g in group)
+    for k in ("stopped_by_time", "diverged", "hit_budget"):
+        out[k] = any(g[k] for g in group)
+    out["n_seeds"] = len(group)
+    out["seeds"] = [g["seed"] for g in group]
+    return out
 
 
 def _epochs(r: Dict[str, Any]) -> Optional[float]:
@@ -764,13 +906,16 @@ def _hit_budget(r: Dict[str, Any]) -> bool:
 
 def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequence[str], metric: str) -> str:
     """``summary.md``: one table per (seq_len, kv pairs), mixers x d_model, each cell its best run's
-    accuracy % (steps or epochs, lr); ``‡``: hit the step / epoch budget without reaching the target;
+    accuracy % (steps or epochs, lr; with seeds: mean ± std over them, the number of seeds, the mean
+    steps or epochs); ``‡``: hit the step / epoch budget without reaching the target (any seed);
     ``(partial)``: learning rates still to run; ``— (in progress)``: no run finished yet, one
     checkpointed; ``—``: not run yet."""
     key = metric
     grid = cells(cfg)
     by = {b["cell"]: b for b in best}
-    out = [f"# {cfg.task} sweep `{cfg.out}` ({metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
+    mean = (f"mean ± std over seeds {', '.join(map(str, cfg.seeds))}, steps / epochs their mean; "
+            if len(cfg.seeds) > 1 else f"seed {cfg.seeds[0]}; " if cfg.seeds else "")
+    out = [f"# {cfg.task} sweep `{cfg.out}` ({mean}{metric}; ‡ = hit the {'epoch' if cfg.epochs else 'step'} budget "
            f"without reaching the target; (partial) = learning rates still to run; — (in progress) = no run "
            f"finished yet, one checkpointed; — = not run yet)\n"]
     axes = _task_axes(cfg.task)
@@ -789,20 +934,40 @@ def markdown_table(cfg: SweepConfig, best: List[Dict[str, Any]], pending: Sequen
                 if b is None:
                     row.append("— (in progress)" if c is not None and c.name in pending else "—")
                     continue
-                v = b.get(key)
-                amount = f"{b['epochs']:g} ep" if b.get("epochs") is not None else f"{b['steps']} steps"
-                row.append(f"{100 * v:.1f} ({amount}, lr {b['lr']:.3g})" + (" ‡" if b.get("hit_budget") else "")
+                v, sd = b.get(key), b.get(key + "_std")
+                amount = f"{b['epochs']:g} ep" if b.get("epochs") is not None else f"{b['steps']:.0f} steps"
+                seeds_note = f"{b['n_seeds']} seeds, " if b.get("n_seeds", 1) > 1 else ""
+                spread = f" ± {100 * sd:.1f}" if sd is not None else ""
+                row.append(f"{100 * v:.1f}{spread} ({seeds_note}{amount}, lr {b['lr']:.3g})"
+                           + (" ‡" if b.get("hit_budget") else "")
                            + (" (partial)" if c.name in pending else "") + (" diverged" if b.get("diverged") else ""))
             out.append(f"| {lab} | " + " | ".join(row) + " |\n")
     return "".join(out)
 
 
-def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:
-    """Every finished run's accuracy against its learning rate: one panel per (seq_len, kv pairs,
+def _lr_ticks(ax, lrs: Sequence[float]) -> None:
+    """Log-scale x ticks at the swept learning rates themselves, labelled ``%.2g`` (no minor labels:
+    rates within a decade used to print overlapping ``2×10⁻³ 3×10⁻³`` labels), slanted when many."""
+    import matplotlib.ticker as mticker
+
+    lrs = sorted(set(lrs))
+    ax.xaxis.set_major_locator(mticker.FixedLocator(lrs))
+    ax.xaxis.set_major_formatter(mticker.FixedFormatter([f"{x:.2g}" for x in lrs]))
+    ax.xaxis.set_minor_formatter(mticker.NullFormatter())
+    if len(lrs) > 3:
+        ax.tick_params(axis="x", labelrotation=35)
+
+
+def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False,
+             runs: Optional[List[Dict[str, Any]]] = None) -> None:
+    """Accuracy against learning rate, one row per (cell, rate): one panel per (seq_len, kv pairs,
     d_model), one line per mixer; a filled marker where the run reached the target, an open one
     where it trained its whole step / epoch budget without (``‡``), a cross where it was cut short
-    by its time limit. Shows how the cell's best in ``summary.csv`` was picked (Zoology's sweeps
-    report the best learning rate per cell)."""
+    by its time limit. With seeds (``runs``: one row per seed run; ``rows``: their means with
+    ``<metric>_std``), the mean with a ±std bar and every seed as a small dot. Shows how the cell's
+    best in ``summary.csv`` was picked (Zoology's sweeps report the best learning rate per cell)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -812,11 +977,14 @@ def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> 
     panels = sorted({(r["seq_len"], r["num_kv_pairs"], r["d_model"]) for r in rows})
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 3.2 * nrow), squeeze=False)
+    width = max(3.8 * ncol, 6.0)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(width, 3.3 * nrow + 0.5), squeeze=False)
     labels = sorted({_line_label(r["mixer"], r["neg_eigval"]) for r in rows})
     colors = {lab: f"C{i}" for i, lab in enumerate(labels)}
+    all_lrs = [r["lr"] for r in rows]
     for ax, (L, n, d) in zip(axes.flat, panels):
-        sel = [r for r in rows if (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (L, n, d)]
+        here = lambda r: (r["seq_len"], r["num_kv_pairs"], r["d_model"]) == (L, n, d)  # noqa: E731
+        sel = [r for r in rows if here(r)]
         for lab in labels:
             pts = sorted(((r["lr"], r[key], r) for r in sel
                           if _line_label(r["mixer"], r["neg_eigval"]) == lab), key=lambda p: p[0])
@@ -827,23 +995,32 @@ def plot_lrs(rows: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> 
                 cut = r["stopped_by_time"] and not r["reached_target"]
                 ax.plot([lr], [acc], "x" if cut else "o", color=colors[lab],
                         markerfacecolor=colors[lab] if r["reached_target"] else "none")
-        ax.set(title=f"L={L}, {n} pairs, d={d}" if n else f"L={L}, d={d}", xlabel="learning rate",
-               ylabel="scaled accuracy" if scaled else "test accuracy", ylim=(-0.05 if scaled else 0, 1.02))
+                if r.get(key + "_std") is not None:
+                    ax.errorbar([lr], [acc], yerr=[r[key + "_std"]], color=colors[lab], capsize=3, lw=1)
+            for r in runs or ():
+                if here(r) and _line_label(r["mixer"], r["neg_eigval"]) == lab:
+                    ax.plot([r["lr"]], [r[key]], ".", color=colors[lab], alpha=0.45, ms=4)
+        ax.set_title(f"L={L}, {n} pairs, d={d}" if n else f"L={L}, d={d}", fontsize=10)
+        ax.set(xlabel="learning rate", ylabel="scaled accuracy" if scaled else "test accuracy",
+               ylim=(-0.05 if scaled else 0, 1.02))
         ax.set_xscale("log")
-        ax.set_xlim(min(r["lr"] for r in rows) / 1.6, max(r["lr"] for r in rows) * 1.6)  # the same grid in every panel
+        ax.set_xlim(min(all_lrs) / 1.6, max(all_lrs) * 1.6)  # the same grid in every panel
+        _lr_ticks(ax, all_lrs)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("best test accuracy per run (filled: reached the target; open: whole budget; x: time limit)",
-                 fontsize=9)
+    what = "best test accuracy per rate" + (" (mean ± std over seeds; dots: each seed)" if runs else " (one run each)")
+    note = "filled: reached the target; open: whole budget; x: time limit"
+    fig.suptitle(textwrap.fill(f"{what}. {note}", width=int(width * 13)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None:
-    """Zoology-style figure: accuracy against d_model, one panel per (seq_len, kv pairs), one line per mixer."""
+    """Zoology-style figure: accuracy against d_model, one panel per (seq_len, kv pairs), one line per
+    mixer (with seeds: the mean and a ±std bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -853,22 +1030,31 @@ def plot(best: List[Dict[str, Any]], path: str, *, scaled: bool = False) -> None
 
     key = "best_scaled_accuracy" if scaled else "best_test_accuracy"
     panels = sorted({(b["seq_len"], b["num_kv_pairs"]) for b in best})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.7), squeeze=False)
     for ax, (L, n) in zip(axes[0], panels):
         sel = [b for b in best if (b["seq_len"], b["num_kv_pairs"]) == (L, n)]
         for label in sorted({_line_label(b["mixer"], b["neg_eigval"]) for b in sel}):
-            pts = sorted((b["d_model"], b[key]) for b in sel
+            pts = sorted((b["d_model"], b[key], b.get(key + "_std")) for b in sel
                          if _line_label(b["mixer"], b["neg_eigval"]) == label)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+            if any(p[2] is not None for p in pts):
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] or 0.0 for p in pts], fmt="o-",
+                            capsize=3, label=label)
+            else:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         task = sel[0]["task"]
-        axes = _task_axes(task)
-        title = (TASK_CONFIGS[task].title + (f" L={L}" if "seq_len" in axes else "")
-                 + (f", {n} pairs" if "num_kv_pairs" in axes else ""))
-        ax.set(title=title, xlabel="d_model", ylabel="scaled accuracy" if scaled else "test accuracy",
+        axes_ = _task_axes(task)
+        title = (TASK_CONFIGS[task].title + (f" L={L}" if "seq_len" in axes_ else "")
+                 + (f", {n} pairs" if "num_kv_pairs" in axes_ else ""))
+        ax.set_title(title, fontsize=10)
+        ax.set(xlabel="d_model", ylabel="scaled accuracy" if scaled else "test accuracy",
                ylim=(-0.05 if scaled else 0, 1.02))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({b["d_model"] for b in sel}))
+        ds = sorted({b["d_model"] for b in sel})
+        ax.set_xticks(ds)
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if len(ds) == 1:
+            ax.set_xlim(ds[0] / 2, ds[0] * 2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -9,9 +9,13 @@ scripts in ``experiments/`` sit on top of it; README "Experiments and results").
     graphdef, state = create_train_state(model, tx, seed=seed, mesh=mesh)
     train_step = make_train_step(graphdef, tx, mesh)          # compiled once
     eval_step = make_eval_step(graphdef, mesh)
+    logger = make_logger("tensorboard", logdir="runs/my_run/tb")  # gdn_jax.loggers ("wandb", "none")
     for step in range(int(state.step), total_steps):
         state, metrics = train_step(state, shard_batch(loader.batch(step), mesh))
+        if step % 10 == 0:                                   # a host sync: not every step
+            logger.log({f"train/{k}": v for k, v in metrics.items()}, step)
     evaluate(eval_step, state, test_set, batch_size=256, mesh=mesh)
+    logger.close()
 
 Batches are ``(inputs, targets)`` pairs (e.g. :class:`gdn_jax.data.TaskBatch`) with
 ``targets[t]`` the label of ``logits[:, t]`` (no shift) and :data:`IGNORE_INDEX` (-100, the one
@@ -540,8 +544,15 @@ LossFn = Callable[[nnx.Module, Any, jax.Array], Tuple[jax.Array, Dict[str, jax.A
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Optional[Mesh] = None,
-                    *, loss_fn: LossFn = lm_loss, donate: bool = False):
+                    *, loss_fn: LossFn = lm_loss, donate: bool = False, lr_arg: bool = False):
     """Return ``train_step(state, batch) -> (state, metrics)``, one ``jax.jit``-compiled function.
+
+    ``lr_arg``: the step is ``train_step(state, batch, lr)`` instead and multiplies ``tx``'s updates
+    by ``lr`` (a float32 scalar array, replicated on ``mesh``). With ``tx`` made at learning rate 1
+    (``make_optimizer(1.0, ...)``) that is the optimizer at peak rate ``lr`` (AdamW's update, weight
+    decay included, is proportional to the schedule, and the warmup + cosine schedule to its peak;
+    equal up to float32 rounding), and one compiled step serves every learning rate
+    (:mod:`gdn_jax.step_cache`: a sweep's runs compile once per shape).
 
     ``loss_fn(model, batch, key) -> (loss, aux_metrics)`` (default :func:`lm_loss`), with
     ``key = fold_in(wrap_key_data(state.rng), state.step)``. ``metrics`` has ``loss``,
@@ -558,7 +569,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
     if loss_fn is lm_loss and _context_parallel(mesh):
         loss_fn = make_context_parallel_lm_loss(mesh)
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, lr=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
         def loss(params):
@@ -567,15 +578,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, me
 
         (l, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        if lr is not None:
+            updates = jax.tree.map(lambda u: u * lr.astype(u.dtype), updates)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": l, "grad_norm": _global_norm(grads), **aux}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+    def train_step(state: TrainState, batch):
+        return step(state, batch)
+
+    fn = step if lr_arg else train_step
     kw = {}
     if mesh is not None:
         rep = replicated(mesh)
-        kw = dict(in_shardings=(rep, _batch_sharding(mesh)), out_shardings=(rep, rep))
-    return jax.jit(step, donate_argnums=(0,) if donate else (), **kw)
+        ins = (rep, _batch_sharding(mesh), rep) if lr_arg else (rep, _batch_sharding(mesh))
+        kw = dict(in_shardings=ins, out_shardings=(rep, rep))
+    return jax.jit(fn, donate_argnums=(0,) if donate else (), **kw)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: Optional[Mesh] = None, *,

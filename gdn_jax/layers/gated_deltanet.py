@@ -15,6 +15,7 @@ from flax import nnx
 
 from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops import backends
+from ..ops._warnings import internal_call
 from ..ops.context_parallel import context_parallel_gated_delta_rule
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
@@ -274,10 +275,11 @@ class GatedDeltaNet(RecurrentMixer):
         g, beta = self.gates(x)
         op = gated_delta_rule if context_axis is None else functools.partial(context_parallel_gated_delta_rule,
                                                                                axis_name=context_axis)
-        o, state = op(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
-            chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
-        )
+        with internal_call():  # [B, T, H, D] by construction: no head-first layout warning (a short prompt)
+            o, state = op(
+                q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=with_cache, use_qk_l2norm=True,
+                chunk_size=self.chunk_size, backend=self.backend, kernel_config=self.kernel_config,
+            )
         y = self._output(o, x)
         return (y, GDNCache(state.astype(self.state_dtype), *convs)) if with_cache else y
 

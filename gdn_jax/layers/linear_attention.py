@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..ops import gated_linear_attention
+from ..ops._warnings import internal_call
 from ..ops.context_parallel import context_parallel_linear_attention
 from ..ops.linear_attention import LA_BACKENDS
 from . import _checks
@@ -163,11 +164,12 @@ class GatedLinearAttention(RecurrentMixer):
             v = (v.astype(jnp.float32) * dt[..., None]).astype(v.dtype)
         op = gated_linear_attention if context_axis is None else functools.partial(
             context_parallel_linear_attention, axis_name=context_axis)
-        o, state = op(
-            q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
-            initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
-            use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
-        )
+        with internal_call():  # [B, T, H, D] by construction: no head-first layout warning (a short prompt)
+            o, state = op(
+                q, k, v, self.log_decay(x), cu_seqlens=cu_seqlens,
+                initial_state=None if cache is None else cache.state, output_final_state=cache is not None,
+                use_qk_l2norm=self.use_qk_l2norm, chunk_size=self.chunk_size, backend=backend or self.backend,
+            )
         y = self._output(o, x)
         return y if cache is None else (y, GDNCache(state.astype(jnp.float32), *convs))
 

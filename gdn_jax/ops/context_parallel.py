@@ -34,6 +34,7 @@ from ._common import acc_dtype, check_cu_values, check_flags, poison_if_invalid
 from .gated_delta_rule import gated_delta_rule
 from ._vma import match_vma
 from .linear_attention import gated_linear_attention
+from ._warnings import internal_call
 from .state_maps import affine_state_map, apply_map, state_map
 
 
@@ -113,8 +114,9 @@ def context_parallel_gated_delta_rule(
     op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
 
     def run(s, cu, fin):
-        return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=s, cu_seqlens=cu,
-                                output_final_state=fin, **op)
+        with internal_call():  # a shard's T is not the caller's: no head-first layout warning
+            return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=s, cu_seqlens=cu,
+                                    output_final_state=fin, **op)
 
     def maps(init, cu, continues):
         return state_map(k, v, g, beta, initial_state=init, cu_seqlens=cu, continues=continues, **op)
@@ -206,15 +208,17 @@ def context_parallel_linear_attention(
     op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend)
 
     def run(s, cu, fin):
-        return gated_linear_attention(q, k, v, g, scale=scale, initial_state=s, cu_seqlens=cu, output_final_state=fin,
-                                      **op)
+        with internal_call():  # a shard's T is not the caller's: no head-first layout warning
+            return gated_linear_attention(q, k, v, g, scale=scale, initial_state=s, cu_seqlens=cu,
+                                          output_final_state=fin, **op)
 
     dt = acc_dtype(*[x for x in (q, k, v, g, initial_state) if x is not None])
 
     def maps(init, cu, continues):
         def final_state(values, start):
-            return gated_linear_attention(k, k, values, g, initial_state=start, cu_seqlens=cu, output_final_state=True,
-                                          **op)[1]
+            with internal_call():
+                return gated_linear_attention(k, k, values, g, initial_state=start, cu_seqlens=cu,
+                                              output_final_state=True, **op)[1]
         return affine_state_map(final_state, k, v, g, dtype=dt, initial_state=init, cu_seqlens=cu, continues=continues)
 
     return sharded_recurrence(run, maps, k, v, axis_name=axis_name, dtype=dt, initial_state=initial_state,

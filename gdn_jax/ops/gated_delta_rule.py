@@ -9,6 +9,7 @@ import numpy as np
 
 from . import chunk as _chunk
 from . import scan as _scan
+from ._warnings import warn_head_first, warn_pallas_interpreter
 from ._common import (acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
                       nonfinite_guard, prepare, repeat_key_heads, value_group)
 
@@ -107,6 +108,12 @@ def gated_delta_rule(
       (``[N, H, K, V]`` with ``cu_seqlens``) in float32 (float64 for float64 inputs), or ``None``
       unless ``output_final_state``.
 
+    Warns (once per process; ``gdn_jax.ops._warnings``):
+      HeadFirstLayoutWarning: ``1 < T < H`` in a direct call (a head-first ``[B, H, T, K]`` array
+        read as ``[B, T, H, K]``?); the layers never trigger it.
+      PallasInterpreterWarning: ``backend="pallas"`` on the CPU without ``KernelConfig.platform``
+        (the kernels run in the slow interpreter).
+
     Raises:
       TypeError: non-floating q/k/v/g/beta/initial_state, non-integer cu_seqlens or chunk_size, a
         non-bool use_qk_l2norm / output_final_state / mask_nonfinite, a scale that is not a real
@@ -131,6 +138,7 @@ def gated_delta_rule(
         initial_state = jnp.asarray(initial_state)
     forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
     check_kernel_config(kernel_config, backend)
+    warn_head_first("gated_delta_rule", q)  # direct calls only (layers call inside _warnings.internal_call)
     K, V = q.shape[-1], v.shape[-1]
     dt = acc_dtype(q, k, v, g, beta, initial_state)
     # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)
@@ -138,6 +146,8 @@ def gated_delta_rule(
                             dtype=jnp.float64 if dt == jnp.float64 else v.dtype)
     if which == "pallas" and q.shape[0] == 0:  # an empty batch: nothing to compute, no kernel to launch
         which = "chunk"
+    if which == "pallas":
+        warn_pallas_interpreter(kernel_config)  # on the CPU: the slow interpreter
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
     group = value_group(q, v)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from . import chunk as _chunk
 from ._common import (acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
                       nonfinite_guard, prepare, repeat_key_heads, value_group)
+from ._warnings import warn_head_first
 from .packing import chunk_resets, n_seq, scan_with_resets, token_resets
 
 LA_BACKENDS = ("auto", "scan", "chunk")
@@ -172,6 +173,9 @@ def gated_linear_attention(
       (``[N, H, K, V]`` with cu_seqlens) in float32 (float64 for float64 inputs), or ``None``
       unless ``output_final_state``. The state is accumulated in float32 (float64 for float64 inputs).
 
+    Warns:
+      HeadFirstLayoutWarning: as :func:`gdn_jax.ops.gated_delta_rule` (``1 < T < H`` in a direct call).
+
     Raises:
       TypeError / ValueError: as :func:`gdn_jax.ops.gated_delta_rule` (wrong dtypes, shapes,
         cu_seqlens, initial_state, chunk_size, a positive concrete g); ValueError for an unknown
@@ -184,6 +188,7 @@ def gated_linear_attention(
     g_chk = jax.ShapeDtypeStruct(lead, jnp.float32) if g is None else g
     beta_dummy = jax.ShapeDtypeStruct(lead, jnp.float32)  # no delta rule: a per-head beta of ones
     forms = check_inputs(q, k, v, g_chk, beta_dummy, initial_state, cu_seqlens, chunk_size, scale)
+    warn_head_first("gated_linear_attention", q)  # direct calls only (layers call inside _warnings.internal_call)
     dt = acc_dtype(q, k, v, g, initial_state)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)

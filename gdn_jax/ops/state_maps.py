@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from ._warnings import internal_call
 from ._common import GateForms, acc_dtype
 from ._vma import match_vma
 from .gated_delta_rule import gated_delta_rule, resolve_backend
@@ -101,7 +102,8 @@ def state_map(
               output_final_state=True)
 
     def final_state(values, start):
-        return gated_delta_rule(k, k, values, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kw)[1]
+        with internal_call():  # k as the query of a state-only pass: no head-first layout warning
+            return gated_delta_rule(k, k, values, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kw)[1]
 
     return affine_state_map(final_state, k, v, g, beta, dtype=dt, initial_state=initial_state,
                             cu_seqlens=cu_seqlens, continues=continues,

@@ -111,11 +111,21 @@ def test_determinism_and_seeds():
 
 
 def test_long_sequences_are_fast():
-    t0 = time.perf_counter()
-    b = generate_niah(1000, vocab_size=256, seq_len=8192, value_len=4, key_len=2, seed=0)
-    dt = time.perf_counter() - t0
+    """Vectorised generation: 1000 examples of 8192 tokens cost about as much as drawing their 8.2 M
+    random tokens once (measured 0.9-1.1x); a per-token Python loop would cost ~1000x. Compared with
+    that draw on the same machine (the best of 3 each), not with seconds: a fixed 2 s limit failed
+    on a busy machine."""
+    rng = np.random.default_rng(0)
+    gen, base = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b = generate_niah(1000, vocab_size=256, seq_len=8192, value_len=4, key_len=2, seed=0)
+        gen.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        rng.integers(0, 256, (1000, 8192))
+        base.append(time.perf_counter() - t0)
     assert b.inputs.shape == (1000, 8192)
-    assert dt < 2.0, dt
+    assert min(gen) < 20 * min(base), (gen, base)
     for inp, tgt in zip(b.inputs[:3], b.targets[:3]):
         _check_example(inp, tgt, 256, 8192, 2, 4)
 

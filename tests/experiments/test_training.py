@@ -450,7 +450,7 @@ def test_script_ctrl_c_checkpoints_and_resumes(tmp_path):
     ckpt = out / "ckpt"
     t0 = time.time()
     while not (ckpt.is_dir() and any(n.isdigit() for n in os.listdir(ckpt))):  # training: a first checkpoint
-        assert p.poll() is None and time.time() - t0 < 300, p.communicate()
+        assert p.poll() is None and time.time() - t0 < 900, p.communicate()  # a hang guard, not a budget
         time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
