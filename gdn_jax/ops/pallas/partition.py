@@ -73,7 +73,7 @@ def _rule(call: _Call, mesh, operand_types, result_types):
     """The Shardy rule: factors ``b``, ``h`` (and ``g`` inside ``(h g)`` for grouped value heads);
     every other axis its own factor that needs replication."""
     counter = [0]
-    replicated = []
+    replicated = []  # in the order the factors first appear (Shardy wants them sorted)
 
     def dims(labels):
         out = []
@@ -84,6 +84,8 @@ def _rule(call: _Call, mesh, operand_types, result_types):
                 out.append("h")
             elif c == "v":
                 out.append("(h g)")
+                if "g" not in replicated:
+                    replicated.append("g")  # value heads of one key head stay on one device
             else:
                 name = f"r{counter[0]}"
                 counter[0] += 1
@@ -95,7 +97,6 @@ def _rule(call: _Call, mesh, operand_types, result_types):
     rule = ", ".join(dims(x) for x in labels_in) + " -> " + ", ".join(dims(x) for x in labels_out)
     sizes = {}
     if call.group > 1:
-        replicated.append("g")  # value heads of one key head stay on one device
         sizes["g"] = call.group
         if "h" not in "".join(labels_in + labels_out):
             sizes["h"] = call.heads
@@ -170,7 +171,8 @@ def _partitioned():
 
 
 def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequence[str],
-                out_labels: Sequence[str], *, group: int = 1, heads: Optional[int] = None):
+                out_labels: Sequence[str], *, group: int = 1, heads: Optional[int] = None,
+                interpreted: bool = False):
     """``fn(static, *args)`` (a tuple of arrays), partitioned over the batch and head axes.
 
     Args:
@@ -183,6 +185,10 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
       group: value heads per key head (``"v"`` axes).
       heads: the number of key heads, needed only when no array has an ``"h"`` axis and
         ``group > 1``.
+      interpreted: the kernels run in an interpreter (CPU). Interpreters that keep state through
+        ordered callbacks (TPU semantics, Mosaic GPU) cannot run inside ``custom_partitioning``
+        (its primitive carries no effects): for these calls (found by tracing ``fn`` once, hence
+        only where asked) ``fn`` runs unwrapped, as without sharding rules.
 
     Returns:
       ``fn(static, *args)`` as a tuple; under ``jit`` over several devices each output keeps the
@@ -193,9 +199,11 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
         than ``out_labels``.
     """
     args = tuple(args)
-    labels = tuple(_resolve(lab, x.ndim) for lab, x in zip(in_labels, args))
-    if len(labels) != len(args):
+    if len(in_labels) != len(args):
         raise ValueError(f"{len(args)} arguments, {len(in_labels)} label strings")
+    labels = tuple(_resolve(lab, x.ndim) for lab, x in zip(in_labels, args))
+    if interpreted and jax.make_jaxpr(lambda *a: tuple(fn(static, *a)))(*args).effects:
+        return tuple(fn(static, *args))
 
     def call_partitioned(*a):
         return _partitioned()(_Call(fn, static, labels, out_labels, group, heads), *a)
@@ -206,6 +214,6 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
     def _batched(axis_size, in_batched, *a):  # the unwrapped entry point, batched as before
         axes = [0 if b else None for b in in_batched]
         outs = jax.vmap(lambda *x: tuple(fn(static, *x)), in_axes=axes)(*a)
-        return outs, [True] * len(outs)
+        return outs, (True,) * len(outs)
 
     return wrapped(*args)

@@ -293,7 +293,8 @@ def _run_forward(calls, q, k, v, beta, g, h0, flags, save=False, keep=False):
     qk, vo = _TOK[cf.layout]
     n = len(saved_names(save, keep))
     outs = run_sharded(_forward_block, (cf, save, keep), (q, k, v, beta, g, h0, flags),
-                       (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group)
+                       (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group,
+                       interpreted=_plat.interpreted(cf.platform))
     return outs[0], outs[1], dict(zip(saved_names(save, keep), outs[2:]))
 
 
@@ -329,7 +330,7 @@ def _bwd(calls, res, cts):
     grads = run_sharded(_backward_block, (cb, names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
                                                        *(saved[n] for n in names)),
                         (qk, qk, vo, "bv.", "bv.", "bv*", ".", vo, "bv*") + ("bv*",) * len(names),
-                        (qk, qk, vo, "bv.", "bv.", "bv*"), group=cb.group)
+                        (qk, qk, vo, "bv.", "bv.", "bv*"), group=cb.group, interpreted=_plat.interpreted(cb.platform))
     return (*grads, None, None)
 
 
