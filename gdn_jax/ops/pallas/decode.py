@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from .._common import L2NORM_EPS
 from . import platform as _plat
-from .partition import run_sharded
+from . import partition as _partition
 
 F32 = jnp.float32
 
@@ -108,7 +108,7 @@ def decode_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm: bool, state_dt
     b3 = beta if beta_per_channel else beta[..., None]
     static = (p, float(scale), bool(use_qk_l2norm), jnp.dtype(state_dtype).name, bv, num_warps)
     # partitioned over batch rows and heads under jit (see .partition)
-    return run_sharded(_step_block, static, (q, k, v, g3, b3, state), ("bh.", "bh.", "bv.", "bv.", "bv.", "bv.."),
+    return _partition.run_sharded(_step_block, static, (q, k, v, g3, b3, state), ("bh.", "bh.", "bv.", "bv.", "bv.", "bv.."),
                        ("bv.", "bv.."), group=v.shape[1] // q.shape[1], interpreted=_plat.interpreted(p))
 
 

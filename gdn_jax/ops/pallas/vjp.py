@@ -46,7 +46,7 @@ from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
 from .grads_xla import chunk_grads_xla
-from .partition import run_sharded
+from . import partition as _partition
 from .state_bwd import merged_states, reverse_states
 from .state_fwd import forward_states, forward_states_and_output, output
 from .wy import wy_repr
@@ -292,7 +292,7 @@ def _run_forward(calls, q, k, v, beta, g, h0, flags, save=False, keep=False):
     cf = calls[0]
     qk, vo = _TOK[cf.layout]
     n = len(saved_names(save, keep))
-    outs = run_sharded(_forward_block, (cf, save, keep), (q, k, v, beta, g, h0, flags),
+    outs = _partition.run_sharded(_forward_block, (cf, save, keep), (q, k, v, beta, g, h0, flags),
                        (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group,
                        interpreted=_plat.interpreted(cf.platform))
     return outs[0], outs[1], dict(zip(saved_names(save, keep), outs[2:]))
@@ -327,7 +327,7 @@ def _bwd(calls, res, cts):
     qk, vo = _TOK[cb.layout]
     names = tuple(sorted(saved))
     do, dfin = cts
-    grads = run_sharded(_backward_block, (cb, names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
+    grads = _partition.run_sharded(_backward_block, (cb, names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
                                                        *(saved[n] for n in names)),
                         (qk, qk, vo, "bv.", "bv.", "bv*", ".", vo, "bv*") + ("bv*",) * len(names),
                         (qk, qk, vo, "bv.", "bv.", "bv*"), group=cb.group, interpreted=_plat.interpreted(cb.platform))
