@@ -5,13 +5,13 @@ inputs of ``bench_pallas.py``) with the wrapper on (the library as it is) and of
 called directly, as before the wrapper existed), alternating on / off ``--rounds`` times in one
 process, and reports the medians. On one device the wrapper is inlined when the program is
 lowered, so both programs are the same: the times should agree to noise and the outputs bit for
-bit (checked). ``--mesh`` also times the same calls with the batch split over every local device
+bit (checked). ``--mesh-devices N`` also times the same calls with the batch split over N devices
 (``NamedSharding(mesh, P("data"))``): on, each device runs its own rows; off, the kernels'
 operands are gathered and every device runs the whole batch (the all-gathers are counted in the
 compiled HLO).
 
 Usage:  python benchmarks/bench_sharding_wrapper.py [--shapes 0,1,2,3,4 | BxTxHxD,...] [--reps 25]
-        [--rounds 3] [--mesh]
+        [--rounds 3] [--mesh-devices N]
 Default: the five benchmark shapes of ``bench_pallas.py`` on a GPU, two tiny ones in interpret
 mode on a CPU (a smoke test).
 """
@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--rounds", type=int, default=3, help="on / off alternations (medians over the rounds)")
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--mesh", action="store_true", help="also time with the batch split over every local device")
+    ap.add_argument("--mesh-devices", type=int, default=0, help="also time with the batch split over this many devices")
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     shapes = bp.parse_shapes(args.shapes, on_gpu)
@@ -77,14 +77,17 @@ def main(argv=None):
     bp.log(f"jax {jax.__version__}, {jax.devices()[0].device_kind} x {jax.device_count()}, shapes {shapes}, "
            f"reps {reps}, rounds {args.rounds}")
     placements = [("1 device", None)]
-    if args.mesh and jax.device_count() > 1:
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        placements.append((f"batch over {jax.device_count()}", NamedSharding(mesh, P("data"))))
+    nd = args.mesh_devices
+    if nd > 1:
+        if nd > jax.device_count():
+            raise SystemExit(f"--mesh-devices {nd}: only {jax.device_count()} devices")
+        mesh = Mesh(np.array(jax.devices()[:nd]), ("data",))
+        placements.append((f"batch over {nd}", NamedSharding(mesh, P("data"))))
     rows = []
     for shape in shapes:
         x = bp.make_inputs(shape)
         for where, sh in placements:
-            if sh is not None and shape[0] % jax.device_count():
+            if sh is not None and shape[0] % nd:
                 bp.log(f"{shape} {where}: B not divisible, skipped")
                 continue
             built = {w: fns(x, args.chunk, w, sh) for w in (True, False)}

@@ -8,7 +8,11 @@ or every packed sequence on chunk boundaries); the in-chunk cumulative log decay
 exponentials (:func:`gate_terms`: TPU Pallas has no in-kernel cumsum), whose cotangents the
 backward pulls back to g with ``jax.vjp``.
 
-Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): the forward and the backward each
+Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): its arrays keep batch and value
+heads on axes of their own (the split layout of :func:`to_kernel_inputs`); the forward and the
+backward kernels each run through :func:`.partition.run_sharded` on one block of batch rows and
+heads, merged into the kernels' layout there (:func:`_merge`), so that under ``jit`` on sharded
+inputs every device runs its own rows and heads. The forward and the backward each
 run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
 inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
 also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
