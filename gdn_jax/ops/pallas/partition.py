@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import jax
 import numpy as np
 from jax.custom_batching import custom_vmap
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 LABELS = "bhv.*"
@@ -69,13 +69,14 @@ def _resolve(labels: str, ndim: int) -> str:
     return labels
 
 
-def _rule(call: _Call, mesh, operand_types, result_types):
-    """The Shardy rule: factors ``b``, ``h`` (and ``g`` inside ``(h g)`` for grouped value heads);
-    every other axis its own factor that needs replication."""
+def _rule(call: _Call, *_):
+    """The Shardy rule: factors ``b``, ``h`` (and ``g`` in the compound ``(h g)`` of grouped value
+    heads, kept whole); every other axis its own factor that needs replication. (JAX passes the
+    mesh and the operand / result types after ``call``: not needed.)"""
     counter = [0]
     replicated = []  # in the order the factors first appear (Shardy wants them sorted)
 
-    def dims(labels):
+    def mapping(labels):
         out = []
         for c in labels:
             if c == "b":
@@ -83,7 +84,7 @@ def _rule(call: _Call, mesh, operand_types, result_types):
             elif c == "h" or (c == "v" and call.group == 1):
                 out.append("h")
             elif c == "v":
-                out.append("(h g)")
+                out.append(CompoundFactor("h", "g"))
                 if "g" not in replicated:
                     replicated.append("g")  # value heads of one key head stay on one device
             else:
@@ -91,16 +92,16 @@ def _rule(call: _Call, mesh, operand_types, result_types):
                 counter[0] += 1
                 replicated.append(name)
                 out.append(name)
-        return " ".join(out)
+        return ArrayMapping(*out)
 
-    labels_in, labels_out = call.in_labels, call.out_labels
-    rule = ", ".join(dims(x) for x in labels_in) + " -> " + ", ".join(dims(x) for x in labels_out)
+    operands = tuple(mapping(x) for x in call.in_labels)
+    results = tuple(mapping(x) for x in call.out_labels)
     sizes = {}
     if call.group > 1:
         sizes["g"] = call.group
-        if "h" not in "".join(labels_in + labels_out):
+        if "h" not in "".join(call.in_labels + call.out_labels):
             sizes["h"] = call.heads
-    return rule, dict(need_replication_factors=tuple(replicated), **sizes)
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(replicated), **sizes)
 
 
 def _entry_axes(entry) -> Tuple[str, ...]:
