@@ -46,6 +46,9 @@ def gated_delta_rule(
     paper's, FLA's and Qwen3-Next's order (reading the prediction from S_{t-1} before the decay
     differs measurably under strong gates; see the README's operator section). g = 0 gives DeltaNet.
 
+    Under ``jax.jit`` on inputs split along the batch and / or the heads (``NamedSharding``), every
+    backend keeps that sharding, forward and backward, with no all-gather (docs/data_parallel.md).
+
     Args:
       q, k: ``[B, T, Hk, K]`` queries and keys, any float dtype.
       v: ``[B, T, H, V]`` values; ``o`` is returned in ``v.dtype``. Grouped value heads (GVA, as in

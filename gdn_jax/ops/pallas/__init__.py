@@ -18,6 +18,9 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
   GPU kernels for sm_90 (TMA, wgmma), chosen by ``KernelConfig.gpu_kernels`` (default: on
   Hopper GPUs, for the calls they cover);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
+* :mod:`.partition`: the kernels' sharding rules (``custom_partitioning``): under ``jit`` on
+  inputs split along the batch and / or the heads each device runs its own block, nothing is
+  gathered (docs/data_parallel.md);
 * :mod:`.layout`, :mod:`.tiles`: block specs and in-kernel helpers.
 
 Coverage (:func:`supports`; :func:`gdn_jax.ops.backends.resolve_backend` asks it): per-head g and beta, initial / final state, ``cu_seqlens``, any T,

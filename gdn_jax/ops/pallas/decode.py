@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from .._common import L2NORM_EPS
 from . import platform as _plat
+from . import partition as _partition
 
 F32 = jnp.float32
 
@@ -103,12 +104,21 @@ def decode_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm: bool, state_dt
     under ``jax.jit`` to update in place). ``platform``: the kernel platform (None: that of
     ``jax.default_backend()``)."""
     p = platform or _plat.default_platform()
+    g3 = g if g_per_channel else g[..., None]
+    b3 = beta if beta_per_channel else beta[..., None]
+    static = (p, float(scale), bool(use_qk_l2norm), jnp.dtype(state_dtype).name, bv, num_warps)
+    # partitioned over batch rows and heads under jit (see .partition)
+    return _partition.run_sharded(_step_block, static, (q, k, v, g3, b3, state), ("bh.", "bh.", "bv.", "bv.", "bv.", "bv.."),
+                       ("bv.", "bv.."), group=v.shape[1] // q.shape[1], interpreted=_plat.interpreted(p))
+
+
+def _step_block(static, q, k, v, g3, b3, state):
+    """The fused step on one block of batch rows and heads: g3 [B, H, 1 | K], b3 [B, H, 1 | V]."""
+    p, scale, use_qk_l2norm, state_dtype, bv, num_warps = static
     B, Hk, K = q.shape
     H, V = v.shape[1], v.shape[2]
     G = H // Hk
     bv = bv or min(V, 64)
-    g3 = g if g_per_channel else g[..., None]
-    b3 = beta if beta_per_channel else beta[..., None]
     if _plat.is_tpu_layout(p):
         return _tpu_call(p, q, k, v, g3, b3, state, scale=scale, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype)
     gk, bw = g3.shape[-1], b3.shape[-1]

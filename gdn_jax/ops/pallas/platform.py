@@ -46,6 +46,11 @@ def is_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).split(".")[0] == "9"
 
 
+def interpreted(p: str) -> bool:
+    """The kernels of platform ``p`` run in an interpreter (on the CPU)."""
+    return p in ("interpret", "tpu_interpret")
+
+
 def is_tpu_layout(p: str) -> bool:
     """TPU and its interpreter use the head-major, (8, 128)-rule layout."""
     return p in ("tpu", "tpu_interpret")

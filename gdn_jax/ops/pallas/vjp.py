@@ -8,7 +8,11 @@ or every packed sequence on chunk boundaries); the in-chunk cumulative log decay
 exponentials (:func:`gate_terms`: TPU Pallas has no in-kernel cumsum), whose cotangents the
 backward pulls back to g with ``jax.vjp``.
 
-Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): the forward and the backward each
+Kernels (:func:`chunk_gated_delta_rule`, one ``custom_vjp``): its arrays keep batch and value
+heads on axes of their own (the split layout of :func:`to_kernel_inputs`); the forward and the
+backward kernels each run through :func:`.partition.run_sharded` on one block of batch rows and
+heads, merged into the kernels' layout there (:func:`_merge`), so that under ``jit`` on sharded
+inputs every device runs its own rows and heads. The forward and the backward each
 run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
 inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
 also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
@@ -46,6 +50,7 @@ from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
 from .grads_xla import chunk_grads_xla
+from . import partition as _partition
 from .state_bwd import merged_states, reverse_states
 from .state_fwd import forward_states, forward_states_and_output, output
 from .wy import wy_repr
@@ -220,34 +225,117 @@ def _sum_groups(call: KernelCall, x):
     return x.astype(F32).reshape(BH // G, G, Tp, D).sum(1).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunk_gated_delta_rule(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
-    """The chunked gated delta rule in Pallas kernels: ``(o, final_state f32)``.
+def saved_names(save_wy: bool, save_states: bool) -> tuple:
+    """The keys of :func:`forward`'s residual dict for ``save_wy`` / ``save_states``, sorted."""
+    names = (("aqk", "t_hi", "t_lo") if save_wy else ()) + (("h", "vn") if save_states else ())
+    return tuple(sorted(names + (("w",) if save_wy and save_states else ())))
 
-    ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; beta
-    and g head-major [BH, Tp] f32; ``flags_*`` the per-chunk flags of each chunking. The residuals
-    are the inputs (the backward recomputes the rest) and, on the Hopper kernels, with
-    ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
+
+# The kernels' arrays in the split layout (batch and value heads on axes of their own, so that
+# the kernels can be partitioned over them: see :mod:`.partition`) and in the kernel layout.
+# Labels: "b" batch, "h" key heads, "v" value heads, "." not split, "*" the rest.
+_TOK = {"bthd": ("b.h.", "b.v."), "hm": ("bh..", "bv..")}  # q / k, and v / o, of each layout
+
+
+def _local(call: KernelCall, B: int, H: int) -> KernelCall:
+    """``call`` for a block of B batch rows and H value heads (one device's under sharding)."""
+    return call if (call.BH, call.H) == (B * H, H) else dataclasses.replace(call, BH=B * H, H=H)
+
+
+def _merge(call: KernelCall, q, k, v, beta, g, h0):
+    """Split layout -> kernel layout: beta, g [B,H,Tp] -> [BH,Tp]; h0 [B,H,nseq,K,V] -> [BH,nseq,K,V];
+    q, k, v [B,H,Tp,D] -> [BH,Tp,D] on the head-major (TPU) layout."""
+    if call.layout == "hm":
+        q, k, v = (x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v))
+    flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return q, k, v, flat(beta), flat(g), flat(h0)
+
+
+def _split(x, B: int, H: int):
+    """[B*H, ...] -> [B, H, ...]."""
+    return x.reshape(B, H, *x.shape[1:])
+
+
+def _split_tok(call: KernelCall, x, B: int):
+    """A token array of the kernel layout -> the split layout (the head-major one: [B, H, Tp, D])."""
+    return _split(x, B, x.shape[0] // B) if call.layout == "hm" else x
+
+
+def _forward_block(static, q, k, v, beta, g, h0, flags):
+    """The forward kernels on one block of batch rows and heads (split layout in and out):
+    o, final state [B,H,nseq,K,V] and the residuals named by :func:`saved_names`."""
+    call, save, keep = static
+    B, H = beta.shape[:2]
+    call = _local(call, B, H)
+    q, k, v, beta, g, h0 = _merge(call, q, k, v, beta, g, h0)
+    out = forward(call, q, k, v, *gate_terms(call, beta, g), h0, flags, save_wy=save, save_states=keep)
+    saved = out[2] if (save or keep) else {}
+    return (_split_tok(call, out[0], B), _split(out[1], B, H)) + tuple(_split(saved[n], B, H)
+                                                                       for n in saved_names(save, keep))
+
+
+def _backward_block(static, q, k, v, beta, g, h0, flags, do, dfin, *saved):
+    """The backward kernels on one block of batch rows and heads (split layout in and out):
+    dq, dk, dv, dbeta, dg, d h0. ``static``: (backward KernelCall, the names of ``saved``)."""
+    call, names = static
+    B, H = beta.shape[:2]
+    call = _local(call, B, H)
+    q, k, v, beta, g, h0 = _merge(call, q, k, v, beta, g, h0)
+    if call.layout == "hm":
+        do = do.reshape(B * H, *do.shape[2:])
+    dfin = dfin.reshape(B * H, *dfin.shape[2:])
+    res = {n: x.reshape(B * H, *x.shape[2:]) for n, x in zip(names, saved)} or None
+    terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(call, b, g), beta, g)
+    dq, dk, dv, *dterms, dh0, _ = backward(call, (q, k, v, *terms, h0, flags), (do, dfin), saved=res)
+    dbeta, dg = terms_vjp(tuple(dterms))
+    return (_split_tok(call, dq, B), _split_tok(call, dk, B), _split_tok(call, dv, B), _split(dbeta, B, H),
+            _split(dg, B, H), _split(dh0, B, H))
+
+
+def _run_forward(calls, q, k, v, beta, g, h0, flags, save=False, keep=False):
+    cf = calls[0]
+    qk, vo = _TOK[cf.layout]
+    n = len(saved_names(save, keep))
+    outs = _partition.run_sharded(_forward_block, (cf, save, keep), (q, k, v, beta, g, h0, flags),
+                       (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group,
+                       interpreted=_plat.interpreted(cf.platform))
+    return outs[0], outs[1], dict(zip(saved_names(save, keep), outs[2:]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunk_gated_delta_rule(calls, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
+    """The chunked gated delta rule in Pallas kernels: ``(o, final_state f32 [B,H,nseq,K,V])``.
+
+    ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; the
+    arrays in the split layout of :func:`to_kernel_inputs` (q, k, v as the kernels read them,
+    head-major on TPU as [B,H,Tp,D]; beta and g [B,H,Tp] f32; h0 [B,H,nseq,K,V] f32);
+    ``flags_*`` the per-chunk flags of each chunking. The kernels run through
+    :func:`.partition.run_sharded`: under ``jit`` on sharded inputs each device runs its own batch
+    rows and heads. The residuals are the inputs (the backward recomputes the rest) and, on the
+    Hopper kernels, with ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
     ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
     with both, W). Undifferentiated, the forward writes no residuals."""
-    return forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd)
+    o, fin, _ = _run_forward(calls, q, k, v, beta, g, h0, flags_fwd)
+    return o, fin
 
 
-def _fwd(calls, q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd):
+def _fwd(calls, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
     save, keep = saves_wy(calls), saves_states(calls)
-    out = forward(calls[0], q, k, v, *gate_terms(calls[0], beta_hm, g_hm), h0, flags_fwd, save_wy=save,
-                  save_states=keep)
-    saved = out[2] if (save or keep) else None
-    return out[:2], (q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved)
+    o, fin, saved = _run_forward(calls, q, k, v, beta, g, h0, flags_fwd, save, keep)
+    return (o, fin), (q, k, v, beta, g, h0, flags_fwd, flags_bwd, saved)
 
 
 def _bwd(calls, res, cts):
-    q, k, v, beta_hm, g_hm, h0, flags_fwd, flags_bwd, saved = res
+    q, k, v, beta, g, h0, flags_fwd, flags_bwd, saved = res
     cb = calls[1]
-    terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(cb, b, g), beta_hm, g_hm)
-    dq, dk, dv, *dterms, dh0, _ = backward(cb, (q, k, v, *terms, h0, flags_bwd), cts, saved=saved)
-    dbeta_hm, dg_hm = terms_vjp(tuple(dterms))
-    return dq, dk, dv, dbeta_hm, dg_hm, dh0, None, None
+    qk, vo = _TOK[cb.layout]
+    names = tuple(sorted(saved))
+    do, dfin = cts
+    grads = _partition.run_sharded(_backward_block, (cb, names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
+                                                       *(saved[n] for n in names)),
+                        (qk, qk, vo, "bv.", "bv.", "bv*", ".", vo, "bv*") + ("bv*",) * len(names),
+                        (qk, qk, vo, "bv.", "bv.", "bv*"), group=cb.group, interpreted=_plat.interpreted(cb.platform))
+    return (*grads, None, None)
 
 
 chunk_gated_delta_rule.defvjp(_fwd, _bwd)
@@ -284,10 +372,10 @@ def _static_scale(scale, K):
 @dataclasses.dataclass
 class KernelInputs:
     """Kernel-ready inputs of one call: ``calls`` (the forward's and backward's
-    :class:`KernelCall`), ``args`` of :func:`chunk_gated_delta_rule` (q, k, v, head-major beta
-    and g, h0, the flags of each chunking), ``valid`` (False for a malformed traced
-    ``cu_seqlens``) and ``finish(o, final)`` mapping the kernels' outputs back to [B, T, H, V] /
-    [B | N, H, K, V]."""
+    :class:`KernelCall`), ``args`` of :func:`chunk_gated_delta_rule` in its split layout (q, k, v;
+    beta and g [B,H,Tp]; h0 [B,H,nseq,K,V]; the flags of each chunking), ``valid`` (False for a malformed traced
+    ``cu_seqlens``) and ``finish(o, final)`` mapping its outputs back to [B, T, H, V] /
+    [B | N, H, K, V]. :meth:`kernel_args` gives the arrays in the kernels' own layout."""
 
     calls: tuple
     args: tuple
@@ -299,8 +387,8 @@ class KernelInputs:
         test the kernels alone)."""
         i = 0 if direction == "fwd" else 1
         call = self.calls[i]
-        q, k, v, beta_hm, g_hm, h0, flags_f, flags_b = self.args
-        return call, (q, k, v, *gate_terms(call, beta_hm, g_hm), h0, (flags_f, flags_b)[i])
+        q, k, v, beta, g, h0 = _merge(call, *self.args[:6])
+        return call, (q, k, v, *gate_terms(call, beta, g), h0, self.args[6 + i])
 
 
 def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
@@ -344,31 +432,32 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         flags_f = flags_b = jnp.zeros((1,), jnp.int32)
     BH = B * H
     tpu = _plat.is_tpu_layout(p)
-    hm = lambda x: jnp.moveaxis(x, 2, 1).reshape(BH, Tp)  # [B,Tp,H] -> [BH,Tp]
-    g_hm, beta_hm = hm(g), hm(beta)  # per-token scalars, head-major (tiny arrays; XLA)
+    # the split layout (batch and heads on axes of their own; the kernel layout merges them per
+    # device, see _merge): per-token scalars head-major [B,H,Tp] (tiny arrays; XLA), on TPU q, k,
+    # v [B,H,Tp,D]
+    g_bh, beta_bh = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)
     if tpu:
-        tok = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * x.shape[2], Tp, x.shape[-1])
-        q, k, v = map(tok, (q, k, v))
+        q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))
 
-    # states: [G, nseq, K, V] with G the kernel's bh axis
+    # states: [B, H, nseq, K, V] (B = 1, nseq = N with cu_seqlens)
     if initial_state is None:
-        h0 = jnp.zeros((BH, 1, K, V) if not packed else (H, N, K, V), F32)
+        h0 = jnp.zeros((B, H, N, K, V), F32)
     else:
         h0 = initial_state.astype(F32)
         if K != K0 or V != V0:
             h0 = jnp.pad(h0, [(0, 0), (0, 0), (0, K - K0), (0, V - V0)])
-        h0 = h0.reshape(BH, 1, K, V) if not packed else jnp.swapaxes(h0, 0, 1)
+        h0 = h0[:, :, None] if not packed else jnp.swapaxes(h0, 0, 1)[None]
 
     mk = lambda c: resolve(config, platform=p, C=c, n=Tp // c, BH=BH, H=H, K=K, V=V, K0=K0, V0=V0, scale=sc,
                            in_dt=in_dt, packed=packed, nseq=N, group=G)
 
     def finish(o, fin):
         if tpu:
-            o = jnp.moveaxis(o.reshape(B, H, Tp, V), 1, 2)
+            o = jnp.moveaxis(o, 1, 2)
         o = _packing.from_chunk_layout(o, T, packing).astype(out_dt)
         if V != V0:
             o = o[..., :V0]
-        fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin, 0, 1)
+        fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin.reshape(H, N, K, V), 0, 1)
         if K != K0 or V != V0:
             fin = fin[:, :, :K0, :V0]
         return o, fin
@@ -376,4 +465,4 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     cf, cb = mk(Cf), mk(Cb)
     if cb.mixed_bwd and not (cf.mosaic_fwd and cf.C == cb.C):  # needs the Hopper forward's residuals at its chunk
         cb = dataclasses.replace(cb, mixed_bwd=False)
-    return KernelInputs((cf, cb), (q, k, v, beta_hm, g_hm, h0, flags_f, flags_b), valid, finish)
+    return KernelInputs((cf, cb), (q, k, v, beta_bh, g_bh, h0, flags_f, flags_b), valid, finish)
