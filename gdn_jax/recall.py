@@ -464,15 +464,15 @@ def _folder_label(cfg: RecallConfig) -> str:
 
 
 def read_latest(folder: str) -> Optional[str]:
-    """The run folder that ``folder/latest`` (:data:`LATEST`: a symlink, or a text file holding the
-    run folder's name) points to, or None when there is none or it names no folder."""
+    """The run folder (an absolute path) that ``folder/latest`` (:data:`LATEST`: a symlink, or a text
+    file holding the run folder's name) points to, or None when there is none or it names no folder."""
     p = os.path.join(folder, LATEST)
     if os.path.islink(p) or os.path.isdir(p):
         target = os.path.realpath(p)
     elif os.path.isfile(p):
         with open(p) as f:
             name = f.read().strip()
-        target = name if os.path.isabs(name) else os.path.join(folder, name)
+        target = os.path.abspath(name if os.path.isabs(name) else os.path.join(folder, name))
     else:
         return None
     return target if os.path.isdir(target) else None

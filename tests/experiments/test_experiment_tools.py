@@ -264,3 +264,24 @@ def test_wheel_installs_the_commands(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().startswith(str(site)), r.stdout + r.stderr
     assert os.listdir(work) == []  # --help wrote nothing
+
+
+def test_checkpointer_keeps_latest_and_best(tmp_path):
+    """Checkpointer(best_metric=...) keeps the latest max_to_keep checkpoints and the one of the best
+    metric (also across a reopened manager, as a resumed run has); saves without metrics never count."""
+    from gdn_jax import training as T
+
+    def steps():
+        return sorted(int(x) for x in os.listdir(tmp_path) if x.isdigit())
+
+    ck = T.Checkpointer(tmp_path, max_to_keep=2, best_metric="acc")
+    for s, acc in zip(range(1, 6), [0.9, 0.1, 0.2, 0.3, 0.4]):
+        ck.save({"w": jnp.full(3, float(s))}, {"s": s}, step=s, metrics={"acc": acc})
+    ck.save({"w": jnp.full(3, 6.0)}, {"s": 6}, step=6)
+    ck.close()
+    assert steps() == [1, 5, 6]
+    ck = T.Checkpointer(tmp_path, max_to_keep=2, best_metric="acc")
+    for s, acc in ((7, 0.5), (8, 0.95), (9, 0.1), (10, 0.1)):
+        ck.save({"w": jnp.full(3, float(s))}, {"s": s}, step=s, metrics={"acc": acc})
+    ck.close()
+    assert steps() == [8, 9, 10]
