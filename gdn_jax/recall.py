@@ -163,8 +163,7 @@ class RecallConfig:
     # a folder that holds files is refused unless resume or overwrite
     out: Optional[str] = None
     ckpt_dir: Optional[str] = None  # default <out>/ckpt
-    # continue the run in out (default: runs/<task>/latest) from its latest checkpoint
-    resume: bool = False
+    resume: bool = False  # continue from the latest checkpoint of the run in out (default: runs/<task>/latest)
     # a fresh run in an out / ckpt_dir that holds a run: replace its results and checkpoints
     overwrite: bool = False
     keep_checkpoints: int = 3  # checkpoints kept on disk (the latest ones)
