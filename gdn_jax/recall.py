@@ -10,6 +10,11 @@ metrics fetched one log interval late; a tqdm bar), evaluation on the test set e
 ``eval_every`` steps with an early stop at ``target_accuracy`` and a checkpoint each time (a resumed
 run is bit-identical on CPU), and the outputs ``results.json`` + ``curves.png`` in ``out``.
 
+Run folders (docs/experiment_tools.md): each run writes to its own folder, by default a new
+``runs/<task>/<mixer>-<date>-<time>`` with ``runs/<task>/latest`` pointing to it; a fresh run refuses
+a folder that holds files unless ``overwrite``; ``config.json`` records the settings, which
+:func:`resume_config` (``--resume``) and :func:`load_run` read back.
+
 The task config (:data:`gdn_jax.data.TASK_CONFIGS`) and the :class:`gdn_jax.models.LMConfig` are
 built from the :class:`RecallConfig` fields of the same names (:func:`make_task`,
 :func:`make_lm_config`). Bad settings raise ``ValueError``/``TypeError`` naming the field
@@ -1137,7 +1142,9 @@ def run(cfg: RecallConfig) -> Tuple[Dict[str, Any], T.TrainState]:
 
     Raises:
       ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
-        or a ``resume`` checkpoint that does not match the model; messages name ``RecallConfig`` fields.
+        a fresh run's ``out`` / ``ckpt_dir`` that holds files (without ``overwrite``), ``resume``
+        without ``out`` and no ``runs/<task>/latest``, or a ``resume`` checkpoint that does not match
+        the model; messages name ``RecallConfig`` fields.
     """
     r = _Run(cfg)
     r.restore_or_init()
