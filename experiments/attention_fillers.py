@@ -31,7 +31,6 @@ Only what is measured is reported: the curves say where attention looks while it
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -43,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.cli import ArgumentParser, ListAction
 from gdn_jax import training as T
 from gdn_jax.cli import exit_on_error
 from gdn_jax.data import make_test_set
@@ -163,7 +163,7 @@ def plot(runs: Sequence[Dict[str, Any]], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Defaults (--tiny's in brackets): " + ", ".join(
                                      f"--{k} {FULL[k] if not isinstance(FULL[k], tuple) else ' '.join(map(str, FULL[k]))}"
                                      f" [{TINY[k] if not isinstance(TINY[k], tuple) else ' '.join(map(str, TINY[k]))}]"
@@ -171,9 +171,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--out", default="runs/attention_fillers",
                     help="folder for attention_fillers.json / .png (default %(default)s, relative to the working directory)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny shapes, a few steps")
-    ap.add_argument("--key_bias", nargs="+", default=["none", "k"], help="attention biases: none, k, qkvo, ...")
-    ap.add_argument("--lengths", nargs="+", type=int, default=None, help="sequence lengths (default 256 512)")
-    ap.add_argument("--pairs", nargs="+", type=int, default=None, help="kv pairs per length (default 32 64)")
+    ap.add_argument("--key_bias", action=ListAction, default=["none", "k"], help="attention biases: none, k, qkvo, ...")
+    ap.add_argument("--lengths", action=ListAction, elem_type=int, default=None, help="sequence lengths (default 256 512)")
+    ap.add_argument("--pairs", action=ListAction, elem_type=int, default=None, help="kv pairs per length (default 32 64)")
     for k in ("vocab_size", "d_model", "num_heads", "batch_size", "warmup", "steps", "diag_every", "diag_examples",
               "diag_batch", "seed"):
         ap.add_argument(f"--{k}", type=int, default=None, help="see the defaults below")

@@ -14,7 +14,6 @@ state adds: keys ``.../bf16_state_vs_f32_state``). Writes ``drift.json`` and ``d
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gdn_jax.cli import ArgumentParser, ListAction
 from gdn_jax.inference.generate import decode_drift, teacher_forced_logits
 from gdn_jax.models import LM, LMConfig
 
@@ -47,18 +47,20 @@ def plot(out, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1024)
     ap.add_argument("--out", default="runs/decode_drift")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="activation / weight dtypes")
-    ap.add_argument("--state_dtypes", default="float32,bfloat16", help="decode-state dtypes (LMConfig.state_dtype)")
+    ap.add_argument("--dtypes", action=ListAction, nargs="*", default=["float32", "bfloat16"],
+                    help="activation / weight dtypes")
+    ap.add_argument("--state_dtypes", action=ListAction, nargs="*", default=["float32", "bfloat16"],
+                    help="decode-state dtypes (LMConfig.state_dtype)")
     ap.add_argument("--decode_backend", default="auto", help="auto | scan | pallas (CPU: interpret mode)")
     args = ap.parse_args(argv)
-    state_dtypes = [s for s in args.state_dtypes.split(",") if s]
+    state_dtypes = list(args.state_dtypes)
     bad = [s for s in state_dtypes if s not in ("float32", "bfloat16")]
     if bad or not state_dtypes:
-        ap.error(f"--state_dtypes must be a comma-separated subset of float32,bfloat16, got {args.state_dtypes!r}")
-    dtypes = [d for d in args.dtypes.split(",") if d]
+        ap.error(f"--state_dtypes must be a subset of float32, bfloat16, got {args.state_dtypes!r}")
+    dtypes = list(args.dtypes)
     if not dtypes:
         ap.error("--dtypes needs at least one dtype (e.g. float32,bfloat16)")
     if args.steps < 1:

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn_jax.cli import ArgumentParser, ListAction
 from gdn_jax import hf
 from gdn_jax.inference.generate import generate
 
@@ -68,29 +68,25 @@ def niah_probe(model, length: int, trials: int, seed: int, lo: int, hi: int, key
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="checkpoint directory: config.json + *.safetensors")
     ap.add_argument("--prompt", default=None, help="text prompt (needs the directory's tokenizer)")
-    ap.add_argument("--prompt_ids", default="1,2,3,4,5,6,7,8", help="comma-separated token ids without a tokenizer")
+    ap.add_argument("--prompt_ids", action=ListAction, elem_type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7, 8],
+                    help="token ids without a tokenizer")
     ap.add_argument("--max_new_tokens", type=int, default=16)
     ap.add_argument("--backend", default="auto", choices=["auto", "chunk", "scan", "pallas"])
     ap.add_argument("--dtype", default="float32", help="compute dtype (parameters keep the checkpoint's dtype)")
-    ap.add_argument("--niah_lengths", default="256", help="comma-separated haystack lengths ('' skips the probe)")
+    ap.add_argument("--niah_lengths", action=ListAction, elem_type=int, nargs="*", default=[256],
+                    help="haystack lengths (none given, or '': no probe)")
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write probe.json here")
     args = ap.parse_args(argv)
     # the cheap arguments first: an error after loading and generating would lose that work
-    def ints(flag, text):
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            ap.error(f"{flag} must be comma-separated ints, got {text!r}")
-
-    prompt_ids = ints("--prompt_ids", args.prompt_ids)
+    prompt_ids = list(args.prompt_ids)
     if args.prompt is None and not prompt_ids:
         ap.error("--prompt_ids is empty (give ids, or --prompt with a tokenizer in the checkpoint folder)")
-    lengths = ints("--niah_lengths", args.niah_lengths)
+    lengths = list(args.niah_lengths)
     if any(L < 12 for L in lengths):  # the key twice (4 tokens each) and a 4-token value
         ap.error(f"--niah_lengths must be >= 12 each (keys, value and haystack), got {lengths}")
     for flag, value in (("--trials", args.trials), ("--max_new_tokens", args.max_new_tokens)):

@@ -22,7 +22,6 @@ Writes ``results.json``, ``latency.png`` and ``seed_table.md`` under ``--out`` (
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn_jax.cli import ArgumentParser, ListAction
 from gdn_jax.inference import KVCache, cache_nbytes
 from gdn_jax.inference.memory import model_cache_bytes, seed_table, seed_table_markdown
 from gdn_jax.models import LM, LMConfig
@@ -88,8 +88,9 @@ def measure(cfg: LMConfig, context: int, reps: int, seed: int = 0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="comma-separated contexts (GPU: up to 32768)")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", action=ListAction, elem_type=int, default=[1024, 2048, 4096, 8192],
+                    help="contexts (GPU: up to 32768)")
     ap.add_argument("--out", default="runs/memory")
     ap.add_argument("--d_model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -101,10 +102,7 @@ def main(argv=None):
                     help="the measured GDN layers' decode-state dtype (the seed table is printed for both)")
     ap.add_argument("--decode_backend", default="auto", choices=("auto", "scan", "pallas"))
     args = ap.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        ap.error(f"--contexts must be comma-separated ints, got {args.contexts!r}")
+    contexts = list(args.contexts)
     for flag, value in (("--reps", args.reps), ("--layers", args.layers), ("--heads", args.heads),
                         ("--d_model", args.d_model), ("--vocab", args.vocab)):
         if value < 1:

@@ -7,8 +7,10 @@ the README's default run::
     python experiments/mqar.py --mixer attention --lr 1e-3 --out runs/mqar_attn
     python experiments/mqar.py --out runs/mqar_attn --resume          # continue from the latest ckpt
 
-Every flag is a field of :class:`gdn_jax.recall.RecallConfig`; outputs (``--out``, default
-``runs/mqar``): ``results.json``, ``curves.png`` and orbax checkpoints in ``ckpt/``.
+Installed as the command ``gdn-mqar`` (:func:`gdn_jax.commands.mqar`). Every flag is a field of
+:class:`gdn_jax.recall.RecallConfig`; outputs (``--out``, default a new ``runs/mqar/<mixer>-<date>-<time>``,
+``runs/mqar/latest`` pointing to it): ``config.json``, ``results.json``, ``curves.png`` and orbax
+checkpoints in ``ckpt/``.
 """
 from __future__ import annotations
 

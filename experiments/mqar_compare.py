@@ -15,11 +15,11 @@ with learning rates still to run ``(partial)`` (its ``unfinished`` list)::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Dict, List, Optional, Tuple
 
+from gdn_jax.cli import ArgumentParser, ListAction
 from gdn_jax.cli import parse_overrides
 from gdn_jax.recall import RecallConfig
 
@@ -149,9 +149,9 @@ def plot(main: Dict, extras: List[Tuple[str, Dict]], path: str, published: bool 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", help="folder of the main sweep (with summary.json)")
-    ap.add_argument("--extra", nargs="*", default=[], metavar="LABEL=FOLDER",
+    ap.add_argument("--extra", action=ListAction, nargs="*", default=[], metavar="LABEL=FOLDER",
                     help="re-runs of some cells under another setting, as label=folder")
     ap.add_argument("--out", required=True, help="output prefix: <out>.md and <out>.png (its folder is created)")
     ap.add_argument("--shape", default=None, metavar="LxN",

@@ -15,6 +15,14 @@ parser is built, never a silent string.
 
 Unknown flags and abbreviations of flags are rejected (argparse exits with status 2).
 
+One convention for every script (:data:`CONVENTION`, shown by ``--help``): dashes and underscores
+in a flag's name are the same (``--num-layers`` == ``--num_layers``, ``--no-use-short-conv`` ==
+``--no-use_short_conv``); a list flag takes its values separated by spaces, commas or both
+(``--d_models 64 128`` == ``--d_models 64,128``); an item ``key=value`` (the sweep's ``--base``) keeps
+the commas of its value, and a comma before another ``key=`` starts a new item
+(``--base steps=200,batch_size=8`` == ``--base steps=200 batch_size=8``). :class:`ArgumentParser`
+applies it (the scripts' parsers are made with it) and :class:`ListAction` reads a list flag so.
+
 :func:`parse_overrides` / :func:`apply_overrides` read the same types from ``field=value`` strings
 (the sweep's ``--base``; bools also as ``true``/``false``, sequences comma-separated) and raise
 ``ValueError`` naming the field. Library code raises ``ValueError``/``TypeError`` naming config
@@ -47,7 +55,7 @@ import tokenize
 import typing
 from typing import Any, Dict, Iterator, Optional, Sequence, Type, TypeVar
 
-__all__ = ["add_dataclass_arguments", "apply_overrides", "as_flags", "dataclass_from_args", "exit_on_error", "make_parser",
+__all__ = ["CONVENTION", "ArgumentParser", "ListAction", "add_dataclass_arguments", "apply_overrides", "as_flags", "dataclass_from_args", "exit_on_error", "make_parser",
            "parse_dataclass", "parse_overrides"]
 
 T = TypeVar("T")
@@ -214,7 +222,7 @@ class _SequenceAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            value = self.parse_values(values)
+            value = self.parse_values(split_list(values))
         except ValueError as e:
             raise argparse.ArgumentError(self, str(e)) from None
         before = getattr(namespace, self.dest, None)
@@ -222,6 +230,87 @@ class _SequenceAction(argparse.Action):
             value = type(value)(list(before) + list(value))
         setattr(namespace, self.dest, value)
 
+
+
+#: The command-line convention of every script (``--help`` shows it; module docstring).
+CONVENTION = ("Flags: dashes and underscores are the same (--num-layers = --num_layers; booleans: --flag / "
+              "--no-flag). Lists: values separated by spaces or commas (--d_models 64 128 = --d_models 64,128); "
+              "key=value items keep the commas of their value (--base steps=200 batch_size=8 = "
+              "--base steps=200,batch_size=8). none: an optional setting unset.")
+
+
+def split_list(values: Sequence[str]) -> list:
+    """The items of a list flag's values: each value split at its commas (``["64,128", "256"]`` ->
+    ``["64", "128", "256"]``; empty items dropped); a ``key=value`` value only at a comma followed by
+    another ``key=`` (``"steps=2,shapes=1,2"`` -> ``["steps=2", "shapes=1,2"]``)."""
+    out = []
+    for v in values:
+        parts = re.split(r",(?=\s*[A-Za-z_]\w*=)", v) if "=" in v else v.split(",")
+        out.extend(p.strip() for p in parts if p.strip())
+    return out
+
+
+class ListAction(argparse.Action):
+    """An ``argparse`` action for a list flag in the convention (:data:`CONVENTION`): values separated
+    by spaces or commas, each converted by ``elem_type`` (default ``str``), stored as a list; argparse's
+    ``type`` must not be given (it would see ``"64,128"`` whole). ``nargs`` defaults to ``"+"``.
+
+    Example: ``parser.add_argument("--contexts", action=ListAction, elem_type=int, default=[1024])``
+    reads ``--contexts 1024 2048`` and ``--contexts 1024,2048`` as ``[1024, 2048]``."""
+
+    def __init__(self, option_strings, dest, elem_type=str, nargs="+", **kw):
+        if "type" in kw and kw["type"] is not None:
+            raise TypeError(f"ListAction {option_strings}: pass elem_type=, not type= (type sees a value before "
+                            f"its commas are split)")
+        kw.pop("type", None)
+        super().__init__(option_strings, dest, nargs=nargs, **kw)
+        self.elem_type = elem_type
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = split_list([values] if isinstance(values, str) else values)
+        try:
+            setattr(namespace, self.dest, [self.elem_type(x) for x in items])
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentError(self, f"invalid value in {items!r}: {e}") from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with the scripts' convention (:data:`CONVENTION`): no abbreviations;
+    a flag written with dashes where the parser knows it with underscores (or the reverse) is read as
+    that flag; ``--help`` ends with the convention."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        epilog = kw.get("epilog")
+        kw["epilog"] = f"{epilog}\n\n{CONVENTION}" if epilog else CONVENTION
+        super().__init__(*args, **kw)
+
+    def _canonical(self, arg: str) -> str:
+        """``arg`` as the parser knows it: ``--num-layers`` -> ``--num_layers`` (or the reverse, and
+        ``--no-...`` of a boolean likewise), a value after ``=`` kept; anything else unchanged."""
+        if not arg.startswith("--") or arg == "--":
+            return arg
+        name, eq, value = arg.partition("=")
+        known = self._option_string_actions
+        if name in known:
+            return arg
+        body = name[2:]
+        cands = [body.replace("-", "_"), body.replace("_", "-")]
+        if body.startswith(("no-", "no_")):
+            cands += ["no-" + body[3:].replace("-", "_"), "no-" + body[3:].replace("_", "-")]
+        for c in cands:
+            if "--" + c in known:
+                return "--" + c + eq + value
+        return arg
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--" in args:
+            i = args.index("--")
+            args = [self._canonical(a) for a in args[:i]] + args[i:]
+        else:
+            args = [self._canonical(a) for a in args]
+        return super().parse_known_args(args, namespace)
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: Type, defaults: Any = None) -> None:
     """Add one ``--field`` option per field of dataclass ``cls`` to ``parser``.
@@ -310,9 +399,9 @@ def _field_default(f: dataclasses.Field):
 
 def make_parser(cls: Type, *, defaults: Any = None, description: Optional[str] = None,
                 prog: Optional[str] = None) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` (no abbreviations) with one option per field of dataclass ``cls``."""
-    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip().split("\n")[0],
-                                     allow_abbrev=False)
+    """An :class:`ArgumentParser` (the scripts' convention, :data:`CONVENTION`; no abbreviations) with one
+    option per field of dataclass ``cls``."""
+    parser = ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").strip().split("\n")[0])
     add_dataclass_arguments(parser, cls, defaults)
     return parser
 

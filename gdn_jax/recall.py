@@ -10,6 +10,11 @@ metrics fetched one log interval late; a tqdm bar), evaluation on the test set e
 ``eval_every`` steps with an early stop at ``target_accuracy`` and a checkpoint each time (a resumed
 run is bit-identical on CPU), and the outputs ``results.json`` + ``curves.png`` in ``out``.
 
+Run folders (docs/experiment_tools.md): each run writes to its own folder, by default a new
+``runs/<task>/<mixer>-<date>-<time>`` with ``runs/<task>/latest`` pointing to it; a fresh run refuses
+a folder that holds files unless ``overwrite``; ``config.json`` records the settings, which
+:func:`resume_config` (``--resume``) and :func:`load_run` read back.
+
 The task config (:data:`gdn_jax.data.TASK_CONFIGS`) and the :class:`gdn_jax.models.LMConfig` are
 built from the :class:`RecallConfig` fields of the same names (:func:`make_task`,
 :func:`make_lm_config`). Bad settings raise ``ValueError``/``TypeError`` naming the field
@@ -45,8 +50,9 @@ from gdn_jax.loggers import LOGGERS, Logger, MultiLogger, make_logger, require a
 from gdn_jax.models import LM, LMConfig
 from gdn_jax.step_cache import shared_steps
 
-__all__ = ["RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "make_lm_config", "make_task", "run",
-           "scaled_accuracy", "task_label", "task_options", "validate"]
+__all__ = ["CONFIG_FILE", "LoadedRun", "RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "find_run", "load_run",
+           "make_lm_config", "make_task", "read_latest", "resume_config", "run", "saved_config", "scaled_accuracy",
+           "task_label", "task_options", "validate"]
 
 TASKS = tuple(TASK_CONFIGS)
 
@@ -115,7 +121,9 @@ class RecallConfig:
     d_model: int = 128  # model width
     num_layers: int = 2  # mixer blocks
     num_heads: int = 2  # heads of each mixer
-    mixer: str = "gdn"  # gdn, deltanet, kda, mamba2, gla, linear, attention, gated_attention (gdn_jax.models.MIXERS)
+    # gdn, deltanet, kda, mamba2, gla, linear, attention, gated_attention (gdn_jax.models.MIXERS), or hybrid:
+    # gdn with every 4th layer gated_attention (3:1; at least 4 layers), as the sweep's mixer name
+    mixer: str = "gdn"
     hybrid_every: int = 0  # > 0: every hybrid_every-th layer is `hybrid_mixer` (4 with 4 layers: 3:1)
     hybrid_mixer: str = "gated_attention"  # the mixer of every hybrid_every-th layer
     allow_neg_eigval: bool = False  # GDN/DeltaNet: beta in (0, 2) (negative eigenvalues)
@@ -152,14 +160,22 @@ class RecallConfig:
     eval_batch_size: int = 200  # test examples per evaluation batch
     # -- loop / output --
     eval_every: int = 250  # steps between evaluations (each followed by a checkpoint)
+    # once a train-curve point's accuracy reaches target_accuracy: evaluate every this many steps
+    # (at log points) until the test accuracy does too (0: only every eval_every)
+    eval_every_near_target: int = 50
     target_accuracy: float = 0.99  # early stop once test accuracy reaches this
     max_time_s: Optional[float] = None  # stop (then evaluate) once this run's wall time exceeds this
     log_every: int = 10  # steps between progress-bar / train-curve updates
     seed: int = 0  # data (MQAR seed) and model init
-    out: Optional[str] = None  # output dir (default runs/<task>)
+    # the run's folder (default: a new runs/<task>/<mixer>-<date>-<time>; runs/<task>/latest points to it);
+    # a folder that holds files is refused unless resume or overwrite
+    out: Optional[str] = None
     ckpt_dir: Optional[str] = None  # default <out>/ckpt
-    resume: bool = False  # continue from the latest checkpoint (False: a fresh run removes old checkpoints)
-    keep_checkpoints: int = 3  # checkpoints kept on disk
+    resume: bool = False  # continue from the latest checkpoint of the run in out (default: runs/<task>/latest)
+    # a fresh run in an out / ckpt_dir that holds a run: replace its results and checkpoints
+    overwrite: bool = False
+    keep_checkpoints: int = 3  # checkpoints kept on disk (the latest ones)
+    keep_best_checkpoint: bool = True  # also keep the best evaluation's checkpoint (load_run(params="best"))
     progress: bool = True  # tqdm bar
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
@@ -177,13 +193,18 @@ class RecallConfig:
             value = getattr(self, f.name)
             if isinstance(value, np.generic):
                 setattr(self, f.name, value.item())
+        if self.mixer == "hybrid":  # the sweep's mixer name: gdn 3:1 gated attention (gdn_jax.sweep)
+            self.mixer = "gdn"
+            self.hybrid_every = self.hybrid_every or 4
+            if isinstance(self.num_layers, int) and not isinstance(self.num_layers, bool):
+                self.num_layers = max(self.num_layers, self.hybrid_every)
 
 
 #: Fields that may differ between a run and its resumption without changing the result.
-RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "keep_checkpoints",
-                                "progress", "log_every", "eval_every", "target_accuracy", "eval_batch_size",
-                                "backend", "chunk_size", "session_time_s", "device_data", "logger", "wandb_project",
-                                "wandb_group"})
+RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "overwrite", "keep_checkpoints",
+                                "keep_best_checkpoint", "progress", "log_every", "eval_every", "eval_every_near_target",
+                                "target_accuracy", "eval_batch_size", "backend", "chunk_size", "session_time_s",
+                                "device_data", "logger", "wandb_project", "wandb_group"})
 
 
 def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
@@ -347,6 +368,11 @@ def validate(cfg: RecallConfig) -> None:
                  "test_examples", "log_every", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             bad(name, ">= 1")
+    if cfg.eval_every_near_target < 0:
+        bad("eval_every_near_target", ">= 0 (0: evaluate only every RecallConfig.eval_every steps)")
+    if cfg.resume and cfg.overwrite:
+        bad("overwrite", "False with RecallConfig.resume", " (resume continues the run in the folder; overwrite "
+            "replaces it)")
     if cfg.head_dim is None and cfg.d_model % cfg.num_heads:
         bad("d_model", f"divisible by RecallConfig.num_heads {cfg.num_heads}",
             " (head dim = d_model / num_heads; or set RecallConfig.head_dim)")
@@ -476,38 +502,355 @@ def plot_curves(path: str, history: Dict[str, Any], target: float) -> None:
     plt.close(fig)
 
 
+
+# -- run folders ------------------------------------------------------------------------------------
+
+#: The file in each run's folder that records its :class:`RecallConfig` (``out`` resolved).
+CONFIG_FILE = "config.json"
+#: The root of the default run folders: ``runs/<task>/<mixer>-<date>-<time>`` (relative to the working dir).
+RUNS_ROOT = "runs"
+#: The pointer in ``runs/<task>/`` to the newest default run folder (a symlink, or a text file naming it).
+LATEST = "latest"
+# what a fresh run with overwrite removes from an old run's folder (anything else stays)
+_RUN_OUTPUTS = (CONFIG_FILE, "results.json", "curves.png")
+_RUN_LOG_DIRS = ("tb", "wandb")  # TensorBoard event files / W&B offline files of a run (gdn_jax.loggers)
+_CKPT_ENTRY = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders (and unfinished writes)
+
+
+def _folder_label(cfg: RecallConfig) -> str:
+    """The mixer part of a default run folder's name: ``gdn``, ``hybrid`` (gdn 3:1 gated attention),
+    or e.g. ``gdn+attention4``."""
+    if not cfg.hybrid_every:
+        return cfg.mixer
+    if (cfg.mixer, cfg.hybrid_mixer, cfg.hybrid_every) == ("gdn", "gated_attention", 4):
+        return "hybrid"
+    return f"{cfg.mixer}+{cfg.hybrid_mixer}{cfg.hybrid_every}"
+
+
+def read_latest(folder: str) -> Optional[str]:
+    """The run folder (an absolute path) that ``folder/latest`` (:data:`LATEST`: a symlink, or a text
+    file holding the run folder's name) points to, or None when there is none or it names no folder."""
+    p = os.path.join(folder, LATEST)
+    if os.path.islink(p) or os.path.isdir(p):
+        target = os.path.realpath(p)
+    elif os.path.isfile(p):
+        with open(p) as f:
+            name = f.read().strip()
+        target = os.path.abspath(name if os.path.isabs(name) else os.path.join(folder, name))
+    else:
+        return None
+    return target if os.path.isdir(target) else None
+
+
+def _point_latest(folder: str, name: str) -> None:
+    """``folder/latest`` -> ``name`` (a relative symlink, replaced atomically; where the OS allows no
+    symlink, a text file holding ``name``). A real folder named ``latest`` is left alone."""
+    p = os.path.join(folder, LATEST)
+    if os.path.isdir(p) and not os.path.islink(p):
+        print(f"warning: {p} is a folder, not a pointer; not updated", file=sys.stderr)
+        return
+    tmp = os.path.join(folder, f".{LATEST}.{os.getpid()}")
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.symlink(name, tmp, target_is_directory=True)
+    except (OSError, NotImplementedError):  # no symlinks here (Windows without the privilege): a text file
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+    os.replace(tmp, p)
+
+
+def _run_folder(cfg: RecallConfig) -> str:
+    """The folder of the run ``cfg``: ``cfg.out``; with ``resume`` and no ``out`` the newest default
+    run of the task (``runs/<task>/latest``); else a new ``runs/<task>/<mixer>-<date>-<time>[-n]``,
+    created here (two runs started in the same second get different folders), printed, and
+    ``runs/<task>/latest`` pointed at it."""
+    if cfg.out is not None:
+        return cfg.out
+    root = os.path.join(RUNS_ROOT, cfg.task)
+    if cfg.resume:
+        latest = read_latest(root)
+        if latest is None:
+            raise ValueError(f"RecallConfig.resume: no run of task {cfg.task!r} to resume ({os.path.join(root, LATEST)} "
+                             f"names no run folder); name the run's folder with RecallConfig.out")
+        print(f"resuming the latest {cfg.task} run: {latest}", file=sys.stderr, flush=True)
+        return latest
+    check_out_dir("RecallConfig.out", root)
+    os.makedirs(root, exist_ok=True)
+    base = f"{_folder_label(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for i in range(1, 10_000):
+        name = base if i == 1 else f"{base}-{i}"
+        try:
+            os.mkdir(os.path.join(root, name))
+        except FileExistsError:
+            continue
+        _point_latest(root, name)
+        out = os.path.join(root, name)
+        print(f"run folder: {out} (also {os.path.join(root, LATEST)})", flush=True)
+        return out
+    raise RuntimeError(f"no free run folder name {base}-<n> in {root}")
+
+
+def _files_under(path: str) -> List[str]:
+    """The files under folder ``path`` (relative paths; empty folders do not count)."""
+    out = []
+    for d, _, files in os.walk(path):
+        out.extend(os.path.relpath(os.path.join(d, f), path) for f in files)
+    return sorted(out)
+
+
+def _claim_folder(cfg: RecallConfig, out: str, ckpt_dir: str) -> None:
+    """A fresh run's check of its folders: ``out`` and ``ckpt_dir`` must hold no files (no other
+    run's results or checkpoints are ever replaced), unless ``cfg.overwrite``: then the old run's
+    outputs (``config.json``, ``results.json``, ``curves.png``) and its orbax checkpoints go, and a
+    checkpoint folder holding anything else is still refused."""
+    held = [f for f in (_files_under(out) if os.path.isdir(out) else [])]
+    ck_entries = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    outside = os.path.relpath(os.path.abspath(ckpt_dir), os.path.abspath(out)).startswith("..")
+    if not cfg.overwrite:
+        if held:
+            raise ValueError(f"RecallConfig.out={out!r} already holds files ({', '.join(held[:3])}"
+                             f"{' ...' if len(held) > 3 else ''}): a run never replaces another run's results or "
+                             f"checkpoints. Continue that run with RecallConfig.resume, replace it with "
+                             f"RecallConfig.overwrite, or pick another RecallConfig.out (the default is a new folder)")
+        if outside and ck_entries:
+            raise ValueError(f"RecallConfig.ckpt_dir={ckpt_dir!r} already holds {sorted(ck_entries)[:3]}: a run never "
+                             f"replaces another run's checkpoints. Continue that run with RecallConfig.resume, "
+                             f"replace its checkpoints with RecallConfig.overwrite, or pick another RecallConfig.ckpt_dir")
+        return
+    foreign = sorted(e for e in ck_entries if not _CKPT_ENTRY.fullmatch(e))
+    if foreign:
+        raise ValueError(f"RecallConfig.ckpt_dir={ckpt_dir!r} holds files that are not checkpoints "
+                         f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); RecallConfig.overwrite replaces "
+                         f"checkpoints only: use an empty or checkpoint-only folder, or RecallConfig.resume")
+    gone = [os.path.join(ckpt_dir, e) for e in ck_entries] + [os.path.join(out, n) for n in _RUN_OUTPUTS
+                                                              if os.path.isfile(os.path.join(out, n))]
+    if gone:
+        print(f"overwrite: removing the old run's {len(ck_entries)} checkpoint(s) in {ckpt_dir} and its outputs in "
+              f"{out}", file=sys.stderr)
+    for e in ck_entries:
+        shutil.rmtree(os.path.join(ckpt_dir, e))
+    for n in _RUN_OUTPUTS:
+        if os.path.isfile(os.path.join(out, n)):
+            os.remove(os.path.join(out, n))
+    for d in _RUN_LOG_DIRS:  # the old run's logger files (RecallConfig.logger)
+        if os.path.isdir(os.path.join(out, d)):
+            shutil.rmtree(os.path.join(out, d))
+
+
+def find_run(path: str) -> str:
+    """The run folder that ``path`` names: a run's folder itself, a ``latest`` pointer, or a task
+    folder ``runs/<task>`` (its ``latest`` run).
+
+    Raises:
+      FileNotFoundError: ``path`` names no folder or no run folder can be found from it.
+    """
+    p = os.fspath(path)
+    if os.path.isfile(p) and os.path.basename(p) == LATEST:  # the text-file pointer itself
+        found = read_latest(os.path.dirname(p) or ".")
+        if found:
+            return found
+    if not os.path.isdir(p):
+        raise FileNotFoundError(f"no run folder at {p!r}")
+    if _saved_config(p) is None:
+        latest = read_latest(p)
+        if latest is not None:
+            return latest
+    return p
+
+
+def _checkpoint_meta(ckpt_dir: str) -> Optional[Dict[str, Any]]:
+    """The JSON metadata of the newest finished checkpoint in ``ckpt_dir`` (its ``meta`` item), or None."""
+    try:
+        steps = sorted((int(e) for e in os.listdir(ckpt_dir) if e.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for st in steps:
+        try:
+            with open(os.path.join(ckpt_dir, str(st), "meta", "metadata")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _saved_config(folder: str) -> Optional[Dict[str, Any]]:
+    """The config a run saved in ``folder``: ``config.json``, else ``results.json``'s, else its newest
+    checkpoint's (runs from before ``config.json``); None when the folder holds no run."""
+    for name, key in ((CONFIG_FILE, None), ("results.json", "config")):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                d = json.load(f)
+            return d if key is None else d[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    meta = _checkpoint_meta(os.path.join(folder, "ckpt"))
+    return meta.get("config") if meta else None
+
+
+def saved_config(path: str) -> RecallConfig:
+    """The :class:`RecallConfig` of the run in ``path`` (:func:`find_run`), as saved (``out`` set to the
+    folder found; ``resume`` and ``overwrite`` False). Fields the saved record lacks (older runs) keep
+    their defaults; fields it has that this version lacks are dropped.
+
+    Raises:
+      FileNotFoundError: no run in ``path``.
+    """
+    folder = find_run(path)
+    d = _saved_config(folder)
+    if d is None:
+        raise FileNotFoundError(f"no run in {folder!r} (no {CONFIG_FILE}, results.json or checkpoint)")
+    names = {f.name for f in dataclasses.fields(RecallConfig)}
+    kw = {k: (None if v is None else v) for k, v in d.items() if k in names}
+    kw.update(out=folder, resume=False, overwrite=False)
+    return RecallConfig(**kw)
+
+
+def resume_config(path: Optional[str], overrides: Optional[Dict[str, Any]] = None, *,
+                  task: str = "mqar") -> RecallConfig:
+    """The config that continues the run in ``path`` (a run folder, its ``latest`` pointer, or None:
+    ``runs/<task>/latest``): the run's saved config with ``overrides`` (e.g. the flags given on the
+    command line) applied, ``resume=True``.
+
+    An override may change a field of :data:`RESUME_FREE_FIELDS` (``max_steps``, ``eval_every``,
+    ``backend``, ...); any other must equal the saved value.
+
+    Raises:
+      ValueError: overrides that conflict with the saved run (every one named, ``RecallConfig.field``),
+        or no run to resume.
+    """
+    overrides = dict(overrides or {})
+    if path is None:
+        root = os.path.join(RUNS_ROOT, overrides.get("task", task))
+        path = read_latest(root)
+        if path is None:
+            raise ValueError(f"RecallConfig.resume: no run to resume ({os.path.join(root, LATEST)} names no run "
+                             f"folder); name the run's folder with RecallConfig.out")
+    try:
+        saved = saved_config(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"RecallConfig.resume: {e}") from None
+    probe = dataclasses.replace(RecallConfig(), **{k: v for k, v in overrides.items() if k not in ("out",)})
+    conflicts = []
+    for k in overrides:
+        if k in RESUME_FREE_FIELDS:
+            continue
+        if getattr(probe, k) != getattr(saved, k):
+            conflicts.append(f"RecallConfig.{k}={getattr(probe, k)!r} (the run has {getattr(saved, k)!r})")
+    if conflicts:
+        raise ValueError(f"RecallConfig.resume: the run in {saved.out} was trained with other settings: "
+                         f"{'; '.join(conflicts)}. Leave them out (they are read from its {CONFIG_FILE}) or start a "
+                         f"new run without RecallConfig.resume")
+    free = {k: v for k, v in overrides.items() if k in RESUME_FREE_FIELDS}
+    return dataclasses.replace(saved, **{**free, "out": saved.out, "resume": True, "overwrite": False})
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A finished or interrupted run read back by :func:`load_run`.
+
+    Attributes:
+      config: the run's :class:`RecallConfig`.
+      model: the :class:`gdn_jax.models.LM` with the parameters of checkpoint ``step``.
+      step: the training step of those parameters.
+      history: ``{"train": [[step, loss, accuracy], ...], "evals": [{"step", "loss", "test_loss",
+        "test_accuracy", "wall_s"}, ...]}``.
+      results: the run's ``results.json`` record, or None when the run is unfinished.
+      path: the run's folder.
+    """
+
+    config: RecallConfig
+    model: LM
+    step: int
+    history: Dict[str, Any]
+    results: Optional[Dict[str, Any]]
+    path: str
+
+
+def load_run(path: str, params: Literal["best", "last"] = "best") -> LoadedRun:
+    """Read a run back: its config, the model with the ``best`` (the checkpoint of the highest test
+    accuracy; ``keep_best_checkpoint`` keeps it on disk) or ``last`` (the newest checkpoint)
+    parameters, and its history.
+
+    Args:
+      path: the run's folder (``out``), a ``latest`` pointer, or a task folder ``runs/<task>`` (its
+        newest run).
+      params: ``"best"`` or ``"last"``.
+
+    Returns:
+      :class:`LoadedRun`. With ``"best"``, when the best evaluation's checkpoint is not on disk (a run
+      with ``keep_best_checkpoint=False``), the best of the checkpoints kept, with a warning.
+
+    Raises:
+      ValueError: ``params`` not ``"best"``/``"last"``.
+      FileNotFoundError: no run, or no checkpoint, in ``path``.
+    """
+    import warnings
+
+    if params not in ("best", "last"):
+        raise ValueError(f"params must be 'best' or 'last', got {params!r}")
+    cfg = saved_config(path)
+    folder = cfg.out
+    ckpt_dir = cfg.ckpt_dir or os.path.join(folder, "ckpt")
+    results = None
+    try:
+        with open(os.path.join(folder, "results.json")) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        pass
+    _, _, _, model_fn, tx = build(cfg)
+    mesh = T.make_mesh()
+    graphdef, abstract = T.abstract_train_state(model_fn, tx, mesh=mesh)
+    ck = T.Checkpointer(ckpt_dir, max_to_keep=None)
+    try:
+        steps = sorted(ck.all_steps())
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint of the run in {ckpt_dir!r}")
+        meta = (_checkpoint_meta(ckpt_dir) or {}) if results is None else {}
+        history = ({"train": results["train_curve"], "evals": results["evals"]} if results is not None
+                   else meta.get("history", {"train": [], "evals": []}))
+        step = steps[-1]
+        if params == "best" and history["evals"]:
+            acc = {e["step"]: e["test_accuracy"] for e in history["evals"]}
+            best = max(history["evals"], key=lambda e: (e["test_accuracy"], e["step"]))["step"]
+            kept = [s for s in steps if s in acc]
+            if best in steps:
+                step = best
+            elif kept:
+                step = max(kept, key=lambda s: (acc[s], s))
+                warnings.warn(f"load_run: the best evaluation (step {best}) has no checkpoint in {ckpt_dir}; "
+                              f"using the best one kept (step {step})", stacklevel=2)
+        state, _ = ck.restore(step, abstract)
+    finally:
+        ck.close()
+    return LoadedRun(config=cfg, model=T.merge_model(graphdef, state), step=int(step), history=history,
+                     results=results, path=folder)
+
+
 class _Run:
     """One call of :func:`run`: the state its steps share (setup here, then :meth:`restore_or_init`,
     :meth:`train`, :meth:`finish`, :meth:`results` and :meth:`write_outputs`)."""
 
     def __init__(self, cfg: RecallConfig):
         self.cfg = cfg
-        self.out = cfg.out or os.path.join("runs", cfg.task)
-        self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
         self.stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
         self.task, self.loader, _, self.model_fn, self.tx = build(cfg)  # validates cfg (out, ckpt_dir too)
-        check_out_dir("RecallConfig.out", self.out)  # the default runs/<task> as well
-        os.makedirs(self.out, exist_ok=True)
         self.mesh = T.make_mesh()
         self.n_dev = self.mesh.shape["data"]
         for name in ("batch_size", "eval_batch_size"):
             if getattr(cfg, name) % self.n_dev:
                 raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {self.n_dev} "
                                  f"devices")
-        if not cfg.resume and os.path.isdir(self.ckpt_dir) and os.listdir(self.ckpt_dir):
-            entries = os.listdir(self.ckpt_dir)
-            # orbax's step folders ("120") and unfinished writes ("120.orbax-checkpoint-tmp-...") only:
-            # anything else in the folder is not ours to delete
-            foreign = sorted(e for e in entries if not re.fullmatch(r"\d+(\.orbax-checkpoint-tmp.*)?", e))
-            if foreign:
-                raise ValueError(f"RecallConfig.ckpt_dir={self.ckpt_dir!r} holds files that are not checkpoints "
-                                 f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); a fresh run would replace "
-                                 f"its checkpoints: use an empty or checkpoint-only folder, or --resume")
-            print(f"starting fresh: removing old checkpoints in {self.ckpt_dir} (use --resume to continue them)",
-                  file=sys.stderr)
-            for e in entries:
-                shutil.rmtree(os.path.join(self.ckpt_dir, e))
-        self.ckpt = T.Checkpointer(self.ckpt_dir, max_to_keep=cfg.keep_checkpoints)
+        self.out = _run_folder(cfg)  # a new runs/<task>/<mixer>-<time> by default (claimed, latest -> it)
+        self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
+        check_out_dir("RecallConfig.out", self.out)
+        if not cfg.resume:
+            _claim_folder(cfg, self.out, self.ckpt_dir)  # refuses another run's files unless overwrite
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, CONFIG_FILE), "w") as f:  # what --resume and load_run read back
+            json.dump(_finite_json(dict(dataclasses.asdict(cfg), out=self.out)), f, indent=1)
+        self.ckpt = T.Checkpointer(self.ckpt_dir, max_to_keep=cfg.keep_checkpoints,
+                                   best_metric="test_accuracy" if cfg.keep_best_checkpoint else None)
         self.history: Dict[str, Any] = {"train": [], "evals": []}
         self.wall_before = 0.0
         self.resumed = False
@@ -716,6 +1059,7 @@ class _Run:
             if la is not None:
                 bar.set_postfix(loss=f"{la[0]:.3f}", acc=f"{la[1]:.3f}",
                                 test=f"{history['evals'][-1]['test_accuracy']:.3f}" if history["evals"] else "-")
+        is_eval = is_eval or self._near_target(step)
         # after the log point (a stop on a log step used to leave its metrics to the resumed run's next
         # point, merging two curve points); an evaluation step evaluates first, the last step finishes
         if (cfg.session_time_s is not None and time.perf_counter() - self.t0 > cfg.session_time_s and not is_eval
@@ -737,6 +1081,17 @@ class _Run:
             self.stopped_by_time = True
             return True
         return False
+
+    def _near_target(self, step: int) -> bool:
+        """An extra evaluation at this log point: the newest train-curve point reached
+        ``target_accuracy`` and ``eval_every_near_target`` steps passed since the last evaluation (a
+        run stops close to the step it reaches the target, not at the next ``eval_every``)."""
+        cfg, history = self.cfg, self.history
+        n = cfg.eval_every_near_target
+        if not n or step % cfg.log_every or not history["train"] or history["train"][-1][2] < cfg.target_accuracy:
+            return False
+        last = history["evals"][-1]["step"] if history["evals"] else 0
+        return step - last >= n
 
     # -- evaluation ---------------------------------------------------------------------------------
 
@@ -765,9 +1120,12 @@ class _Run:
         timed in ``ckpt_s``."""
         cfg, step = self.cfg, self.step
         t = time.perf_counter()
+        evals = self.history["evals"]
+        metrics = {"test_accuracy": evals[-1]["test_accuracy"]} if evals and evals[-1]["step"] == step else None
         self.ckpt.save(self.state, {"config": dataclasses.asdict(cfg), "history": self.history, "wall_s": self.wall(),
                                     "loader_step": step, "data_mode": cfg.data_mode,
-                                    "since_eval": list(self.since_eval), "pending": pending or []}, step=step)
+                                    "since_eval": list(self.since_eval), "pending": pending or []}, step=step,
+                       metrics=metrics)
         self.ckpt_s += time.perf_counter() - t
 
     def suspend(self) -> Dict[str, Any]:
@@ -880,7 +1238,9 @@ def run(cfg: RecallConfig, *, loggers: Sequence[Logger] = ()) -> Tuple[Dict[str,
 
     Raises:
       ValueError, TypeError: a bad setting (:func:`build`), a batch size not divisible by the devices,
-        or a ``resume`` checkpoint that does not match the model; messages name ``RecallConfig`` fields.
+        a fresh run's ``out`` / ``ckpt_dir`` that holds files (without ``overwrite``), ``resume``
+        without ``out`` and no ``runs/<task>/latest``, or a ``resume`` checkpoint that does not match
+        the model; messages name ``RecallConfig`` fields.
     """
     r = _Run(cfg)
     r.restore_or_init()

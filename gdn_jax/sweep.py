@@ -301,7 +301,7 @@ def parse_shape(text: str) -> Tuple[int, int, Optional[int]]:
 _SET_BY_SWEEP = {"task": "SweepConfig.task", "mixer": "SweepConfig.mixers", "d_model": "SweepConfig.d_models",
                  "seq_len": "SweepConfig.seq_lens", "num_kv_pairs": "SweepConfig.num_kv_pairs", "lr": "SweepConfig.lrs",
                  "allow_neg_eigval": "SweepConfig.neg_eigval", "out": "SweepConfig.out",
-                 "ckpt_dir": "SweepConfig.ckpt_root", "resume": None, "logger": "SweepConfig.logger",
+                 "ckpt_dir": "SweepConfig.ckpt_root", "resume": None, "overwrite": None, "logger": "SweepConfig.logger",
                  "hybrid_every": "the mixer name 'hybrid' in SweepConfig.mixers"}
 
 
@@ -356,12 +356,16 @@ def run_config(cfg: SweepConfig, cell: Cell, lr: float, seed: Optional[int] = No
         kw["steps"] = cfg.epochs * max(spe, 1)
         if not explicit_eval:
             kw["eval_every"] = max(spe, 1)
+        kw.setdefault("eval_every_near_target", 0)  # Zoology's protocol: evaluations once per epoch only
     if cfg.deadline is not None:  # this session's share of SweepConfig.time_budget_s
         kw["session_time_s"] = max(cfg.deadline - time.time(), 1e-3)
     if cfg.ckpt_root:
         kw["ckpt_dir"] = os.path.join(cfg.ckpt_root, cell.name, run_name(lr, seed))
     ckpt = kw.get("ckpt_dir") or os.path.join(kw["out"], "ckpt")
     kw["resume"] = os.path.isdir(ckpt) and bool(os.listdir(ckpt))  # an interrupted run continues
+    # a run folder of the sweep is the sweep's: a fresh run replaces what a failed attempt left (recall.run
+    # refuses a folder holding files otherwise); the sweep keeps one checkpoint per run, not the best too
+    kw.update(overwrite=not kw["resume"], keep_best_checkpoint=False)
     kw.update({a: getattr(cell, a) for a in _task_axes(cell.task)})
     if cell.mixer == "hybrid":
         kw.update(mixer="gdn", hybrid_every=4, num_layers=max(int(kw.get("num_layers", RecallConfig.num_layers)), 4))
@@ -683,7 +687,9 @@ def recorded_config(cfg: SweepConfig) -> Dict[str, Any]:
 
 def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] = None) -> Dict[str, Any]:
     """Run every unfinished cell of ``cfg`` (in this process, or in one worker per device), then
-    :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process."""
+    :func:`summarize`. ``argv``/``script``: how to start this sweep again as a worker process (``script``:
+    a Python file run with this interpreter, or a whole command line such as ``[sys.executable, "-m",
+    "gdn_jax.commands", "sweep"]``)."""
     from tqdm.auto import tqdm
 
     if cfg.worker_index is not None and cfg.worker_index < 0:
@@ -734,7 +740,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             if wpd > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
                 env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / wpd:.3f}"  # each its share of the device
             log = open(os.path.join(cfg.out, f"worker{i}.log"), "a")
-            procs.append((subprocess.Popen([sys.executable, script, *argv, "--worker_index", str(i), "--no-progress"],
+            start = [sys.executable, script] if isinstance(script, str) else list(script)  # a file, or a command line
+            procs.append((subprocess.Popen([*start, *argv, "--worker_index", str(i), "--no-progress"],
                                            env=env, stdout=log, stderr=subprocess.STDOUT), log))
         done = bar.n
         try:

@@ -670,22 +670,36 @@ class Checkpointer:
 
     Each checkpoint (directory ``<dir>/<step>``) holds item ``state`` (the whole TrainState:
     params, optimizer state, step, PRNG key) and item ``meta`` (JSON: e.g. loader position,
-    metric history). Only the last ``max_to_keep`` checkpoints are kept. Saves are asynchronous
-    (the arrays are copied to host before :meth:`save` returns); :meth:`close` waits for them.
+    metric history). Only the last ``max_to_keep`` checkpoints are kept, and with ``best_metric``
+    also the one whose ``metrics[best_metric]`` (given to :meth:`save`) is the highest (orbax's
+    ``LatestN`` + ``BestN`` preservation policies). Saves are asynchronous (the arrays are copied to
+    host before :meth:`save` returns); :meth:`close` waits for them.
 
     Args:
       directory: checkpoint root (created if missing; made absolute).
-      max_to_keep: number of most recent checkpoints kept.
+      max_to_keep: number of most recent checkpoints kept (None: all).
       async_save: use Orbax's asynchronous checkpointing.
+      best_metric: a key of the ``metrics`` given to :meth:`save` (e.g. ``"test_accuracy"``): the
+        checkpoint with its highest value is kept too (ties: the newest); checkpoints saved without
+        metrics never count as best.
     """
 
-    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, max_to_keep: Optional[int] = 3, async_save: bool = True,
+                 best_metric: Optional[str] = None):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=async_save)
+        if best_metric is None:
+            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                   enable_async_checkpointing=async_save)
+        else:
+            pp = ocp.checkpoint_managers
+            policy = pp.AnyPreservationPolicy([
+                pp.LatestN(n=max_to_keep),
+                pp.BestN(get_metric_fn=lambda m: m[best_metric], n=1, keep_checkpoints_without_metrics=False)])
+            options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save,
+                                                   preservation_policy=policy)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> Optional[int]:
@@ -697,8 +711,9 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, state: TrainState, meta: Optional[Mapping[str, Any]] = None, *, step: Optional[int] = None,
-             force: bool = True) -> bool:
-        """Save ``state`` (+ JSON-serialisable ``meta``) under ``step`` (default ``int(state.step)``).
+             force: bool = True, metrics: Optional[Mapping[str, float]] = None) -> bool:
+        """Save ``state`` (+ JSON-serialisable ``meta``) under ``step`` (default ``int(state.step)``);
+        ``metrics`` (floats) rank it for ``best_metric``.
 
         Returns whether a checkpoint was written (False if one exists at that step already).
         """
@@ -709,6 +724,8 @@ class Checkpointer:
         meta = dict(meta or {})
         meta.setdefault("step", step)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if metrics is not None:
+            return bool(self.manager.save(step, args=args, force=force, metrics=dict(metrics)))
         return bool(self.manager.save(step, args=args, force=force))
 
     def restore(self, step: int, target: TrainState) -> Tuple[TrainState, Dict[str, Any]]:

@@ -103,6 +103,17 @@ def _check_sampling(model, temperature, top_k):
             raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
 
 
+def _key_or_greedy(key, temperature, fn: str):
+    """``key``, or a fixed key where decoding is greedy (``temperature == 0``: no randomness is used);
+    TypeError naming ``fn`` when sampling (``temperature > 0``) has no key."""
+    if key is not None:
+        return key
+    if float(temperature) > 0:
+        raise TypeError(f"{fn}: sampling (temperature={float(temperature):g} > 0) needs key=jax.random.key(seed); "
+                        f"greedy decoding (temperature=0, the default) needs none")
+    return jax.random.key(0)
+
+
 def _check_room(cache, num_tokens: int):
     """Every attention layer's KV cache must have ``num_tokens`` free slots after ``pos`` (checked
     where ``pos`` is concrete; past the end the cache cannot hold the new keys)."""
@@ -146,7 +157,7 @@ def _check_count(name, n):
     return int(n)
 
 
-def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float = 0.0,
+def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: float = 0.0,
                 top_k: Optional[int] = None):
     """``num_tokens`` decode steps from ``cache`` in one device call (a ``lax.scan`` inside one jit).
 
@@ -180,6 +191,7 @@ def decode_loop(model, cache, token, num_tokens: int, *, key, temperature: float
     _check_ids("token", token, model)
     num_tokens = _check_count("num_tokens", num_tokens)
     _check_sampling(model, temperature, top_k)
+    key = _key_or_greedy(key, temperature, "decode_loop")
     _check_room(cache, num_tokens)
     if num_tokens == 0:
         return jnp.zeros((token.shape[0], 0), jnp.int32), cache
@@ -233,7 +245,7 @@ def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key
                 call_s=t1.tolist(), call2_s=t2.tolist(), first_call_s=first, tokens=num_tokens, cache=cache)
 
 
-def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.0,
+def generate(model, prompt, max_new_tokens: int, *, key=None, temperature: float = 0.0,
              top_k: Optional[int] = None, max_len: Optional[int] = None, timings: Optional[dict] = None):
     """Sample ``max_new_tokens`` tokens after ``prompt``.
 
@@ -244,7 +256,8 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
         pad tokens too; batch prompts of one length, or call once per length.
       max_new_tokens: number of tokens to produce (>= 0; 0 returns ``[B, 0]`` and, with
         ``timings``, zeros and nan).
-      key: a PRNG key (same key, same tokens).
+      key: a PRNG key (same key, same tokens); needed only to sample (``temperature > 0``): greedy
+        decoding (the default) takes none.
       temperature: softmax temperature (>= 0); 0 means greedy argmax. Traced: no recompilation.
       top_k: keep only the k most likely tokens before sampling (``None``: all).
       max_len: attention KV-cache slots (default ``T + max_new_tokens``, the least that fits).
@@ -262,7 +275,8 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
       ValueError: empty or non-integer prompt, negative max_new_tokens, a negative or non-finite
         temperature, top_k outside [1, vocab], ``T + max_new_tokens > max_len``, or prompt ids
         outside [0, vocab_size).
-      TypeError: ``temperature`` not a real number, ``top_k`` not an int.
+      TypeError: ``temperature`` not a real number, ``top_k`` not an int; ``key`` None with
+        ``temperature > 0`` (sampling needs a key).
     """
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -281,6 +295,7 @@ def generate(model, prompt, max_new_tokens: int, *, key, temperature: float = 0.
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
                          f"exceeds the attention cache's max_len = {max_len}")
     _check_sampling(model, temperature, top_k)
+    key = _key_or_greedy(key, temperature, "generate")
     _check_ids("prompt", prompt, model)
     if max_new_tokens == 0:
         if timings is not None:  # nothing ran: no stale numbers of an earlier call left in the dict

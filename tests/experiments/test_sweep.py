@@ -151,13 +151,13 @@ def test_rates_skipped_once_one_reached_the_target(tmp_path, monkeypatch):
     assert S.run_cell(cfg, cell) and trained == [1e-3, 1e-3]
 
 
-def test_flags_with_equals_override_the_preset():
+def test_flags_with_equals_override_the_preset(monkeypatch):
     """``--name=value`` is as explicit as ``--name value``: the preset does not override it."""
     import runpy
 
     ns = runpy.run_path(SCRIPT)
     seen = {}
-    ns["main"].__globals__["run_sweep"] = lambda cfg, argv=(), script=None: seen.setdefault("cfg", cfg) and {}
+    monkeypatch.setattr(S, "run_sweep", lambda cfg, argv=(), script=None: seen.setdefault("cfg", cfg) and {})
     ns["main"](["--preset", "cpu_smoke", "--mixers=linear", "--d_models=8", "--lrs=0.001", "--out=/tmp/never"])
     cfg = seen["cfg"]
     assert (cfg.mixers, cfg.d_models, cfg.lrs, cfg.out) == (("linear",), (8,), (0.001,), "/tmp/never")

@@ -554,7 +554,7 @@ def test_optimizer_arguments(kw, match):
 
 
 def test_fresh_run_deletes_only_checkpoints(tmp_path):
-    """A fresh run (no resume) clears orbax step folders in ckpt_dir and refuses a folder holding
+    """A fresh run with overwrite (no resume) clears orbax step folders in ckpt_dir and refuses a folder holding
     anything else (it used to delete the whole folder)."""
     from gdn_jax import recall as R
 
@@ -563,8 +563,8 @@ def test_fresh_run_deletes_only_checkpoints(tmp_path):
     ck = tmp_path / "ck"
     R.run(R.RecallConfig(**base, out=str(tmp_path / "a"), ckpt_dir=str(ck)))
     assert (ck / "2").is_dir()
-    R.run(R.RecallConfig(**base, out=str(tmp_path / "b"), ckpt_dir=str(ck)))  # checkpoints only: replaced
+    R.run(R.RecallConfig(**base, out=str(tmp_path / "b"), ckpt_dir=str(ck), overwrite=True))  # checkpoints only: replaced
     (ck / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not checkpoints"):
-        R.run(R.RecallConfig(**base, out=str(tmp_path / "c"), ckpt_dir=str(ck)))
+        R.run(R.RecallConfig(**base, out=str(tmp_path / "c"), ckpt_dir=str(ck), overwrite=True))
     assert (ck / "notes.txt").read_text() == "mine"
