@@ -191,6 +191,9 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
         (its primitive carries no effects): for these calls (found by tracing ``fn`` once, hence
         only where asked) ``fn`` runs unwrapped, as without sharding rules.
 
+    In a process with one device (``jax.device_count() == 1``) ``fn`` runs unwrapped: nothing can
+    be partitioned there, and the one-device program stays exactly the kernels' own.
+
     Returns:
       ``fn(static, *args)`` as a tuple; under ``jit`` over several devices each output keeps the
       batch and head sharding of the arguments.
@@ -203,6 +206,8 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
     if len(in_labels) != len(args):
         raise ValueError(f"{len(args)} arguments, {len(in_labels)} label strings")
     labels = tuple(_resolve(lab, x.ndim) for lab, x in zip(in_labels, args))
+    if jax.device_count() == 1:  # one device: nothing to partition; the entry point runs as it is
+        return tuple(fn(static, *args))
     if interpreted and jax.make_jaxpr(lambda *a: tuple(fn(static, *a)))(*args).effects:
         return tuple(fn(static, *args))
 
