@@ -8,7 +8,9 @@ space) and the scratch buffers. Per kernel:
 * pipelined VMEM blocks, each padded to the TPU tile (last dim to 128 lanes, second-to-last to
   8 sublanes x 32 / dtype bits) and counted twice (the pipeline double-buffers every block);
 * VMEM scratch (the state passes' carried state), counted once;
-* SMEM blocks apart (the packed-sequence flags), unpadded.
+* SMEM blocks apart (the packed-sequence flags), unpadded;
+* arrays left in HBM (memory space ANY: the packed path's per-sequence states, copied by window
+  into the scratch) are listed but take no VMEM.
 
 Packed rows (``cu_seqlens``, 4 sequences) trace the same tokens as one row: B = 1, T = B * T.
 
@@ -66,8 +68,10 @@ def _padded_bytes(shape, dtype) -> int:
 
 
 def _space(aval) -> str:
+    """"smem", "hbm" (memory space ANY / HBM: not brought into VMEM; the kernel copies windows of
+    it by DMA into its scratch) or "vmem"."""
     s = str(getattr(aval, "memory_space", None)).lower()
-    return "smem" if "smem" in s else "vmem"
+    return "smem" if "smem" in s else "hbm" if ("any" in s or "hbm" in s) else "vmem"
 
 
 def kernel_budgets(B, T, H, K, V, *, dtype=jnp.bfloat16, chunk_size=64, packed=False):
@@ -100,6 +104,8 @@ def kernel_budgets(B, T, H, K, V, *, dtype=jnp.bfloat16, chunk_size=64, packed=F
                 dt = jnp.dtype(bm.block_aval.dtype)
                 space = _space(bm.block_aval)
                 blocks.append((str(bm.origin), shape, dt.name, space))
+                if space == "hbm":
+                    continue
                 if space == "smem":  # scalars: unpadded, double-buffered
                     n = 1
                     for d in shape:
@@ -109,6 +115,8 @@ def kernel_budgets(B, T, H, K, V, *, dtype=jnp.bfloat16, chunk_size=64, packed=F
                     vmem += 2 * _padded_bytes(shape, dt)
             scratch = []
             for a in gm.scratch_avals:
+                if "sem" in str(a).lower():  # DMA semaphores
+                    continue
                 shape = tuple(int(d) for d in a.shape)
                 scratch.append((shape, jnp.dtype(a.dtype).name))
                 vmem += _padded_bytes(shape, a.dtype)

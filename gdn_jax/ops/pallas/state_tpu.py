@@ -7,9 +7,11 @@ VMEM (16 MiB scoped by default on v5e, 32 MiB on v6e), so these kernels instead 
 two "parallel"), the Pallas pipeline brings in one chunk's blocks at a time (double-buffered),
 and the recurrent state S [K, bv] (reverse pass: dS) is carried between chunks in a float32 VMEM
 scratch, initialised at chunk 0 and written out after the last. The reverse pass walks the chunks
-backwards through its index maps (chunk n - 1 - i at step i). Nothing in VMEM grows with T; the
-initial / final state blocks hold ``nseq`` states (1, or the number of packed sequences), and the
-packed-sequence flags are read one chunk at a time from SMEM.
+backwards through its index maps (chunk n - 1 - i at step i). Nothing in VMEM grows with T or
+with the number of packed sequences: without ``cu_seqlens`` the initial / final state is one
+[K, bv] block per program; with it the states stay in HBM and a sequence's [K, bv] window is
+copied by DMA into the scratch at its first chunk (reverse: its last) and out of it after its last
+(reverse: its first), and the packed-sequence flags are read one chunk at a time from SMEM.
 
 Per chunk the arithmetic is that of the GPU kernels (see :mod:`.state_fwd` and :mod:`.state_bwd`
 for the equations).
@@ -19,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -44,7 +45,10 @@ def _specs(call: KernelCall, bv: int, reverse: bool):
         col=hm_spec(C, 1, lambda b, j, i: (b, ch(i), 0)),
         last=pl.BlockSpec((None, None, 1, 1), lambda b, j, i: (b, ch(i), 0, 0)),
         tile=pl.BlockSpec((None, None, C, C), lambda b, j, i: (b, ch(i), 0, 0)),
-        state=pl.BlockSpec((None, call.nseq, K, bv), lambda b, j, i: (b, 0, 0, j)),
+        # packed: the N states of a row stay in HBM, one [K, bv] window copied in / out by DMA at a
+        # sequence's first / last chunk (VMEM then holds no per-sequence buffers either)
+        state=(pl.BlockSpec(memory_space=pl.ANY) if call.packed
+               else pl.BlockSpec((None, 1, K, bv), lambda b, j, i: (b, 0, 0, j))),
         chunk_state=pl.BlockSpec((None, None, K, bv), lambda b, j, i: (b, ch(i), 0, j)),
         # flags as [n, 1, 1]: a (1, 1) block per chunk (a rank-1 block of one element breaks the
         # TPU block-shape rule; SMEM is small, so the flags of all chunks are not kept there)
@@ -56,6 +60,21 @@ def _flags_input(call: KernelCall, flags, sp):
     return (flags.reshape(-1, 1, 1), sp["flags"]) if call.packed else None
 
 
+def _copy(call: KernelCall, src, dst, sem):
+    """A synchronous DMA ``src`` -> ``dst`` (the packed path's per-sequence state windows)."""
+    cp = pltpu.make_async_copy(src, dst, sem)
+    cp.start()
+    cp.wait()
+
+
+def _window(call: KernelCall, ref, sid):
+    """The [K, bv] window of sequence ``sid``'s state of this program's (bh, value block), in the
+    HBM array ``ref`` [BH | H, nseq, K, V]."""
+    bv = call.bv_state
+    cols = slice(None) if bv == call.V else pl.ds(pl.multiple_of(pl.program_id(1) * bv, bv), bv)
+    return ref.at[pl.program_id(0), sid, :, cols]
+
+
 def _chunk_flags(flags_ref):
     """(sequence id, first chunk of it, last chunk of it) of this step's chunk (the encoding of
     :func:`.tiles.chunk_flags`)."""
@@ -65,7 +84,7 @@ def _chunk_flags(flags_ref):
 
 def _forward_chunk(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, e_gam_last_ref, h0_ref, s_ref,
                    flags_ref=None, final_ref=None, vn_ref=None, h_ref=None, q_ref=None, e_gam_ref=None,
-                   aqk_ref=None, o_ref=None):
+                   aqk_ref=None, o_ref=None, sem_ref=None):
     """One chunk of the forward state pass; S enters from / leaves to the scratch ``s_ref``."""
     i = pl.program_id(2)
 
@@ -76,10 +95,14 @@ def _forward_chunk(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, e_ga
         else:
             s_ref[...] = _t.load_f32(h0_ref, 0)
 
-    S = s_ref[...]
     if call.packed:
         sid, first, last = _chunk_flags(flags_ref)
-        S = lax.cond(first, lambda: _t.load_f32(h0_ref, sid), lambda: S)
+
+        @pl.when(first)
+        def _():
+            _copy(call, _window(call, h0_ref, sid), s_ref, sem_ref)
+
+    S = s_ref[...]
     if h_ref is not None:
         h_ref[...] = S.astype(h_ref.dtype)
     sdt = call.state_dt
@@ -99,7 +122,7 @@ def _forward_chunk(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, e_ga
 
         @pl.when(last)
         def _():
-            final_ref[sid] = S.astype(final_ref.dtype)
+            _copy(call, s_ref, _window(call, final_ref, sid), sem_ref)
     else:
 
         @pl.when(i == call.n - 1)
@@ -108,8 +131,12 @@ def _forward_chunk(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, e_ga
 
 
 def _scratch(call: KernelCall, bv: int):
-    """The carried state (forward: S; reverse: dS), float32 [K, bv] in VMEM."""
-    return dict(s=pltpu.VMEM((call.K, bv), F32))
+    """The carried state (forward: S; reverse: dS), float32 [K, bv] in VMEM; packed: and the DMA
+    semaphore of the state windows' copies."""
+    scratch = dict(s=pltpu.VMEM((call.K, bv), F32))
+    if call.packed:
+        scratch["sem"] = pltpu.SemaphoreType.DMA(())
+    return scratch
 
 
 def forward_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
@@ -144,7 +171,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
 
 def _reverse_chunk(call: KernelCall, *, q_ref, k_ref, w_ref, dvl_ref, do_ref, e_gam_ref, e_gam_end_ref,
-                   e_gam_last_ref, dfinal_ref, dh_ref, dvn_ref, dh0_ref, s_ref, flags_ref=None):
+                   e_gam_last_ref, dfinal_ref, dh_ref, dvn_ref, dh0_ref, s_ref, flags_ref=None, sem_ref=None):
     """One chunk (chunk n - 1 - i at step i) of the reverse state pass; dS in the scratch ``s_ref``."""
     i = pl.program_id(2)
 
@@ -155,10 +182,14 @@ def _reverse_chunk(call: KernelCall, *, q_ref, k_ref, w_ref, dvl_ref, do_ref, e_
         else:
             s_ref[...] = _t.load_f32(dfinal_ref, 0)
 
-    dS = s_ref[...]
     if call.packed:
         sid, first, last = _chunk_flags(flags_ref)
-        dS = lax.cond(last, lambda: _t.load_f32(dfinal_ref, sid), lambda: dS)
+
+        @pl.when(last)
+        def _():
+            _copy(call, _window(call, dfinal_ref, sid), s_ref, sem_ref)
+
+    dS = s_ref[...]
     dh_ref[...] = dS.astype(dh_ref.dtype)
     sdt = call.state_dt
     kd = _t.load_f32(k_ref) * e_gam_end_ref[...]
@@ -172,7 +203,7 @@ def _reverse_chunk(call: KernelCall, *, q_ref, k_ref, w_ref, dvl_ref, do_ref, e_
 
         @pl.when(first)
         def _():
-            dh0_ref[sid] = dS.astype(dh0_ref.dtype)
+            _copy(call, s_ref, _window(call, dh0_ref, sid), sem_ref)
     else:
 
         @pl.when(i == call.n - 1)
