@@ -69,7 +69,8 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
 
 
 def state_specs(call: KernelCall, bv):
-    """BlockSpecs of the state passes (grid (bh, value block j); whole sequences per program):
+    """BlockSpecs of the GPU / interpret state passes (grid (bh, value block j); whole sequences
+    per program; the TPU passes stream by chunk, :mod:`.state_tpu`):
     token [T, K] (q, k: key heads), token [T, bv], head-major [T, K] and [T, bv], scalar column
     [T, 1], e^{gamma_C} [n, 1, 1],
     states [nseq, K, bv] and per-chunk states [n, K, bv]."""
