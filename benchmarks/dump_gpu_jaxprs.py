@@ -1,6 +1,18 @@
-"""Dump str(jax.make_jaxpr(value_and_grad(pallas op))) for GPU / interpret platforms to a folder."""
-import os, sys, functools
-import jax, jax.numpy as jnp
+"""Dump ``str(jax.make_jaxpr(jax.value_and_grad(loss of the pallas op)))`` for the GPU and CPU
+interpret code paths, one file per case, to show that a change to the TPU kernels leaves them
+unchanged: run it on two trees and ``diff -r`` the folders.
+
+Cases: platform "gpu" (Triton), "gpu" with ``gpu_kernels="mosaic"`` (and ``fwd_form="t"``), and
+"interpret"; float32 and bf16; dense, packed ``cu_seqlens``, grouped value heads, unfused forward
+(B 1, T 200, H 2, K = V = 128, chunk 64). Tracing only (CPU, seconds)::
+
+    PYTHONPATH=. python benchmarks/dump_gpu_jaxprs.py OUT_DIR
+"""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
 from gdn_jax.ops import KernelConfig, gated_delta_rule
 
 out = sys.argv[1]
@@ -30,7 +42,6 @@ for plat, extra, dt, form in cases:
     G = 2 if form == "gva" else 1
     cu = jnp.asarray([0, 50, 120, 200], jnp.int32) if form == "packed" else None
     N = 3 if form == "packed" else B
-    key = jax.random.PRNGKey(0)
     q = jnp.ones((B, T, H, K), dt); k = q; v = jnp.ones((B, T, H * G, V), dt)
     g = -jnp.ones((B, T, H * G), F32); b = jnp.ones((B, T, H * G), dt) * 0.5
     s = jnp.zeros((N, H * G, K, V), F32)
