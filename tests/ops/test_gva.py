@@ -61,6 +61,14 @@ def test_gva_packed_sequences(backend):
     check(x, run(x, backend, cu=jnp.asarray(cu, jnp.int32)), cu=cu)
 
 
+def test_gva_tpu_layout_packed():
+    """Grouped value heads with packed sequences on the TPU layout (streamed state passes)."""
+    cu = [0, 13, 13, 40]
+    x = gva_inputs(seed_of("gva-tpu-packed"), 1, 40, 1, 2, 16, 16, N=3)
+    check(x, run(x, "pallas", cu=jnp.asarray(cu, jnp.int32), kernel_config=KernelConfig(platform="tpu_interpret")),
+          cu=cu)
+
+
 @pytest.mark.parametrize("kernel_config", [KernelConfig(platform="tpu_interpret"),
                                            KernelConfig(fuse_output=False, merge_state=True, bv_state=16),
                                            KernelConfig(bk_grad=16, bv_grad=16)],

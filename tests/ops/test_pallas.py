@@ -150,6 +150,26 @@ def test_tpu_variant_interpret_packed():
     check(got, ref(x, cu_seqlens=cu))
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_tpu_variant_interpret_streamed(fuse):
+    """The streamed TPU state passes (grid bh x value block x chunk, the state carried in VMEM
+    scratch) over several chunks and two value blocks per head: T = 70 is not a multiple of the
+    chunk (5 chunks of 16), the scratch restarts per (bh, value block), the reverse pass walks the
+    chunks backwards; fused and unfused forward, initial state, float64 reference."""
+    x = make(_seed("tpu-stream", fuse), 2, 70, 2, 32, 32, init=True)
+    cfg = KernelConfig(platform="tpu_interpret", bv_state=16, fuse_output=fuse)
+    check(run(x, chunk_size=16, kernel_config=cfg), ref(x))
+
+
+def test_tpu_variant_interpret_streamed_packed_bf16():
+    """Packed sequences on the streamed TPU passes (per-chunk SMEM flags: a sequence starts, ends
+    or spans chunks; an empty one keeps its initial state), two value blocks, bf16 inputs."""
+    cu = [0, 5, 5, 40, 41, 77]
+    x = make(_seed("tpu-stream-packed"), 1, 77, 2, 32, 32, init=True, N=5, dtype=BF16)
+    cfg = KernelConfig(platform="tpu_interpret", bv_state=16)
+    check(run(x, chunk_size=16, cu_seqlens=cu, kernel_config=cfg), ref(x, cu_seqlens=cu))
+
+
 def _export(target, packed, K, V, C, dtype=BF16, group=1, **tune):
     """Lower forward and gradient for `target` ("tpu" / "cuda") with the kernels built for it
     (``group`` value heads per key head)."""

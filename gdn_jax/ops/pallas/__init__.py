@@ -39,8 +39,9 @@ GPU as 1-pass TF32 dots by default, like XLA's; ``gpu_f32_*="tf32x3"`` for ~floa
 or bf16x3 (the Hopper kernels) in every case.
 
 Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering
-(``jax.export``) only; its state passes hold whole sequences in VMEM (the limit is raised up to
-100 MiB), so very long sequences need a chunk-streaming variant there.
+(``jax.export``) only; every TPU kernel streams per-chunk blocks (the state passes of
+:mod:`.state_tpu` carry the state across the chunk axis in VMEM scratch), so its VMEM use does not
+depend on T (``benchmarks/vmem_budget.py``).
 """
 from __future__ import annotations
 

@@ -63,17 +63,24 @@ def sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def run(call: KernelCall, body, *, name: str, grid, inputs: dict, outputs: dict, warps: int):
+def run(call: KernelCall, body, *, name: str, grid, inputs: dict, outputs: dict, warps: int, scratch=None,
+        semantics=None):
     """Build and run one ``pallas_call`` whose kernel takes its refs by name.
 
     ``inputs``: ``{name: (array, BlockSpec) or None}`` (None entries are left out: optional
     refs); ``outputs``: ``{name: (ShapeDtypeStruct, BlockSpec)}``. ``body`` is called as
-    ``body(**{name + "_ref": ref})``, inputs then outputs, in the dicts' order. Returns
-    ``{name: array}`` of the outputs.
+    ``body(**{name + "_ref": ref})``, inputs then outputs, in the dicts' order. TPU only:
+    ``scratch`` ``{name: pltpu.VMEM(...)}`` scratch buffers (kept across the grid's steps; passed
+    last, by name) and ``semantics`` the grid's dimension semantics (default all "parallel").
+    Returns ``{name: array}`` of the outputs.
     """
     ins = [(k, a, s) for k, v in inputs.items() if v is not None for a, s in (v,)]
     outs = list((k, o, s) for k, (o, s) in outputs.items())
     names = [k + "_ref" for k, _, _ in ins] + [k + "_ref" for k, _, _ in outs]
+    extra = {}
+    if scratch:
+        names += [k + "_ref" for k in scratch]
+        extra["scratch_shapes"] = list(scratch.values())
 
     def kernel(*refs):
         body(**dict(zip(names, refs)))
@@ -86,8 +93,9 @@ def run(call: KernelCall, body, *, name: str, grid, inputs: dict, outputs: dict,
         in_specs=[s for _, _, s in ins],
         out_specs=[s for _, _, s in outs],
         name=name,
+        **extra,
         **_plat.call_kwargs(call.platform, num_warps=warps, num_stages=call.num_stages, n_grid=len(grid),
-                            blocks=blocks),
+                            blocks=blocks, **({"semantics": semantics} if semantics else {})),
     )
     res = _plat.invoke(call.platform, fn, *[a for _, a, _ in ins])
     return dict(zip([k for k, _, _ in outs], res))

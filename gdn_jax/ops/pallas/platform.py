@@ -59,7 +59,8 @@ def is_tpu_layout(p: str) -> bool:
 def tpu_vmem_bytes(blocks) -> Optional[int]:
     """Scoped-VMEM limit for a TPU kernel whose blocks [(BlockSpec, dtype)] are double-buffered:
     None (compiler default) when they fit in 12 MiB, else their padded size * 1.25, capped at
-    100 MiB (the state passes keep whole sequences in VMEM; VMEM is 128 MiB on v5e/v5p/v6e)."""
+    100 MiB (VMEM is 128 MiB on v5e/v5p/v6e). Every TPU kernel streams per-chunk blocks
+    (:mod:`.state_tpu`), so at the shapes measured (``benchmarks/vmem_budget.py``) this is None."""
     total = 0
     for spec, dt in blocks:
         shape = [d for d in (getattr(spec, "block_shape", None) or ()) if d is not None]
@@ -79,9 +80,10 @@ def tpu_vmem_bytes(blocks) -> Optional[int]:
     return int(min(total * 1.25, 100 * 2**20))
 
 
-def call_kwargs(p: str, *, num_warps: int, num_stages: int, n_grid: int, blocks=None) -> dict:
+def call_kwargs(p: str, *, num_warps: int, num_stages: int, n_grid: int, blocks=None, semantics=None) -> dict:
     """``interpret`` / ``compiler_params`` arguments of a ``pallas_call`` for platform ``p``;
-    ``blocks`` [(BlockSpec, dtype)] sizes the TPU VMEM limit."""
+    ``blocks`` [(BlockSpec, dtype)] sizes the TPU VMEM limit, ``semantics`` the TPU grid's
+    dimension semantics (default: every axis "parallel")."""
     if p == "gpu":
         from jax.experimental.pallas import triton as plt
 
@@ -90,7 +92,7 @@ def call_kwargs(p: str, *, num_warps: int, num_stages: int, n_grid: int, blocks=
         from jax.experimental.pallas import tpu as pltpu
 
         vmem = tpu_vmem_bytes(blocks) if blocks else None
-        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * n_grid,
+        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(semantics or ("parallel",) * n_grid),
                                                          vmem_limit_bytes=vmem))
     if p == "tpu_interpret":
         from jax.experimental.pallas import tpu as pltpu

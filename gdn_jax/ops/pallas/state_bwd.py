@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import platform as _plat
+from . import state_tpu
 from . import tiles as _t
 from .config import KernelCall
 from .layout import run, sds
@@ -63,7 +65,10 @@ def reverse_state_loop(call: KernelCall, *, q_ref, k_ref, w_ref, dvl_ref, do_ref
 
 def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, flags):
     """The reverse state pass; grid (B*H, V/bv_state). Returns ``dh`` [BH, n, K, V], ``dvn``
-    [BH, T, V] (mid dtype) and ``dh0`` [BH | H, nseq, K, V] f32."""
+    [BH, T, V] (mid dtype) and ``dh0`` [BH | H, nseq, K, V] f32. On TPU:
+    :func:`.state_tpu.reverse_states` (streamed by chunk, from the last)."""
+    if _plat.is_tpu_layout(call.platform):
+        return state_tpu.reverse_states(call, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, flags)
     bv = call.bv_state
     BH, K, V, n, Tp = call.BH, call.K, call.V, call.n, call.Tp
     sp = state_specs(call, bv)

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import platform as _plat
+from . import state_tpu
 from . import tiles as _t
 from .config import KernelCall
 from .layout import hm_spec, run, sds, token_shape, token_spec
@@ -68,7 +69,8 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
 
 
 def state_specs(call: KernelCall, bv):
-    """BlockSpecs of the state passes (grid (bh, value block j); whole sequences per program):
+    """BlockSpecs of the GPU / interpret state passes (grid (bh, value block j); whole sequences
+    per program; the TPU passes stream by chunk, :mod:`.state_tpu`):
     token [T, K] (q, k: key heads), token [T, bv], head-major [T, K] and [T, bv], scalar column
     [T, 1], e^{gamma_C} [n, 1, 1],
     states [nseq, K, bv] and per-chunk states [n, K, bv]."""
@@ -92,7 +94,9 @@ def _flags_input(call: KernelCall, flags):
 def forward_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
     """Forward state pass writing Vn and the entering states (the backward's recompute; the
     unfused forward). Returns ``vn`` [BH, T, V], ``h`` [BH, n, K, V] (mid dtype) and ``final``
-    [BH | H, nseq, K, V] f32."""
+    [BH | H, nseq, K, V] f32. On TPU: :func:`.state_tpu.forward_states` (streamed by chunk)."""
+    if _plat.is_tpu_layout(call.platform):
+        return state_tpu.forward_states(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
     bv = call.bv_state
     BH, K, V, n, Tp = call.BH, call.K, call.V, call.n, call.Tp
     sp = state_specs(call, bv)
@@ -107,7 +111,10 @@ def forward_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
 
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk):
     """The fused forward: the state pass that also writes o (no h_n / Vn round trip through HBM).
-    Returns ``o`` (token layout, input dtype) and ``final`` [BH | H, nseq, K, V] f32."""
+    Returns ``o`` (token layout, input dtype) and ``final`` [BH | H, nseq, K, V] f32. On TPU:
+    :func:`.state_tpu.forward_states_and_output` (streamed by chunk)."""
+    if _plat.is_tpu_layout(call.platform):
+        return state_tpu.forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags, q, e_gam, aqk)
     bv = call.bv_state
     BH, V, n, Tp, C = call.BH, call.V, call.n, call.Tp, call.C
     sp = state_specs(call, bv)
