@@ -14,7 +14,7 @@ import sys
 import time
 
 DEFAULT = dict(op="gdn", backend="chunk", B=1, T=32, Hk=2, H=2, K=16, V=16, g_pc=False, packed=False, init=True,
-               chunk=16, dtype="float32", l2norm=False, seed=0)
+               chunk=16, dtype="float32", l2norm=False, seed=0, platform=None)
 # documents crossing the shard boundaries of 2, 4 and 8 shards of T = 32, one empty, one starting on a boundary
 PACKED_CU = [0, 5, 5, 14, 19, 24, 27, 32]
 
@@ -62,6 +62,10 @@ def run_case(case: dict, devices: int) -> dict:
     wo, wf = r(B, T, H, V), r(n0, H, K, V)
     kw = dict(output_final_state=True, backend=c["backend"], chunk_size=c["chunk"], cu_seqlens=cu,
               use_qk_l2norm=c["l2norm"])
+    if c["platform"]:  # the Pallas kernels of another platform, e.g. "tpu_interpret" (TPU semantics on the CPU)
+        from gdn_jax.ops import KernelConfig
+
+        kw["kernel_config"] = KernelConfig(platform=c["platform"])
     mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
 
     def loss(fn):

@@ -31,7 +31,8 @@ FIELDS = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "ds0")
 
 CASES = {  # devices -> cases (pairwise: every backend packed and not, GVA, per-key-channel g)
     2: [dict(backend="pallas", packed=True, Hk=1, H=2), dict(backend="scan", g_pc=True, B=2),
-        dict(op="la", no_decay=True, B=2)],
+        dict(op="la", no_decay=True, B=2),
+        dict(backend="pallas", platform="tpu_interpret", packed=True)],  # the TPU kernels (streaming state passes)
     4: [dict(backend="chunk", packed=True, g_pc=True), dict(backend="scan", packed=True, Hk=1, H=2, l2norm=True),
         dict(backend="pallas", B=2, init=False), dict(op="la", packed=True, g_pc=True)],
     8: [dict(backend="chunk", B=2, Hk=1, H=2), dict(backend="scan", packed=True, g_pc=True),
