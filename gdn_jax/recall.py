@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import typing
+import warnings
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import jax
@@ -197,6 +198,11 @@ class RecallConfig:
             self.mixer = "gdn"
             self.hybrid_every = self.hybrid_every or 4
             if isinstance(self.num_layers, int) and not isinstance(self.num_layers, bool):
+                if self.num_layers < self.hybrid_every:
+                    warnings.warn(f"RecallConfig.mixer='hybrid' (gdn with every {self.hybrid_every}th layer "
+                                  f"{self.hybrid_mixer}): num_layers {self.num_layers} -> {self.hybrid_every}, the "
+                                  f"fewest with one {self.hybrid_mixer} layer (set hybrid_every for another ratio)",
+                                  UserWarning, stacklevel=3)
                 self.num_layers = max(self.num_layers, self.hybrid_every)
 
 
@@ -357,7 +363,7 @@ def validate(cfg: RecallConfig) -> None:
         bad("backend", f"one of {BACKENDS}")
     for name in ("mixer", "hybrid_mixer"):
         if getattr(cfg, name) not in MIXERS:
-            bad(name, f"one of {sorted(MIXERS)}")
+            bad(name, f"one of {sorted(MIXERS) + (['hybrid'] if name == 'mixer' else [])}")
     fixed_ok = "train_examples" in {f.name for f in dataclasses.fields(TASK_CONFIGS[cfg.task])}
     if cfg.data_mode == "fixed" and not fixed_ok:
         bad("data_mode", "'stream' for this task", f": 'fixed' is Zoology's fixed training set (MQAR, Arora et al. "
@@ -638,6 +644,21 @@ def _claim_folder(cfg: RecallConfig, out: str, ckpt_dir: str) -> None:
             shutil.rmtree(os.path.join(out, d))
 
 
+def _newest_run(root: str, overrides: Dict[str, Any]) -> Optional[str]:
+    """The newest default run folder in ``root`` (``<label>-<date>-<time>[-n]``) of the mixer that
+    ``overrides`` names (its folder label, e.g. ``gdn`` or ``hybrid``), or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = RecallConfig(**{k: v for k, v in overrides.items() if k in ("mixer", "hybrid_every", "hybrid_mixer")})
+    pattern = re.compile(re.escape(_folder_label(probe)) + r"-(\d{8}-\d{6})(?:-(\d+))?")
+    found = []
+    for n in os.listdir(root) if os.path.isdir(root) else []:
+        m = pattern.fullmatch(n)
+        if m and os.path.isdir(os.path.join(root, n)):
+            found.append(((m.group(1), int(m.group(2) or 1)), n))
+    return os.path.abspath(os.path.join(root, max(found)[1])) if found else None
+
+
 def find_run(path: str) -> str:
     """The run folder that ``path`` names: a run's folder itself, a ``latest`` pointer, or a task
     folder ``runs/<task>`` (its ``latest`` run).
@@ -722,7 +743,7 @@ def resume_config(path: Optional[str], overrides: Optional[Dict[str, Any]] = Non
     overrides = dict(overrides or {})
     if path is None:
         root = os.path.join(RUNS_ROOT, overrides.get("task", task))
-        path = read_latest(root)
+        path = _newest_run(root, overrides) if "mixer" in overrides else read_latest(root)
         if path is None:
             raise ValueError(f"RecallConfig.resume: no run to resume ({os.path.join(root, LATEST)} names no run "
                              f"folder); name the run's folder with RecallConfig.out")
@@ -785,12 +806,11 @@ def load_run(path: str, params: Literal["best", "last"] = "best") -> LoadedRun:
       ValueError: ``params`` not ``"best"``/``"last"``.
       FileNotFoundError: no run, or no checkpoint, in ``path``.
     """
-    import warnings
-
     if params not in ("best", "last"):
         raise ValueError(f"params must be 'best' or 'last', got {params!r}")
     cfg = saved_config(path)
-    folder = cfg.out
+    folder = os.path.realpath(find_run(path))  # the run's own folder, also when named through ``latest``
+    cfg = dataclasses.replace(cfg, out=folder)
     ckpt_dir = cfg.ckpt_dir or os.path.join(folder, "ckpt")
     results = None
     try:
@@ -1264,6 +1284,14 @@ def _train_and_report(r: _Run) -> Tuple[Dict[str, Any], T.TrainState]:
             raise KeyboardInterrupt(f"checkpointed at step {rec['steps']} in {rec['ckpt_dir']}; resume to continue")
         return rec, r.state
     r.finish()
+    done = os.path.join(r.out, "results.json")
+    if r.resumed and r.step == r.start and os.path.isfile(done):
+        # nothing trained in this session (the run had finished): its record, timings included, stays as it is
+        with open(done) as f:
+            results = json.load(f)
+        print(f"the run in {os.path.abspath(r.out)} had finished at step {r.step}: nothing to train, its "
+              f"results.json is kept (raise RecallConfig.max_steps to train on)", flush=True)
+        return results, r.state
     results = r.results()
     r.logger.log_summary(results)
     r.write_outputs(results)

@@ -705,6 +705,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     if cfg.worker_index is not None:
         _worker(cfg)
         return {}
+    print(f"sweep folder: {os.path.abspath(cfg.out)} (run the same command again to continue this grid there)",
+          file=sys.stderr, flush=True)
     for p in glob.glob(os.path.join(cfg.out, "locks", "*.lock")):  # locks of a dead earlier sweep
         os.remove(p)
     n_acc, backend = _accelerators() if not cfg.workers else (0, "")

@@ -97,6 +97,14 @@ def test_runs_keep_their_folders_resume_and_load(tmp_path, monkeypatch, capsys):
     assert best.step == max(accs, key=lambda s: (accs[s], s))
     assert _accuracy(best.model, task) == pytest.approx(accs[best.step], abs=1e-6)
     assert load_run("runs/mqar").path == b  # a task folder: its latest run
+    assert load_run("runs/mqar/latest").path == b  # the pointer: the run's own folder
+    # resuming a finished run trains nothing and keeps its record (timings included) byte for byte
+    record = open(os.path.join(a, "results.json")).read()
+    r5 = recall(["--resume", "--out", a], prog="recall.py")
+    assert r5["steps"] == 8 and open(os.path.join(a, "results.json")).read() == record
+    # --resume without --out, with --mixer: the newest run of that mixer, not the newest run
+    r6 = recall(["--resume", "--mixer", "gdn"], prog="recall.py")
+    assert r6["out"] == a
     with pytest.raises(ValueError, match="params must be 'best' or 'last'"):
         load_run(a, params="first")
 
@@ -285,3 +293,13 @@ def test_checkpointer_keeps_latest_and_best(tmp_path):
         ck.save({"w": jnp.full(3, float(s))}, {"s": s}, step=s, metrics={"acc": acc})
     ck.close()
     assert steps() == [8, 9, 10]
+
+
+def test_hybrid_raises_num_layers_with_a_warning():
+    from gdn_jax.recall import RecallConfig
+
+    with pytest.warns(UserWarning, match=r"num_layers 3 -> 4"):
+        cfg = RecallConfig(mixer="hybrid", num_layers=3)
+    assert (cfg.mixer, cfg.hybrid_every, cfg.num_layers) == ("gdn", 4, 4)
+    cfg = RecallConfig(mixer="hybrid", num_layers=3, hybrid_every=2)  # fits: no warning, the layers kept
+    assert cfg.num_layers == 3
