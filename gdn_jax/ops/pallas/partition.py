@@ -208,8 +208,11 @@ def run_sharded(fn: Callable, static, args: Sequence[jax.Array], in_labels: Sequ
     labels = tuple(_resolve(lab, x.ndim) for lab, x in zip(in_labels, args))
     if jax.device_count() == 1:  # one device: nothing to partition; the entry point runs as it is
         return tuple(fn(static, *args))
-    if interpreted and jax.make_jaxpr(lambda *a: tuple(fn(static, *a)))(*args).effects:
-        return tuple(fn(static, *args))
+    if interpreted:
+        closed = jax.make_jaxpr(lambda *a: tuple(fn(static, *a)))(*args)
+        if closed.effects:  # the traced entry point itself (no second trace of ``fn``) where JAX has eval_jaxpr
+            run = getattr(jax.core, "eval_jaxpr", None)
+            return tuple(run(closed.jaxpr, closed.consts, *args) if run else fn(static, *args))
 
     def call_partitioned(*a):
         return _partitioned()(_Call(fn, static, labels, out_labels, group, heads), *a)
