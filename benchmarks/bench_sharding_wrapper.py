@@ -3,9 +3,12 @@
 Times ``gated_delta_rule(..., backend="pallas")`` forward and forward+backward (jitted, bf16, the
 inputs of ``bench_pallas.py``) with the wrapper on (the library as it is) and off (the kernels
 called directly, as before the wrapper existed), alternating on / off ``--rounds`` times in one
-process, and reports the medians. On one device the wrapper is inlined when the program is
-lowered, so both programs are the same: the times should agree to noise and the outputs bit for
-bit (checked). ``--mesh-devices N`` also times the same calls with the batch split over N devices
+process, and reports the medians. In a process with one device the library runs the kernels
+unwrapped (``partition.run_sharded``), so both programs are the same there; what one GPU can show
+is the op's time against a tree from before the wrapper (``bench_pallas.py`` on both trees in one
+call): the wrapper came with a change of the glue around the kernels (batch and heads kept apart in
+``vjp.to_kernel_inputs``). On a host with several devices the wrapper is active and inlined when a
+one-device program is lowered: the times should agree to noise and the outputs bit for bit (checked). ``--mesh-devices N`` also times the same calls with the batch split over N devices
 (``NamedSharding(mesh, P("data"))``): on, each device runs its own rows; off, the kernels'
 operands are gathered and every device runs the whole batch (the all-gathers are counted in the
 compiled HLO).
