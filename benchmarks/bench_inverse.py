@@ -1,0 +1,204 @@
+"""The gate-free inverse kernel (``gdn_jax.ops.pallas.inverse_gatefree``) timed against the
+inverse / WY stage kernels of our forward, at the five shapes of ``bench_pallas.py``.
+
+Per shape (bf16 inputs made as ``bench_pallas.make_inputs`` makes them: unit-norm k, beta =
+sigmoid(N(0, 1))), each stage alone on its real inputs, jitted with its arrays as arguments,
+pipelined (``bench_pallas.time_fn_pipelined``: warm-up, then 20 calls back to back and one sync,
+median of 5 rounds), printing ms, the HBM bytes it reads and writes (inputs as passed + outputs),
+GB/s, its time over the HBM floor of those bytes, and its time over the T0 kernel's:
+
+* ``T0 kernel`` at num_warps 1, 2, 4 (float32 T0) and 4 with a bfloat16 T0 (``out_dtype``);
+* ``T0 XLA``: the same T0 from plain JAX (:func:`gdn_jax.ops.gatefree.gatefree_t0`, float32);
+* ours: the Hopper forward WY kernel (``hopper.wy_forward``: A, T = (I + A)^-1, W, U, Aqk), also
+  with ``save_t`` (the forward of a differentiated call also writes T) and in ``fwd_form="t"``
+  (T and Aqk, no W, U: the closest to the T0 kernel's work), marked "<- default" where the default
+  forward runs that form; and the Triton forward WY (``wy.wy_repr`` with q: W, U, Aqk) at its own
+  chunk. A stage that does not take the shape (or whose module moved) prints why and is skipped.
+
+Correctness: the T0 kernel's output against float64 numpy T0 (numpy's inverse of I + A0 on the
+bf16-rounded inputs) on up to ``--check-chunks`` (b, h, chunk) triples, the first and last
+included: max |err| and RMS-relative error.
+
+    python benchmarks/bench_inverse.py                       # GPU: the five shapes (~1 min on an H100)
+    python benchmarks/bench_inverse.py --shapes 0,3 --reps 20
+    python benchmarks/bench_inverse.py --interpret --shapes tiny   # CPU smoke test (times meaningless)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_pallas as bp  # noqa: E402  (sets the memory fraction before jax starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from gdn_jax.ops import KernelConfig  # noqa: E402
+from gdn_jax.ops.gatefree import gatefree_t0  # noqa: E402
+from gdn_jax.ops.pallas.inverse_gatefree import gatefree_inverse  # noqa: E402
+
+# HBM bandwidth by device kind (bytes/s): an H100 SXM's HBM3 (REFERENCE §10's 3.35 TB/s), an H200's
+# (bench_hopper_stages' figure)
+HBM = {"H100": 3.35e12, "H200": 4.3e12}
+C = 64
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def nbytes(tree):
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree)
+               if hasattr(a, "shape"))
+
+
+def t0_float64(k, beta, idx):
+    """float64 T0 of the chunks ``idx`` [(b, h, chunk)] from k [B, T, H, K], beta [B, T, H] (numpy;
+    the chunk's tail past T is zero padding)."""
+    k = np.asarray(jnp.asarray(k).astype(jnp.float32), np.float64)
+    beta = np.asarray(jnp.asarray(beta).astype(jnp.float32), np.float64)
+    T = k.shape[1]
+    out = []
+    for b, h, c in idx:
+        kc = np.zeros((C, k.shape[-1]))
+        bc = np.zeros(C)
+        s, e = c * C, min(T, (c + 1) * C)
+        kc[:e - s] = k[b, s:e, h]
+        bc[:e - s] = beta[b, s:e, h]
+        out.append(np.linalg.inv(np.eye(C) + np.tril(bc[:, None] * (kc @ kc.T), -1)))
+    return np.stack(out)
+
+
+def check(x, t0, max_chunks, seed=0):
+    """(max |err|, rel rms, chunks checked) of the kernel's T0 against float64 on a sample of chunks."""
+    B, H, n = t0.shape[:3]
+    rng = np.random.default_rng(seed)
+    total = B * H * n
+    flat = np.unique(np.concatenate([[0, total - 1], rng.choice(total, min(total, max_chunks), replace=False)]))
+    idx = [np.unravel_index(i, (B, H, n)) for i in flat]
+    ref = t0_float64(x["k"], x["beta"], idx)
+    got = np.stack([np.asarray(t0[b, h, c], np.float64) for b, h, c in idx])
+    err = np.abs(got - ref)
+    return float(err.max()), float(np.sqrt(np.mean(err ** 2) / np.mean(ref ** 2))), len(idx)
+
+
+def stages(x, platform, interpret):
+    """[(name, fn, arrays)]: ``fn(*arrays)`` runs one stage (jit-able, the arrays as arguments)."""
+    k, beta = x["k"], x["beta"]
+    out = []
+    for w in (1, 2, 4):
+        out.append((f"T0 kernel w{w}", lambda k, b, w=w: gatefree_inverse(k, b, platform=platform, num_warps=w),
+                    (k, beta)))
+    out.append(("T0 kernel w4 bf16 out",
+                lambda k, b: gatefree_inverse(k, b, platform=platform, out_dtype=jnp.bfloat16), (k, beta)))
+    out.append(("T0 XLA (plain JAX)", lambda k, b: gatefree_t0(k, b, chunk_size=C), (k, beta)))
+    base = dict(platform="interpret") if interpret else {}
+    try:  # ours, Hopper: the forward's WY kernel in each form
+        from gdn_jax.ops.pallas import hopper as HF
+        from gdn_jax.ops.pallas import vjp as V
+
+        prep = V.to_kernel_inputs(x["q"], k, x["v"], x["g"], beta, chunk_size=C, config=KernelConfig(**base))
+        cf, a = prep.kernel_args("fwd")
+        q_, k_, v_, b_, gc, gr, eg = a[:7]
+        if not cf.mosaic_fwd:
+            log(f"  (no Hopper forward here: {HF.covers(cf) if platform == 'gpu' else 'not a GPU'})")
+        else:
+            for form in ("wu", "t"):
+                c2 = dataclasses.replace(cf, fwd_form=form)
+                why = HF.covers(c2)
+                mark = " <- default" if cf.fwd_form == form else ""
+                if why is not None:
+                    log(f"  ours hopper WY fwd_form={form}: does not take this shape ({why})")
+                    continue
+                if form == "wu":
+                    out.append((f"ours hopper WY (T,W,U,Aqk){mark}",
+                                lambda q, k, v, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, v, b, gc, eg),
+                                (q_, k_, v_, b_, gc, eg)))
+                    out.append((f"ours hopper WY +T save_wy{mark}",
+                                lambda q, k, v, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, v, b, gc, eg, save_t=True),
+                                (q_, k_, v_, b_, gc, eg)))
+                else:
+                    out.append((f"ours hopper WY T-form (T,Aqk){mark}",
+                                lambda q, k, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, None, b, gc, eg, t_form=True),
+                                (q_, k_, b_, gc, eg)))
+    except Exception as e:  # the module layout of an older / newer tree
+        log(f"  ours hopper WY: skipped ({type(e).__name__}: {str(e)[:200]})")
+    try:  # ours, Triton: the forward WY at the Triton forward's chunk
+        from gdn_jax.ops.pallas import vjp as V
+        from gdn_jax.ops.pallas.wy import wy_repr
+
+        prep = V.to_kernel_inputs(x["q"], k, x["v"], x["g"], beta, chunk_size=C,
+                                  config=KernelConfig(gpu_kernels="triton", **base))
+        ct, a = prep.kernel_args("fwd")
+        q_, k_, v_, b_, gc, gr, eg = a[:7]
+        out.append((f"ours triton WY (W,U,Aqk) C={ct.C}",
+                    lambda q, k, v, b, gc, gr, eg: wy_repr(ct, k, v, b, gc, gr, eg, q=q), (q_, k_, v_, b_, gc, gr, eg)))
+    except Exception as e:
+        log(f"  ours triton WY: skipped ({type(e).__name__}: {str(e)[:200]})")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="all",
+                    help="'all' (bench_pallas' five), 'tiny' (its CPU smoke shapes), or comma-separated indices / BxTxHxD")
+    ap.add_argument("--reps", type=int, default=None, help="calls per pipelined round (default 20; 1 with --interpret)")
+    ap.add_argument("--interpret", action="store_true", help="CPU: every Pallas kernel in interpret mode")
+    ap.add_argument("--check-chunks", type=int, default=512, help="chunks checked against float64 per shape")
+    args = ap.parse_args(argv)
+    reps = args.reps or (1 if args.interpret else 20)
+    if reps < 1:
+        ap.error(f"--reps must be >= 1, got {reps}")
+    platform = "interpret" if args.interpret else "gpu"
+    if not args.interpret and jax.default_backend() != "gpu":
+        ap.error("no GPU here: pass --interpret (and --shapes tiny) for a CPU smoke test")
+    shapes = (bp.TINY if args.shapes == "tiny" else bp.SHAPES if args.shapes == "all"
+              else bp.parse_shapes(args.shapes, on_gpu=not args.interpret))
+    kind = jax.devices()[0].device_kind
+    bw = next((v for key, v in HBM.items() if key in kind), None)
+    log(f"jax {jax.__version__}, {kind}, platform {platform}, reps {reps}"
+        + (f", HBM floor at {bw / 1e12:.2f} TB/s" if bw else ""))
+    t_start = time.time()
+    for shape in shapes:
+        log(f"\n=== B,T,H,D = {shape}  (elapsed {time.time() - t_start:.0f} s)")
+        x = bp.make_inputs(shape)
+        try:
+            t0 = jax.jit(lambda k, b: gatefree_inverse(k, b, platform=platform))(x["k"], x["beta"])
+            mx, rr, nc = check(x, t0, args.check_chunks)
+            ok = "ok" if mx <= 1e-4 else "LARGE"
+            log(f"  T0 kernel vs float64 ({nc} chunks): max |err| {mx:.2e}, rel rms {rr:.2e}  [{ok}]")
+        except Exception as e:
+            log(f"  T0 check FAILED: {type(e).__name__}: {str(e)[:500]}")
+            traceback.print_exc(limit=4)
+        rows = []
+        for name, fn, arrays in stages(x, platform, args.interpret):
+            try:
+                jf = jax.jit(fn)
+                res = jax.block_until_ready(jf(*arrays))
+                ms = bp.time_fn_pipelined(lambda: jf(*arrays), reps, warmup=1 if args.interpret else 3)
+                mb = (nbytes(arrays) + nbytes(res)) / 1e6
+                rows.append((name, ms, mb))
+                floor = f"  {ms / (mb * 1e6 / bw * 1e3):5.2f}x floor" if bw else ""
+                log(f"  {name:<40} {ms:8.4f} ms  {mb:8.1f} MB  {mb / ms:8.1f} GB/s{floor}")
+            except Exception as e:
+                log(f"  {name:<40} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc(limit=3)
+        best = min((r for r in rows if r[0].startswith("T0 kernel w") and "bf16" not in r[0]),
+                   key=lambda r: r[1], default=None)
+        if best is not None:
+            log(f"  time over the fastest float32 T0 kernel ({best[0]}, {best[1]:.4f} ms):")
+            for name, ms, _ in rows:
+                log(f"    {name:<40} {ms / best[1]:6.2f}x")
+    log(f"\ndone in {time.time() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
