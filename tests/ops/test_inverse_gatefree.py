@@ -85,12 +85,13 @@ def test_kernel_matches_float64(kind, dt, shape):
     assert np.abs(ref).max() <= 2.0 * np.exp(2 * C * delta) + 1e-6
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_kernel_other_chunks(chunk):
-    rng = np.random.default_rng(seed_of("gatefree kernel chunk", chunk))
+@pytest.mark.parametrize("chunk,diag", [(16, "substitution"), (32, "substitution"), (64, "products")])
+def test_kernel_other_chunks_and_diag(chunk, diag):
+    """Chunks 16 / 32, and the diagonal blocks by products instead of substitution."""
+    rng = np.random.default_rng(seed_of("gatefree kernel chunk", chunk, diag))
     kj, k64 = rounded(keys(rng, "near", (1, 70, 1, 32), eps=0.1), F32)
     bj, b64 = rounded(betas(rng, (1, 70, 1)), F32)
-    t0 = gatefree_inverse(kj, bj, chunk_size=chunk, platform="interpret")
+    t0 = gatefree_inverse(kj, bj, chunk_size=chunk, diag=diag, platform="interpret")
     assert np.abs(np.asarray(t0, np.float64) - numpy_t0(k64, b64, chunk)).max() <= 1e-5
 
 
@@ -138,12 +139,12 @@ def test_forward_with_kernel_t0():
     assert rel_rms(o, o_ref) <= TOL_O and rel_rms(S, S_ref) <= TOL_S
 
 
-@pytest.mark.parametrize("dt", [BF16, F32])
-def test_triton_lowering(dt):
+@pytest.mark.parametrize("dt,diag", [(BF16, "substitution"), (F32, "substitution"), (BF16, "products")])
+def test_triton_lowering(dt, diag):
     """platform="gpu" lowers to a Triton custom call on a CPU-only host (GVA, K = 128, T = 200)."""
     sds = [jax.ShapeDtypeStruct((2, 200, 2, 128), dt), jax.ShapeDtypeStruct((2, 200, 4), dt)]
     dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    f = lambda k, b: gatefree_inverse(k, b, platform="gpu")
+    f = lambda k, b: gatefree_inverse(k, b, platform="gpu", diag=diag)
     exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=dis)(*sds)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
     assert exp.out_avals[0].shape == (2, 4, 4, C, C)
@@ -172,3 +173,5 @@ def test_kernel_input_errors():
         gatefree_inverse(k, b, platform="tpu_interpret")
     with pytest.raises(ValueError, match="f32_dot"):
         gatefree_inverse(k, b, f32_dot="fp8")
+    with pytest.raises(ValueError, match="diag"):
+        gatefree_inverse(k, b, diag="lu")

@@ -53,6 +53,7 @@ _CHUNKS = (16, 32, 64, 128)  # chunk sizes the kernel itself takes (C/16 blocks,
 _MAX_K = 256
 _F32_DOTS = ("tf32", "tf32x3", "ieee")
 _OUT_DTYPES = ("float32", "bfloat16")
+_DIAGS = ("substitution", "products")
 
 
 def gatefree_covers(forms: GateForms, *, chunk_size: int, dtype, use_qk_l2norm: bool,
@@ -114,7 +115,25 @@ def _substitute(nt):
     return x
 
 
-def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32):
+def _products(n, mm):
+    """(I + N)^-1 of one 16 x 16 diagonal block (N strictly lower, float32) by the recursive block
+    formula T_2s = T_s - (T_s L_s) T_s of :func:`gdn_jax.ops.pallas.tiles.inv_unit_lower` (L_s: the
+    entries of N in the sub-diagonal s-blocks of each 2s-block): T_2 exact, then three rounds of
+    two 16 x 16 products each -- tensor-core work instead of the substitution's 15 dependent row
+    steps (``diag="products"``)."""
+    r, c = _iotas(SUB)
+    t = jnp.where(r == c, 1.0, 0.0).astype(F32) - jnp.where(((r & 1) == 1) & (c == r - 1), n, 0.0)
+    s = 2
+    while s < SUB:
+        lg = s.bit_length() - 1
+        bi = r >> lg
+        low = jnp.where(((bi & 1) == 1) & ((c >> lg) == bi - 1), n, 0.0)
+        t = t - mm(mm(t, low), t)
+        s *= 2
+    return t
+
+
+def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32, diag):
     """One chunk: T0 from k [C, K] (input dtype) and beta as a column [C, 1] and a row [1, C]."""
     dims_t = (((1,), (1,)), ((), ()))  # a @ b^T
     dims = (((1,), (0,)), ((), ()))
@@ -129,9 +148,11 @@ def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32):
     r, c = _iotas(SUB)
     X = {}
     for b in range(nb):
-        # diagonal block of A0, transposed: (A0_bb)^T_ji = beta_i k_i . k_j for i > j (the Gram is symmetric)
-        nt = jnp.where(c > r, gram(b, b) * brow_ref[:, SUB * b:SUB * (b + 1)], 0.0)
-        X[b, b] = _substitute(nt)
+        if diag == "substitution":
+            # diagonal block of A0, transposed: (A0_bb)^T_ji = beta_i k_i . k_j for i > j (the Gram is symmetric)
+            X[b, b] = _substitute(jnp.where(c > r, gram(b, b) * brow_ref[:, SUB * b:SUB * (b + 1)], 0.0))
+        else:
+            X[b, b] = _products(jnp.where(r > c, gram(b, b) * bcol_ref[SUB * b:SUB * (b + 1), :], 0.0), mm)
     A = {(b, c_): gram(b, c_) * bcol_ref[SUB * b:SUB * (b + 1), :] for b in range(nb) for c_ in range(b)}
 
     m = 1  # merge groups of m blocks pairwise: X21 = -X22 (A21 X11)
@@ -156,7 +177,8 @@ def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32):
 
 
 def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=None, platform: Optional[str] = None,
-                     out_dtype=jnp.float32, f32_dot: str = "tf32x3", num_warps: int = 4, num_stages: int = 2):
+                     out_dtype=jnp.float32, f32_dot: str = "tf32x3", diag: str = "substitution", num_warps: int = 4,
+                     num_stages: int = 2):
     """T0 = (I + strictly_lower(diag(beta) K K^T))^-1 of every chunk, as a Pallas kernel.
 
     Args:
@@ -173,6 +195,9 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
       out_dtype: float32 (default) or bfloat16 (half the bytes written; ~2^-9 relative).
       f32_dot: Triton precision of float32 operand dots on GPU: "tf32", "tf32x3" (default; ~float32
         accurate) or "ieee" (elsewhere float32 dots are exact to float32: HIGHEST).
+      diag: how the 16 x 16 diagonal blocks are inverted: "substitution" (forward substitution, 15
+        row steps in registers; default) or "products" (the recursive block formula, six 16 x 16
+        products; :func:`_products`). Same T0 to float32 rounding; the benchmark times both.
       num_warps, num_stages: Triton launch settings.
 
     Returns:
@@ -184,7 +209,7 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
         ``cu_seqlens``.
       ValueError: k not [B, T, Hk, K], beta not [B, T, H] with H a multiple of Hk, T = 0, a
         ``cu_seqlens`` that is not [N + 1] or is given with B != 1, an unknown ``out_dtype``,
-        ``f32_dot``, ``chunk_size`` or ``platform``.
+        ``f32_dot``, ``diag``, ``chunk_size`` or ``platform``.
       NotImplementedError: K above 256, or a TPU platform.
 
     Source: REFERENCE §10 (gate-free inverse); the block inverse is the merge of
@@ -218,6 +243,8 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {jnp.dtype(out_dtype).name}")
     if f32_dot not in _F32_DOTS:
         raise ValueError(f"f32_dot must be one of {_F32_DOTS}, got {f32_dot!r}")
+    if diag not in _DIAGS:
+        raise ValueError(f"diag must be one of {_DIAGS}, got {diag!r}")
     p = platform or _plat.default_platform()
     if p not in _plat.PLATFORMS:
         raise ValueError(f"platform must be one of {_plat.PLATFORMS} or None, got {platform!r}")
@@ -252,7 +279,7 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
 
     kdt = jnp.dtype(k.dtype)
     kernel = lambda *refs: _kernel(*refs, nb=C // SUB, prec_kk=_plat.dot_precision(p, kdt, f32_dot),
-                                   prec_f32=_plat.dot_precision(p, F32, f32_dot))
+                                   prec_f32=_plat.dot_precision(p, F32, f32_dot), diag=diag)
     fn = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((BH, n, C, C), jnp.dtype(out_dtype)),
