@@ -24,6 +24,7 @@ included: max |err| and RMS-relative error ("LARGE" above 1e-2: the bf16 T0's ro
     python benchmarks/bench_inverse.py                       # GPU: the five shapes (~1 min on an H100)
     python benchmarks/bench_inverse.py --shapes 0,3 --reps 20
     python benchmarks/bench_inverse.py --interpret --shapes tiny   # CPU smoke test (times meaningless)
+    python benchmarks/bench_inverse.py --interpret --shapes 1x70x2x32 --quick
 """
 from __future__ import annotations
 
@@ -108,11 +109,12 @@ def check(t0, idx, ref):
     return float(err.max()), float(np.sqrt(np.mean(err ** 2) / np.mean(ref ** 2)))
 
 
-def stages(x, platform, interpret):
-    """[(name, fn, arrays)]: ``fn(*arrays)`` runs one stage (jit-able, the arrays as arguments)."""
+def stages(x, platform, interpret, quick=False):
+    """[(name, fn, arrays)]: ``fn(*arrays)`` runs one stage (jit-able, the arrays as arguments);
+    ``quick``: the T0 kernel in its default settings only."""
     k, beta = x["k"], x["beta"]
     out = []
-    for name, kw in T0_VARIANTS:
+    for name, kw in T0_VARIANTS[:1] if quick else T0_VARIANTS:
         out.append((name, lambda k, b, kw=kw: gatefree_inverse(k, b, platform=platform, **kw), (k, beta)))
     out.append(("T0 XLA (plain JAX)", lambda k, b: gatefree_t0(k, b, chunk_size=C), (k, beta)))
     base = dict(platform="interpret") if interpret else {}
@@ -167,6 +169,7 @@ def main(argv=None):
                     help="'all' (bench_pallas' five), 'tiny' (its CPU smoke shapes), or comma-separated indices / BxTxHxD")
     ap.add_argument("--reps", type=int, default=None, help="calls per pipelined round (default 20; 1 with --interpret)")
     ap.add_argument("--interpret", action="store_true", help="CPU: every Pallas kernel in interpret mode")
+    ap.add_argument("--quick", action="store_true", help="the T0 kernel in its default settings only")
     ap.add_argument("--check-chunks", type=int, default=512, help="chunks checked against float64 per shape")
     args = ap.parse_args(argv)
     reps = args.reps or (1 if args.interpret else 20)
@@ -189,7 +192,7 @@ def main(argv=None):
         ref = t0_float64(x["k"], x["beta"], idx)
         log(f"  T0 lines: max |err| and rel rms against float64 numpy T0 on {len(idx)} chunks")
         rows = []
-        for name, fn, arrays in stages(x, platform, args.interpret):
+        for name, fn, arrays in stages(x, platform, args.interpret, args.quick):
             try:
                 jf = jax.jit(fn)
                 res = jax.block_until_ready(jf(*arrays))
