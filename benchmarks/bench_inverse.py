@@ -7,9 +7,10 @@ pipelined (``bench_pallas.time_fn_pipelined``: warm-up, then 20 calls back to ba
 median of 5 rounds), printing ms, the HBM bytes it reads and writes (inputs as passed + outputs),
 GB/s, its time over the HBM floor of those bytes, and its time over the T0 kernel's:
 
-* ``T0 kernel`` in the settings of :data:`T0_VARIANTS`: num_warps 1 / 2 / 4 / 8, the diagonal
-  blocks by substitution (default) or by products (``diag``), 3-pass or 1-pass TF32 merges
-  (``f32_dot``), a float32 or bfloat16 T0 (``out_dtype``);
+* ``T0 kernel`` in the settings of :data:`T0_VARIANTS` (``--all-variants``: all of them):
+  num_warps 1 / 2 / 4 / 8, the diagonal blocks by substitution (default) or by products
+  (``diag``), 3-pass or 1-pass TF32 merges (``f32_dot``), a float32 or bfloat16 T0
+  (``out_dtype``);
 * ``T0 XLA``: the same T0 from plain JAX (:func:`gdn_jax.ops.gatefree.gatefree_t0`, float32);
 * ours: the Hopper forward WY kernel (``hopper.wy_forward``: A, T = (I + A)^-1, W, U, Aqk), also
   with ``save_t`` (the forward of a differentiated call also writes T) and in ``fwd_form="t"``
@@ -21,7 +22,7 @@ Correctness: every T0 line's output against float64 numpy T0 (numpy's inverse of
 bf16-rounded inputs) on up to ``--check-chunks`` (b, h, chunk) triples, the first and last
 included: max |err| and RMS-relative error ("LARGE" above 1e-2: the bf16 T0's rounding is ~4e-3).
 
-    python benchmarks/bench_inverse.py                       # GPU: the five shapes (~1 min on an H100)
+    python benchmarks/bench_inverse.py          # GPU: the five shapes (sized for < 3 min on an H100; not yet run there)
     python benchmarks/bench_inverse.py --shapes 0,3 --reps 20
     python benchmarks/bench_inverse.py --interpret --shapes tiny   # CPU smoke test (times meaningless)
     python benchmarks/bench_inverse.py --interpret --shapes 1x70x2x32 --quick
@@ -52,17 +53,18 @@ from gdn_jax.ops.pallas.inverse_gatefree import gatefree_inverse  # noqa: E402
 # (bench_hopper_stages' figure)
 HBM = {"H100": 3.35e12, "H200": 4.3e12}
 C = 64
-# the T0 kernel's settings timed (name, gatefree_inverse keywords); the first is the default
+# the T0 kernel's settings timed (name, gatefree_inverse keywords); the first is the default, the
+# ones marked False only with --all-variants (the whole list keeps the five shapes within ~3 min)
 T0_VARIANTS = [
-    ("T0 kernel w4", {}),
-    ("T0 kernel w1", dict(num_warps=1)),
-    ("T0 kernel w2", dict(num_warps=2)),
-    ("T0 kernel w8", dict(num_warps=8)),
-    ("T0 kernel w2 diag products", dict(num_warps=2, diag="products")),
-    ("T0 kernel w4 diag products", dict(diag="products")),
-    ("T0 kernel w4 tf32 merges", dict(f32_dot="tf32")),
-    ("T0 kernel w4 bf16 out", dict(out_dtype=jnp.bfloat16)),
-    ("T0 kernel w2 bf16 out", dict(num_warps=2, out_dtype=jnp.bfloat16)),
+    ("T0 kernel w4", {}, True),
+    ("T0 kernel w2", dict(num_warps=2), True),
+    ("T0 kernel w2 diag products", dict(num_warps=2, diag="products"), True),
+    ("T0 kernel w4 diag products", dict(diag="products"), True),
+    ("T0 kernel w4 tf32 merges", dict(f32_dot="tf32"), True),
+    ("T0 kernel w4 bf16 out", dict(out_dtype=jnp.bfloat16), True),
+    ("T0 kernel w1", dict(num_warps=1), False),
+    ("T0 kernel w8", dict(num_warps=8), False),
+    ("T0 kernel w2 bf16 out", dict(num_warps=2, out_dtype=jnp.bfloat16), False),
 ]
 
 
@@ -109,12 +111,13 @@ def check(t0, idx, ref):
     return float(err.max()), float(np.sqrt(np.mean(err ** 2) / np.mean(ref ** 2)))
 
 
-def stages(x, platform, interpret, quick=False):
+def stages(x, platform, interpret, quick=False, all_variants=False):
     """[(name, fn, arrays)]: ``fn(*arrays)`` runs one stage (jit-able, the arrays as arguments);
-    ``quick``: the T0 kernel in its default settings only."""
+    ``quick``: the T0 kernel in its default settings only; ``all_variants``: every T0 setting."""
     k, beta = x["k"], x["beta"]
     out = []
-    for name, kw in T0_VARIANTS[:1] if quick else T0_VARIANTS:
+    variants = T0_VARIANTS[:1] if quick else [v for v in T0_VARIANTS if v[2] or all_variants]
+    for name, kw, _ in variants:
         out.append((name, lambda k, b, kw=kw: gatefree_inverse(k, b, platform=platform, **kw), (k, beta)))
     out.append(("T0 XLA (plain JAX)", lambda k, b: gatefree_t0(k, b, chunk_size=C), (k, beta)))
     base = dict(platform="interpret") if interpret else {}
@@ -170,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="calls per pipelined round (default 20; 1 with --interpret)")
     ap.add_argument("--interpret", action="store_true", help="CPU: every Pallas kernel in interpret mode")
     ap.add_argument("--quick", action="store_true", help="the T0 kernel in its default settings only")
+    ap.add_argument("--all-variants", action="store_true", help="every T0 kernel setting of T0_VARIANTS")
     ap.add_argument("--check-chunks", type=int, default=512, help="chunks checked against float64 per shape")
     args = ap.parse_args(argv)
     reps = args.reps or (1 if args.interpret else 20)
@@ -192,7 +196,7 @@ def main(argv=None):
         ref = t0_float64(x["k"], x["beta"], idx)
         log(f"  T0 lines: max |err| and rel rms against float64 numpy T0 on {len(idx)} chunks")
         rows = []
-        for name, fn, arrays in stages(x, platform, args.interpret, args.quick):
+        for name, fn, arrays in stages(x, platform, args.interpret, args.quick, args.all_variants):
             try:
                 jf = jax.jit(fn)
                 res = jax.block_until_ready(jf(*arrays))
