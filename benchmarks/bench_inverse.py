@@ -21,6 +21,8 @@ GB/s, its time over the HBM floor of those bytes, and its time over the T0 kerne
 Correctness: every T0 line's output against float64 numpy T0 (numpy's inverse of I + A0 on the
 bf16-rounded inputs) on up to ``--check-chunks`` (b, h, chunk) triples, the first and last
 included: max |err| and RMS-relative error ("LARGE" above 1e-2: the bf16 T0's rounding is ~4e-3).
+On a Hopper GPU also the identity T = T0 * D on the device: the T0 kernel's output masked by D
+against the gated T our Hopper WY kernel saves for the backward.
 
     python benchmarks/bench_inverse.py          # GPU: the five shapes (sized for < 3 min on an H100; not yet run there)
     python benchmarks/bench_inverse.py --shapes 0,3 --reps 20
@@ -166,6 +168,36 @@ def stages(x, platform, interpret, quick=False, all_variants=False):
     return out
 
 
+def identity_on_device(x, platform, interpret):
+    """The identity on the device: the T0 kernel's output masked by D (:func:`gdn_jax.ops.gatefree.
+    decay_mask`) against the gated T that our Hopper forward WY kernel saves for the backward
+    (``save_t``, or the T-form's T where "wu" does not take the shape; a bf16 hi + lo pair). A line
+    of text (max |err|, RMS-relative error), or why it was skipped."""
+    from gdn_jax.ops.gatefree import decay_mask
+    from gdn_jax.ops.pallas import hopper as HF
+    from gdn_jax.ops.pallas import vjp as V
+
+    base = dict(platform="interpret") if interpret else {}
+    prep = V.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=C, config=KernelConfig(**base))
+    cf, a = prep.kernel_args("fwd")
+    if not cf.mosaic_fwd:
+        return "skipped: no Hopper forward here"
+    q_, k_, v_, b_, gc, gr, eg = a[:7]
+    cw = dataclasses.replace(cf, fwd_form="wu")
+    if HF.covers(cw) is None:
+        wy = jax.jit(lambda q, k, v, b, gc, eg: HF.wy_forward(cw, q, k, v, b, gc, eg, save_t=True))(q_, k_, v_, b_, gc, eg)
+    else:
+        ct = dataclasses.replace(cf, fwd_form="t")
+        wy = jax.jit(lambda q, k, b, gc, eg: HF.wy_forward(ct, q, k, None, b, gc, eg, t_form=True))(q_, k_, b_, gc, eg)
+    t = wy["t_hi"].astype(jnp.float32) + wy["t_lo"].astype(jnp.float32)  # [B*H, n, C, C]
+    t0 = jax.jit(lambda k, b: gatefree_inverse(k, b, platform=platform))(x["k"], x["beta"])
+    td = (t0 * decay_mask(x["g"], chunk_size=C)).reshape(t.shape)
+    err = jnp.abs(td - t)
+    rr = jnp.sqrt(jnp.mean(err ** 2) / jnp.mean(t ** 2))
+    return f"T0 kernel * D vs our Hopper WY's T (wy_precision {cf.wy_precision}): max |err| {float(err.max()):.2e}, " \
+           f"rel rms {float(rr):.2e}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="all",
@@ -195,6 +227,10 @@ def main(argv=None):
         idx = sample(shape, args.check_chunks)
         ref = t0_float64(x["k"], x["beta"], idx)
         log(f"  T0 lines: max |err| and rel rms against float64 numpy T0 on {len(idx)} chunks")
+        try:
+            log("  identity: " + identity_on_device(x, platform, args.interpret))
+        except Exception as e:  # the module layout of an older / newer tree
+            log(f"  identity: skipped ({type(e).__name__}: {str(e)[:300]})")
         rows = []
         for name, fn, arrays in stages(x, platform, args.interpret, args.quick, args.all_variants):
             try:
