@@ -206,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--interpret", action="store_true", help="CPU: every Pallas kernel in interpret mode")
     ap.add_argument("--quick", action="store_true", help="the T0 kernel in its default settings only")
     ap.add_argument("--all-variants", action="store_true", help="every T0 kernel setting of T0_VARIANTS")
+    ap.add_argument("--budget-s", type=float, default=165.0,
+                    help="stop starting new stages after this many seconds (the device run's 3 min limit)")
     ap.add_argument("--check-chunks", type=int, default=512, help="chunks checked against float64 per shape")
     args = ap.parse_args(argv)
     reps = args.reps or (1 if args.interpret else 20)
@@ -223,6 +225,9 @@ def main(argv=None):
     t_start = time.time()
     for shape in shapes:
         log(f"\n=== B,T,H,D = {shape}  (elapsed {time.time() - t_start:.0f} s)")
+        if time.time() - t_start > args.budget_s:
+            log(f"  skipped: --budget-s {args.budget_s:.0f} reached")
+            continue
         x = bp.make_inputs(shape)
         idx = sample(shape, args.check_chunks)
         ref = t0_float64(x["k"], x["beta"], idx)
@@ -233,6 +238,9 @@ def main(argv=None):
             log(f"  identity: skipped ({type(e).__name__}: {str(e)[:300]})")
         rows = []
         for name, fn, arrays in stages(x, platform, args.interpret, args.quick, args.all_variants):
+            if time.time() - t_start > args.budget_s:
+                log(f"  {name:<40} skipped: --budget-s {args.budget_s:.0f} reached")
+                continue
             try:
                 jf = jax.jit(fn)
                 res = jax.block_until_ready(jf(*arrays))
