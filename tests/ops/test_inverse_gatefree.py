@@ -96,9 +96,9 @@ def test_kernel_other_chunks_and_diag(chunk, diag):
 
 
 def test_kernel_packed_and_bf16_output():
-    """cu_seqlens: the chunks of the packed layout (every sequence on a chunk boundary), as the
-    plain-JAX gatefree_t0 lays them out (itself checked against numpy in test_gatefree.py);
-    bfloat16 output within its rounding."""
+    """cu_seqlens (traced, under jit): the chunks of the packed layout (every sequence on a chunk
+    boundary), as the plain-JAX gatefree_t0 lays them out (itself checked against numpy in
+    test_gatefree.py); bfloat16 output within its rounding."""
     rng = np.random.default_rng(seed_of("gatefree kernel packed"))
     T, H, K = 170, 2, 32
     cu = jnp.asarray([0, 37, 37, 120, 170], jnp.int32)
@@ -106,7 +106,8 @@ def test_kernel_packed_and_bf16_output():
     bj, b64 = rounded(betas(rng, (1, T, H)), F32)
     with jax.enable_x64(True):
         ref = np.asarray(gatefree_t0(jnp.asarray(k64), jnp.asarray(b64), chunk_size=C, cu_seqlens=cu))
-    t0 = gatefree_inverse(kj, bj, cu_seqlens=cu, platform="interpret")
+    # under jit: cu_seqlens traced (the layout's length depends on its static size only)
+    t0 = jax.jit(lambda k, b, cu: gatefree_inverse(k, b, cu_seqlens=cu, platform="interpret"))(kj, bj, cu)
     assert t0.shape == ref.shape
     assert np.abs(np.asarray(t0, np.float64) - ref).max() <= 1e-5
     t0b = gatefree_inverse(kj, bj, cu_seqlens=cu, platform="interpret", out_dtype=BF16)
