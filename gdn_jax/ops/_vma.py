@@ -27,3 +27,22 @@ def match_vma(x, *like):
         return x
     cast = getattr(jax.lax, "pcast", None)
     return cast(x, missing, to="varying") if cast is not None else jax.lax.pvary(x, missing)
+
+
+def varying_struct(struct, *like):
+    """``jax.ShapeDtypeStruct`` ``struct`` typed as varying over every ``shard_map`` axis that an
+    array of ``like`` varies over: the ``out_shape`` of a ``pallas_call`` whose inputs are ``like``
+    (under ``shard_map(..., check_vma=True)`` a ``pallas_call`` refuses an ``out_shape`` without the
+    type). JAX 0.10 / 0.11 take ``manual_axis_type=jax.sharding.ManualAxisType(varying=...)``,
+    earlier versions ``vma=``; outside ``shard_map`` (or with ``check_vma=False``) the type is
+    not read."""
+    vma = set()
+    for y in like:
+        vma |= _varying_axes(y)
+    mat = getattr(jax.sharding, "ManualAxisType", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(struct.shape, struct.dtype, manual_axis_type=mat(varying=frozenset(vma)))
+    try:
+        return jax.ShapeDtypeStruct(struct.shape, struct.dtype, vma=frozenset(vma))
+    except TypeError:  # a JAX without varying-axes types
+        return struct
