@@ -52,8 +52,8 @@ from gdn_jax.models import LM, LMConfig
 from gdn_jax.step_cache import shared_steps
 
 __all__ = ["CONFIG_FILE", "LoadedRun", "RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "find_run", "load_run",
-           "make_lm_config", "make_task", "read_latest", "resume_config", "run", "saved_config", "scaled_accuracy",
-           "task_label", "task_options", "validate"]
+           "make_lm_config", "make_run_mesh", "make_task", "read_latest", "resume_config", "run", "saved_config",
+           "scaled_accuracy", "sequence_widths", "task_label", "task_options", "validate"]
 
 TASKS = tuple(TASK_CONFIGS)
 
@@ -180,6 +180,9 @@ class RecallConfig:
     progress: bool = True  # tqdm bar
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
+    # devices each sequence is split over (context parallelism, mesh axis "seq"; docs/context_parallel.md):
+    # the local devices form a (devices / context_parallel) x context_parallel mesh, batch over the first
+    context_parallel: int = 1
     # -- metric loggers (gdn_jax.loggers; pip install -e '.[loggers]') --
     # also log the metrics to TensorBoard (<out>/tb) or W&B (<out>/wandb; WANDB_MODE=offline: no network)
     logger: Literal["none", "tensorboard", "wandb"] = "none"
@@ -210,7 +213,7 @@ class RecallConfig:
 RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "overwrite", "keep_checkpoints",
                                 "keep_best_checkpoint", "progress", "log_every", "eval_every", "eval_every_near_target",
                                 "target_accuracy", "eval_batch_size", "backend", "chunk_size", "session_time_s",
-                                "device_data", "logger", "wandb_project", "wandb_group"})
+                                "device_data", "logger", "wandb_project", "wandb_group", "context_parallel"})
 
 
 def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
@@ -371,7 +374,7 @@ def validate(cfg: RecallConfig) -> None:
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         bad("lr", "a positive finite number")
     for name in ("d_model", "num_layers", "num_heads", "steps", "batch_size", "eval_every", "eval_batch_size",
-                 "test_examples", "log_every", "keep_checkpoints"):
+                 "test_examples", "log_every", "keep_checkpoints", "context_parallel"):
         if getattr(cfg, name) < 1:
             bad(name, ">= 1")
     if cfg.eval_every_near_target < 0:
@@ -429,6 +432,55 @@ def validate(cfg: RecallConfig) -> None:
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
             f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")
+    if cfg.context_parallel > 1:
+        _check_context_parallel(cfg)
+
+
+def sequence_widths(cfg: RecallConfig) -> Dict[str, int]:
+    """``{field: width}``: the token widths of the task's batches, named by the field that sets each
+    (MQAR, NIAH: ``seq_len``; state tracking: ``train_max_len`` for the training batches,
+    ``test_max_len`` for the test set, both right-padded to that width)."""
+    if cfg.task == "state_tracking":
+        return {"train_max_len": cfg.train_max_len, "test_max_len": cfg.test_max_len}
+    return {"seq_len": cfg.seq_len}
+
+
+def _check_context_parallel(cfg: RecallConfig) -> None:
+    """ValueError naming the field for settings that cannot split sequences over
+    ``cfg.context_parallel`` devices: a width not a multiple of it, shards shorter than the short
+    convolution's halo (``conv_size - 1`` tokens from the previous shard), learned position
+    embeddings. (The device count is checked where the mesh is built, :func:`run`.)"""
+    cp = cfg.context_parallel
+    halo = LMConfig.__dataclass_fields__["conv_size"].default - 1
+    layers = {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set())
+    conv = cfg.use_short_conv and bool(layers - {"attention", "gated_attention"})  # attention has no short conv
+    for name, width in sequence_widths(cfg).items():
+        if width % cp:
+            raise ValueError(f"RecallConfig.{name} = {width} must be a multiple of RecallConfig.context_parallel = "
+                             f"{cp} (each device holds a contiguous 1/{cp} of every sequence)")
+        if conv and width // cp < halo:
+            raise ValueError(f"RecallConfig.{name} = {width} over RecallConfig.context_parallel = {cp} devices gives "
+                             f"shards of {width // cp} tokens, fewer than the short convolution's halo of {halo} "
+                             f"(taken from the previous shard only): use fewer devices or "
+                             f"RecallConfig.use_short_conv=False")
+    if cfg.pos_embedding == "learned":
+        raise ValueError(f"RecallConfig.pos_embedding = 'learned' is not supported with RecallConfig.context_parallel "
+                         f"= {cp} (use 'none': rotary or no positions)")
+
+
+def make_run_mesh(cfg: RecallConfig, devices: Optional[Sequence[jax.Device]] = None):
+    """The mesh of a run of ``cfg`` over ``devices`` (default: the local devices):
+    :func:`gdn_jax.training.make_mesh` with ``seq=cfg.context_parallel`` -- axis ``"data"`` over
+    every device, or ``("data", "seq")`` of shape ``(devices / context_parallel, context_parallel)``.
+
+    Raises:
+      ValueError: ``context_parallel`` does not divide the number of devices.
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    if len(devices) % cfg.context_parallel:
+        raise ValueError(f"RecallConfig.context_parallel = {cfg.context_parallel} must divide the {len(devices)} "
+                         f"devices ({jax.default_backend()}; the rest of the mesh splits the batch)")
+    return T.make_mesh(devices, seq=cfg.context_parallel)
 
 
 def build(cfg: RecallConfig):
@@ -855,12 +907,14 @@ class _Run:
         self.cfg = cfg
         self.stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
         self.task, self.loader, _, self.model_fn, self.tx = build(cfg)  # validates cfg (out, ckpt_dir too)
-        self.mesh = T.make_mesh()
-        self.n_dev = self.mesh.shape["data"]
+        self.mesh = make_run_mesh(cfg)
+        self.n_dev = self.mesh.size
+        n_data = self.mesh.shape["data"]
         for name in ("batch_size", "eval_batch_size"):
-            if getattr(cfg, name) % self.n_dev:
-                raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {self.n_dev} "
-                                 f"devices")
+            if getattr(cfg, name) % n_data:
+                where = (f"{n_data} devices of the data axis ({self.n_dev} devices / RecallConfig.context_parallel "
+                         f"{cfg.context_parallel})" if cfg.context_parallel > 1 else f"{n_data} devices")
+                raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {where}")
         self.out = _run_folder(cfg)  # a new runs/<task>/<mixer>-<time> by default (claimed, latest -> it)
         self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
         check_out_dir("RecallConfig.out", self.out)
@@ -950,7 +1004,9 @@ class _Run:
         self.start = self.step = int(jax.device_get(self.state.step))
         if restored is not None:
             print(f"resumed from step {self.start} ({self.ckpt_dir})", file=sys.stderr)
-        n_labels = self.task.max_labels  # sparse LM head: logits only where something is scored
+        # sparse LM head: logits only where something is scored (with sequences split over devices the
+        # dense head: make_eval_step takes no max_scored there; the loss and accuracy are the same)
+        n_labels = self.task.max_labels if cfg.context_parallel == 1 else None
         # compiled once per process for runs of the same model, optimizer settings and devices (the
         # learning rate is an argument): a sweep's rates and seeds reuse them (gdn_jax.step_cache)
         self.train_step, self.eval_step = shared_steps(self.graphdef, self.mesh, lr=cfg.lr, max_scored=n_labels,
@@ -1193,6 +1249,7 @@ class _Run:
             "backend_resolved": sorted(set(backends)) if backends else None,
             "device_kind": jax.devices()[0].device_kind,
             "num_devices": self.n_dev,
+            "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()},
             "evals": evals,
             "eval_columns": ["step", "loss", "test_loss", "test_accuracy", "wall_s"],
             "task": cfg.task,
