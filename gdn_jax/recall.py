@@ -899,6 +899,17 @@ def load_run(path: str, params: Literal["best", "last"] = "best") -> LoadedRun:
                      results=results, path=folder)
 
 
+def _live_progress(bar_cls) -> bool:
+    """A progress bar of ``bar_cls`` (``tqdm.auto.tqdm``) is seen live: a notebook's widget, or
+    tqdm's text bar on a stderr that is a terminal (not a log file or a pipe)."""
+    if any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__):
+        return True  # the notebook widget (tqdm.auto in Jupyter): no '\r' lines anywhere
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError, OSError):  # a closed or replaced stream
+        return False
+
+
 class _Run:
     """One call of :func:`run`: the state its steps share (setup here, then :meth:`restore_or_init`,
     :meth:`train`, :meth:`finish`, :meth:`results` and :meth:`write_outputs`)."""
@@ -939,6 +950,7 @@ class _Run:
         self.stopped_by_time = self.diverged = False
         self.interrupted: Optional[str] = None  # "session_time" or "sigint": checkpointed, unfinished
         self.sigint = False  # a Ctrl-C arrived during train()
+        self.eval_lines = False  # a line per evaluation on stderr (progress on, no live bar: train())
         self.logger: Logger = Logger()  # RecallConfig.logger and run()'s loggers (open_logger); no-op until then
         self.lr_at = None  # step -> learning rate, for the loggers
 
@@ -1081,7 +1093,11 @@ class _Run:
         done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
         batches = self.batches() if not done else iter(())  # one-off data setup: before the clock starts
         self.t0 = time.perf_counter()
-        bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not cfg.progress,
+        # the bar where it is seen live (a terminal, a notebook); in a log (stderr not a terminal) its
+        # redrawn '\r' lines would pile up: one line per evaluation instead (evaluate)
+        live = cfg.progress and _live_progress(tqdm)
+        self.eval_lines = cfg.progress and not live
+        bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not live,
                    dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")
         # Ctrl-C (SIGINT) stops at the end of the step in flight and run() checkpoints it; a second
         # Ctrl-C aborts at once (no checkpoint). Only the main thread can take signals.
@@ -1122,6 +1138,9 @@ class _Run:
                 signal.signal(signal.SIGINT, previous)
             if hasattr(batches, "close"):
                 batches.close()
+            if not bar.disable and not self.interrupted and bar.n < bar.total:
+                bar.total = bar.n  # stopped early (target, divergence, max_time_s): the bar ends at its last step
+                bar.refresh()
             bar.close()
 
     def _after_step(self, bar) -> bool:
@@ -1187,6 +1206,11 @@ class _Run:
                 test["test/scaled_accuracy"] = scaled_accuracy(rec["test_accuracy"], self.task.chance)
             self.logger.log(test, step)
         self.eval_s += time.perf_counter() - t_eval
+        if self.eval_lines:
+            cfg, tr = self.cfg, self.history["train"]
+            train = f"loss {tr[-1][1]:.4f} acc {tr[-1][2]:.4f}, " if tr else ""
+            print(f"{cfg.task} {mixer_label(cfg)} step {step}/{self.stop}: {train}test loss {rec['test_loss']:.4f} "
+                  f"acc {rec['test_accuracy']:.4f} ({rec['wall_s']:.0f} s)", file=sys.stderr, flush=True)
         self.save()
         return rec
 

@@ -244,10 +244,11 @@ def shard_gated_delta_rule(
     A ``jax.shard_map`` around :func:`context_parallel_gated_delta_rule`: T must be a multiple of
     the axis size; ``batch_axis`` (optional) splits B over another mesh axis (data parallelism).
     Other keywords as :func:`gated_delta_rule` (``output_final_state``, ``scale``, ``backend``...).
-    The ``shard_map`` checks varying mesh axes (``check_vma=True``) except where the Pallas
-    kernels run in JAX's interpreter (:func:`kernels_interpreted`: backend "pallas" or "auto" on
-    the CPU); a ``shard_map`` of your own around :func:`context_parallel_gated_delta_rule` needs
-    ``check_vma=False`` in that case too (else ``ValueError`` naming it).
+    With ``backend`` "pallas" or "auto" the ``shard_map`` runs with ``check_vma=False``. A
+    ``shard_map`` of your own around :func:`context_parallel_gated_delta_rule` needs it where the
+    Pallas kernels run in JAX's interpreter (the CPU: else ``ValueError`` naming it) or are the
+    Hopper kernels; the Triton and Mosaic TPU kernels' out types carry the varying mesh axes and
+    run under ``check_vma=True`` (docs/context_parallel.md).
 
     Returns:
       ``(o, final_state)`` as :func:`gated_delta_rule` (o sharded like v, the state over
@@ -271,18 +272,7 @@ def shard_gated_delta_rule(
                                                  **kwargs)
 
     out_fin = st if kwargs.get("output_final_state", False) else None
-    check = not kernels_interpreted(kwargs.get("backend", "auto"), kwargs.get("kernel_config"))
+    # check_vma off where the Pallas kernels may run: in JAX's interpreter (CPU) they cannot run under
+    # the check, and the Hopper kernels' out types carry no varying axes (the others' do)
+    check = kwargs.get("backend", "auto") in ("scan", "chunk")
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, out_fin), check_vma=check)(*args)
-
-
-def kernels_interpreted(backend: str, kernel_config=None) -> bool:
-    """True where ``backend`` ("pallas", or "auto", which may pick it) would run the Pallas kernels
-    in JAX's interpreter (on the CPU, or ``KernelConfig(platform="interpret" | "tpu_interpret")``):
-    a ``jax.shard_map`` around them needs ``check_vma=False`` there (JAX 0.10 / 0.11's interpreter
-    does not carry the varying-axes types; the compiled GPU and TPU kernels do, and run under
-    ``check_vma=True``)."""
-    if backend not in ("pallas", "auto"):
-        return False
-    from .pallas.platform import default_platform, interpreted
-
-    return interpreted(getattr(kernel_config, "platform", None) or default_platform())
