@@ -899,7 +899,7 @@ def load_run(path: str, params: Literal["best", "last"] = "best") -> LoadedRun:
                      results=results, path=folder)
 
 
-def _live_progress(bar_cls) -> bool:
+def live_progress(bar_cls) -> bool:
     """A progress bar of ``bar_cls`` (``tqdm.auto.tqdm``) is seen live: a notebook's widget, or
     tqdm's text bar on a stderr that is a terminal (not a log file or a pipe)."""
     if any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__):
@@ -1095,7 +1095,7 @@ class _Run:
         self.t0 = time.perf_counter()
         # the bar where it is seen live (a terminal, a notebook); in a log (stderr not a terminal) its
         # redrawn '\r' lines would pile up: one line per evaluation instead (evaluate)
-        live = cfg.progress and _live_progress(tqdm)
+        live = cfg.progress and live_progress(tqdm)
         self.eval_lines = cfg.progress and not live
         bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not live,
                    dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")

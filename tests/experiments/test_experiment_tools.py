@@ -169,7 +169,7 @@ def test_progress_bar_ends_at_the_last_step_and_logs_get_lines(tmp_path, monkeyp
             bars.append(self)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
-    monkeypatch.setattr(R, "_live_progress", lambda cls: True)
+    monkeypatch.setattr(R, "live_progress", lambda cls: True)
     res, _ = R.run(parse_dataclass(R.RecallConfig, args + ["--out", str(tmp_path / "live")]))
     assert res["steps"] == 2 and len(bars) == 1 and (bars[0].n, bars[0].total) == (2, 2)
     assert "mqar gdn step " not in capfd.readouterr().err
