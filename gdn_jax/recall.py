@@ -5,8 +5,9 @@ and results" and "Recall suite").
 :func:`run` trains (or resumes) one :class:`RecallConfig` in named steps: restore or init (the
 latest orbax checkpoint with ``resume``, else a fresh state), the train loop (the task's stream, or
 fixed for MQAR, training batches; AdamW with warmup + cosine, :func:`gdn_jax.training.make_optimizer`;
-a jitted data-parallel step over every local device; the fixed set kept on the devices; train
-metrics fetched one log interval late; a tqdm bar), evaluation on the test set every
+a jitted data-parallel step over every local device, or data x sequence with ``context_parallel``;
+the fixed set kept on the devices; train metrics fetched one log interval late; a tqdm bar, or in
+a log a line per evaluation), evaluation on the test set every
 ``eval_every`` steps with an early stop at ``target_accuracy`` and a checkpoint each time (a resumed
 run is bit-identical on CPU), and the outputs ``results.json`` + ``curves.png`` in ``out``.
 
