@@ -46,3 +46,22 @@ def varying_struct(struct, *like):
         return jax.ShapeDtypeStruct(struct.shape, struct.dtype, vma=frozenset(vma))
     except TypeError:  # a JAX without varying-axes types
         return struct
+
+
+def varying_kernel(kernel, body, *, out_type, **kw):
+    """``kernel(body, out_type=out_type, **kw)`` (Mosaic GPU's ``plgpu.kernel``) built when it is
+    called, its outputs typed varying like the arrays it is called with, so that it runs under
+    ``jax.shard_map(..., check_vma=True)``; elsewhere the same call. ``plgpu.kernel`` (JAX 0.10,
+    0.11) traces with the check off and returns untyped (invariant) outputs whatever ``out_type``
+    says: they are cast (``pcast`` / ``pvary``, no data movement) after the call, and ``out_type``
+    is typed too (:func:`varying_struct`) for a JAX that reads it. Use inside a ``custom_vjp``
+    rule only (the kernels' outputs are never differentiated: the cast's transpose, a sum over the
+    axes, would be wrong for them)."""
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+
+    def call(*args):
+        typed = jax.tree.map(lambda s: varying_struct(s, *args) if is_struct(s) else s, out_type, is_leaf=is_struct)
+        outs = kernel(body, out_type=typed, **kw)(*args)
+        return jax.tree.map(lambda x: match_vma(x, *args), outs)
+
+    return call

@@ -246,9 +246,9 @@ def shard_gated_delta_rule(
     Other keywords as :func:`gated_delta_rule` (``output_final_state``, ``scale``, ``backend``...).
     With ``backend`` "pallas" or "auto" the ``shard_map`` runs with ``check_vma=False``. A
     ``shard_map`` of your own around :func:`context_parallel_gated_delta_rule` needs it where the
-    Pallas kernels run in JAX's interpreter (the CPU: else ``ValueError`` naming it) or are the
-    Hopper kernels; the Triton and Mosaic TPU kernels' out types carry the varying mesh axes and
-    run under ``check_vma=True`` (docs/context_parallel.md).
+    Pallas kernels run in JAX's interpreter (the CPU: else ``ValueError`` naming it); the compiled
+    kernels' outputs (Triton, Mosaic TPU, Hopper) carry the varying mesh axes and type-check under
+    ``check_vma=True`` (docs/context_parallel.md).
 
     Returns:
       ``(o, final_state)`` as :func:`gated_delta_rule` (o sharded like v, the state over
@@ -272,7 +272,7 @@ def shard_gated_delta_rule(
                                                  **kwargs)
 
     out_fin = st if kwargs.get("output_final_state", False) else None
-    # check_vma off where the Pallas kernels may run: in JAX's interpreter (CPU) they cannot run under
-    # the check, and the Hopper kernels' out types carry no varying axes (the others' do)
+    # check_vma off where the Pallas kernels may run: JAX's interpreter (CPU) cannot run them under the
+    # check; the compiled kernels' outputs are typed for it, but have not run under it on a GPU yet
     check = kwargs.get("backend", "auto") in ("scan", "chunk")
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, out_fin), check_vma=check)(*args)
