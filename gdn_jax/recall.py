@@ -5,8 +5,9 @@ and results" and "Recall suite").
 :func:`run` trains (or resumes) one :class:`RecallConfig` in named steps: restore or init (the
 latest orbax checkpoint with ``resume``, else a fresh state), the train loop (the task's stream, or
 fixed for MQAR, training batches; AdamW with warmup + cosine, :func:`gdn_jax.training.make_optimizer`;
-a jitted data-parallel step over every local device; the fixed set kept on the devices; train
-metrics fetched one log interval late; a tqdm bar), evaluation on the test set every
+a jitted data-parallel step over every local device, or data x sequence with ``context_parallel``;
+the fixed set kept on the devices; train metrics fetched one log interval late; a tqdm bar, or in
+a log a line per evaluation), evaluation on the test set every
 ``eval_every`` steps with an early stop at ``target_accuracy`` and a checkpoint each time (a resumed
 run is bit-identical on CPU), and the outputs ``results.json`` + ``curves.png`` in ``out``.
 
@@ -52,8 +53,8 @@ from gdn_jax.models import LM, LMConfig
 from gdn_jax.step_cache import shared_steps
 
 __all__ = ["CONFIG_FILE", "LoadedRun", "RESUME_FREE_FIELDS", "RecallConfig", "TASKS", "build", "find_run", "load_run",
-           "make_lm_config", "make_task", "read_latest", "resume_config", "run", "saved_config", "scaled_accuracy",
-           "task_label", "task_options", "validate"]
+           "make_lm_config", "make_run_mesh", "make_task", "read_latest", "resume_config", "run", "saved_config",
+           "scaled_accuracy", "sequence_widths", "task_label", "task_options", "validate"]
 
 TASKS = tuple(TASK_CONFIGS)
 
@@ -180,6 +181,9 @@ class RecallConfig:
     progress: bool = True  # tqdm bar
     session_time_s: Optional[float] = None  # stop this session after this many s: checkpoint, no results.json
     device_data: bool = True  # data_mode="fixed": keep the training set on the devices (same batches)
+    # devices each sequence is split over (context parallelism, mesh axis "seq"; docs/context_parallel.md):
+    # the local devices form a (devices / context_parallel) x context_parallel mesh, batch over the first
+    context_parallel: int = 1
     # -- metric loggers (gdn_jax.loggers; pip install -e '.[loggers]') --
     # also log the metrics to TensorBoard (<out>/tb) or W&B (<out>/wandb; WANDB_MODE=offline: no network)
     logger: Literal["none", "tensorboard", "wandb"] = "none"
@@ -210,7 +214,7 @@ class RecallConfig:
 RESUME_FREE_FIELDS = frozenset({"max_steps", "max_time_s", "out", "ckpt_dir", "resume", "overwrite", "keep_checkpoints",
                                 "keep_best_checkpoint", "progress", "log_every", "eval_every", "eval_every_near_target",
                                 "target_accuracy", "eval_batch_size", "backend", "chunk_size", "session_time_s",
-                                "device_data", "logger", "wandb_project", "wandb_group"})
+                                "device_data", "logger", "wandb_project", "wandb_group", "context_parallel"})
 
 
 def _shared_fields(cls, cfg: RecallConfig) -> Dict[str, Any]:
@@ -371,7 +375,7 @@ def validate(cfg: RecallConfig) -> None:
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         bad("lr", "a positive finite number")
     for name in ("d_model", "num_layers", "num_heads", "steps", "batch_size", "eval_every", "eval_batch_size",
-                 "test_examples", "log_every", "keep_checkpoints"):
+                 "test_examples", "log_every", "keep_checkpoints", "context_parallel"):
         if getattr(cfg, name) < 1:
             bad(name, ">= 1")
     if cfg.eval_every_near_target < 0:
@@ -429,6 +433,55 @@ def validate(cfg: RecallConfig) -> None:
     if cfg.hybrid_every < 0 or (cfg.hybrid_every > cfg.num_layers):
         bad("hybrid_every", f"in [0, RecallConfig.num_layers] = [0, {cfg.num_layers}]",
             f": else no layer would be {cfg.hybrid_mixer!r} (4 layers for 3:1)")
+    if cfg.context_parallel > 1:
+        _check_context_parallel(cfg)
+
+
+def sequence_widths(cfg: RecallConfig) -> Dict[str, int]:
+    """``{field: width}``: the token widths of the task's batches, named by the field that sets each
+    (MQAR, NIAH: ``seq_len``; state tracking: ``train_max_len`` for the training batches,
+    ``test_max_len`` for the test set, both right-padded to that width)."""
+    if cfg.task == "state_tracking":
+        return {"train_max_len": cfg.train_max_len, "test_max_len": cfg.test_max_len}
+    return {"seq_len": cfg.seq_len}
+
+
+def _check_context_parallel(cfg: RecallConfig) -> None:
+    """ValueError naming the field for settings that cannot split sequences over
+    ``cfg.context_parallel`` devices: a width not a multiple of it, shards shorter than the short
+    convolution's halo (``conv_size - 1`` tokens from the previous shard), learned position
+    embeddings. (The device count is checked where the mesh is built, :func:`run`.)"""
+    cp = cfg.context_parallel
+    halo = LMConfig.__dataclass_fields__["conv_size"].default - 1
+    layers = {cfg.mixer} | ({cfg.hybrid_mixer} if cfg.hybrid_every else set())
+    conv = cfg.use_short_conv and bool(layers - {"attention", "gated_attention"})  # attention has no short conv
+    for name, width in sequence_widths(cfg).items():
+        if width % cp:
+            raise ValueError(f"RecallConfig.{name} = {width} must be a multiple of RecallConfig.context_parallel = "
+                             f"{cp} (each device holds a contiguous 1/{cp} of every sequence)")
+        if conv and width // cp < halo:
+            raise ValueError(f"RecallConfig.{name} = {width} over RecallConfig.context_parallel = {cp} devices gives "
+                             f"shards of {width // cp} tokens, fewer than the short convolution's halo of {halo} "
+                             f"(taken from the previous shard only): use fewer devices or "
+                             f"RecallConfig.use_short_conv=False")
+    if cfg.pos_embedding == "learned":
+        raise ValueError(f"RecallConfig.pos_embedding = 'learned' is not supported with RecallConfig.context_parallel "
+                         f"= {cp} (use 'none': rotary or no positions)")
+
+
+def make_run_mesh(cfg: RecallConfig, devices: Optional[Sequence[jax.Device]] = None):
+    """The mesh of a run of ``cfg`` over ``devices`` (default: the local devices):
+    :func:`gdn_jax.training.make_mesh` with ``seq=cfg.context_parallel`` -- axis ``"data"`` over
+    every device, or ``("data", "seq")`` of shape ``(devices / context_parallel, context_parallel)``.
+
+    Raises:
+      ValueError: ``context_parallel`` does not divide the number of devices.
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    if len(devices) % cfg.context_parallel:
+        raise ValueError(f"RecallConfig.context_parallel = {cfg.context_parallel} must divide the {len(devices)} "
+                         f"devices ({jax.default_backend()}; the rest of the mesh splits the batch)")
+    return T.make_mesh(devices, seq=cfg.context_parallel)
 
 
 def build(cfg: RecallConfig):
@@ -847,6 +900,17 @@ def load_run(path: str, params: Literal["best", "last"] = "best") -> LoadedRun:
                      results=results, path=folder)
 
 
+def live_progress(bar_cls) -> bool:
+    """A progress bar of ``bar_cls`` (``tqdm.auto.tqdm``) is seen live: a notebook's widget, or
+    tqdm's text bar on a stderr that is a terminal (not a log file or a pipe)."""
+    if any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__):
+        return True  # the notebook widget (tqdm.auto in Jupyter): no '\r' lines anywhere
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError, OSError):  # a closed or replaced stream
+        return False
+
+
 class _Run:
     """One call of :func:`run`: the state its steps share (setup here, then :meth:`restore_or_init`,
     :meth:`train`, :meth:`finish`, :meth:`results` and :meth:`write_outputs`)."""
@@ -855,12 +919,14 @@ class _Run:
         self.cfg = cfg
         self.stop = cfg.max_steps if cfg.max_steps is not None else cfg.steps
         self.task, self.loader, _, self.model_fn, self.tx = build(cfg)  # validates cfg (out, ckpt_dir too)
-        self.mesh = T.make_mesh()
-        self.n_dev = self.mesh.shape["data"]
+        self.mesh = make_run_mesh(cfg)
+        self.n_dev = self.mesh.size
+        n_data = self.mesh.shape["data"]
         for name in ("batch_size", "eval_batch_size"):
-            if getattr(cfg, name) % self.n_dev:
-                raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {self.n_dev} "
-                                 f"devices")
+            if getattr(cfg, name) % n_data:
+                where = (f"{n_data} devices of the data axis ({self.n_dev} devices / RecallConfig.context_parallel "
+                         f"{cfg.context_parallel})" if cfg.context_parallel > 1 else f"{n_data} devices")
+                raise ValueError(f"RecallConfig.{name}={getattr(cfg, name)} is not divisible by the {where}")
         self.out = _run_folder(cfg)  # a new runs/<task>/<mixer>-<time> by default (claimed, latest -> it)
         self.ckpt_dir = cfg.ckpt_dir or os.path.join(self.out, "ckpt")
         check_out_dir("RecallConfig.out", self.out)
@@ -885,6 +951,7 @@ class _Run:
         self.stopped_by_time = self.diverged = False
         self.interrupted: Optional[str] = None  # "session_time" or "sigint": checkpointed, unfinished
         self.sigint = False  # a Ctrl-C arrived during train()
+        self.eval_lines = False  # a line per evaluation on stderr (progress on, no live bar: train())
         self.logger: Logger = Logger()  # RecallConfig.logger and run()'s loggers (open_logger); no-op until then
         self.lr_at = None  # step -> learning rate, for the loggers
 
@@ -950,7 +1017,9 @@ class _Run:
         self.start = self.step = int(jax.device_get(self.state.step))
         if restored is not None:
             print(f"resumed from step {self.start} ({self.ckpt_dir})", file=sys.stderr)
-        n_labels = self.task.max_labels  # sparse LM head: logits only where something is scored
+        # sparse LM head: logits only where something is scored (with sequences split over devices the
+        # dense head: make_eval_step takes no max_scored there; the loss and accuracy are the same)
+        n_labels = self.task.max_labels if cfg.context_parallel == 1 else None
         # compiled once per process for runs of the same model, optimizer settings and devices (the
         # learning rate is an argument): a sweep's rates and seeds reuse them (gdn_jax.step_cache)
         self.train_step, self.eval_step = shared_steps(self.graphdef, self.mesh, lr=cfg.lr, max_scored=n_labels,
@@ -1025,7 +1094,11 @@ class _Run:
         done = bool(history["evals"]) and history["evals"][-1]["test_accuracy"] >= cfg.target_accuracy
         batches = self.batches() if not done else iter(())  # one-off data setup: before the clock starts
         self.t0 = time.perf_counter()
-        bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not cfg.progress,
+        # the bar where it is seen live (a terminal, a notebook); in a log (stderr not a terminal) its
+        # redrawn '\r' lines would pile up: one line per evaluation instead (evaluate)
+        live = cfg.progress and live_progress(tqdm)
+        self.eval_lines = cfg.progress and not live
+        bar = tqdm(total=self.stop, initial=min(self.start, self.stop), disable=not live,
                    dynamic_ncols=True, desc=f"{cfg.task} {mixer_label(cfg)}")
         # Ctrl-C (SIGINT) stops at the end of the step in flight and run() checkpoints it; a second
         # Ctrl-C aborts at once (no checkpoint). Only the main thread can take signals.
@@ -1066,6 +1139,9 @@ class _Run:
                 signal.signal(signal.SIGINT, previous)
             if hasattr(batches, "close"):
                 batches.close()
+            if not bar.disable and not self.interrupted and bar.n < bar.total:
+                bar.total = bar.n  # stopped early (target, divergence, max_time_s): the bar ends at its last step
+                bar.refresh()
             bar.close()
 
     def _after_step(self, bar) -> bool:
@@ -1131,6 +1207,11 @@ class _Run:
                 test["test/scaled_accuracy"] = scaled_accuracy(rec["test_accuracy"], self.task.chance)
             self.logger.log(test, step)
         self.eval_s += time.perf_counter() - t_eval
+        if self.eval_lines:
+            cfg, tr = self.cfg, self.history["train"]
+            train = f"loss {tr[-1][1]:.4f} acc {tr[-1][2]:.4f}, " if tr else ""
+            print(f"{cfg.task} {mixer_label(cfg)} step {step}/{self.stop}: {train}test loss {rec['test_loss']:.4f} "
+                  f"acc {rec['test_accuracy']:.4f} ({rec['wall_s']:.0f} s)", file=sys.stderr, flush=True)
         self.save()
         return rec
 
@@ -1193,6 +1274,7 @@ class _Run:
             "backend_resolved": sorted(set(backends)) if backends else None,
             "device_kind": jax.devices()[0].device_kind,
             "num_devices": self.n_dev,
+            "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()},
             "evals": evals,
             "eval_columns": ["step", "loss", "test_loss", "test_accuracy", "wall_s"],
             "task": cfg.task,

@@ -712,7 +712,13 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
     n_acc, backend = _accelerators() if not cfg.workers else (0, "")
     wpd = cfg.workers_per_device
     n_workers = cfg.workers or (n_acc * wpd if n_acc > 1 or wpd > 1 else 0)
-    bar = tqdm(total=len(grid), disable=not cfg.progress, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
+    from gdn_jax.recall import live_progress
+
+    # a bar where it is seen live; in a log (stderr not a terminal) a line per finished cell instead of
+    # the bar's redrawn '\r' lines (docs/experiment_tools.md "Progress output")
+    live = cfg.progress and live_progress(tqdm)
+    lines = cfg.progress and not live
+    bar = tqdm(total=len(grid), disable=not live, desc=f"sweep {cfg.task}", unit="cell", dynamic_ncols=True)
     bar.update(sum(cell_done(cfg, c) for c in grid))
     if cfg.lrs_in_parallel and (n_workers <= 1 or script is None):
         print("sweep: --lrs_in_parallel needs several worker processes (workers_per_device > 1, or several "
@@ -722,7 +728,7 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
             if not cell_done(cfg, cell):
                 bar.set_postfix_str(cell.name)
                 try:
-                    ok = run_cell(cfg, cell, progress=bar if cfg.progress else None)
+                    ok = run_cell(cfg, cell, progress=bar if live else None)
                 except KeyboardInterrupt:  # Ctrl-C: the run checkpointed its step (recall.run); summary so far
                     bar.close()
                     summarize(cfg)
@@ -733,6 +739,9 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
                           f"session_time_s); run the same command again to continue", file=sys.stderr)
                     break
                 bar.update(1)
+                if lines:
+                    print(f"sweep {cfg.task}: {cell.name} done ({sum(cell_done(cfg, c) for c in grid)}/{len(grid)} "
+                          f"cells)", file=sys.stderr, flush=True)
     else:
         env_key = "TPU_VISIBLE_CHIPS" if backend == "tpu" else "CUDA_VISIBLE_DEVICES"
         ids = visible_device_ids(os.environ.get(env_key), n_acc)
@@ -751,6 +760,8 @@ def run_sweep(cfg: SweepConfig, argv: Sequence[str] = (), script: Optional[str] 
                 time.sleep(2.0)
                 now = sum(cell_done(cfg, c) for c in grid)
                 bar.update(now - done)
+                if lines and now != done:
+                    print(f"sweep {cfg.task}: {now}/{len(grid)} cells done", file=sys.stderr, flush=True)
                 done = now
         except KeyboardInterrupt:  # Ctrl-C reaches the workers too: each checkpoints its run; wait for them
             print("sweep: interrupted; waiting for the workers to checkpoint their runs (Ctrl-C again to kill them)",

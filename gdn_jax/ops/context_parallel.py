@@ -244,9 +244,11 @@ def shard_gated_delta_rule(
     A ``jax.shard_map`` around :func:`context_parallel_gated_delta_rule`: T must be a multiple of
     the axis size; ``batch_axis`` (optional) splits B over another mesh axis (data parallelism).
     Other keywords as :func:`gated_delta_rule` (``output_final_state``, ``scale``, ``backend``...).
-    With ``backend`` "pallas" or "auto" the ``shard_map`` runs with ``check_vma=False`` (the
-    Pallas kernels' output types carry no varying mesh axes); a ``shard_map`` of your own around
-    :func:`context_parallel_gated_delta_rule` with those backends needs it too.
+    With ``backend`` "pallas" or "auto" the ``shard_map`` runs with ``check_vma=False``. A
+    ``shard_map`` of your own around :func:`context_parallel_gated_delta_rule` needs it where the
+    Pallas kernels run in JAX's interpreter (the CPU: else ``ValueError`` naming it); the compiled
+    kernels' outputs (Triton, Mosaic TPU, Hopper) carry the varying mesh axes and type-check under
+    ``check_vma=True`` (docs/context_parallel.md).
 
     Returns:
       ``(o, final_state)`` as :func:`gated_delta_rule` (o sharded like v, the state over
@@ -270,7 +272,7 @@ def shard_gated_delta_rule(
                                                  **kwargs)
 
     out_fin = st if kwargs.get("output_final_state", False) else None
-    # the Pallas kernels' outputs carry no varying-axes type, so shard_map's check is off where
-    # they may run (the results are the same: tests/ops/test_context_parallel.py runs both)
+    # check_vma off where the Pallas kernels may run: JAX's interpreter (CPU) cannot run them under the
+    # check; the compiled kernels' outputs are typed for it, but have not run under it on a GPU yet
     check = kwargs.get("backend", "auto") in ("scan", "chunk")
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, out_fin), check_vma=check)(*args)

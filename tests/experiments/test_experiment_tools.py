@@ -143,6 +143,38 @@ def test_near_target_evaluation_stops_early(tmp_path):
     assert res["train_curve"][0][2] >= 0.01  # the train point (step 2) that set it off
 
 
+def test_progress_bar_ends_at_the_last_step_and_logs_get_lines(tmp_path, monkeypatch, capfd):
+    """A run that stops at its target (step 4 of 40) closes a live bar at 4/4; with stderr not a
+    terminal (here: captured) no bar is drawn -- no '\\r' in the output -- and each evaluation
+    prints one line (docs/experiment_tools.md "Progress output")."""
+    import io
+
+    import tqdm.auto
+    from gdn_jax import recall as R
+    from gdn_jax.cli import parse_dataclass
+
+    args = [a for a in TINY if a != "--no-progress"] + ["--steps", "40", "--eval_every", "2", "--target_accuracy",
+                                                        "0.01"]
+    res, _ = R.run(parse_dataclass(R.RecallConfig, args + ["--out", str(tmp_path / "log")]))
+    err = capfd.readouterr().err
+    assert res["steps"] == 2 and "\r" not in err
+    lines = [x for x in err.splitlines() if x.startswith("mqar gdn step ")]
+    assert len(lines) == len(res["evals"]) == 1 and lines[0].startswith("mqar gdn step 2/40: loss ")
+
+    bars = []
+
+    class Bar(tqdm.auto.tqdm):  # the live bar, drawn into a buffer
+        def __init__(self, *a, **kw):
+            super().__init__(*a, file=io.StringIO(), **kw)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(R, "live_progress", lambda cls: True)
+    res, _ = R.run(parse_dataclass(R.RecallConfig, args + ["--out", str(tmp_path / "live")]))
+    assert res["steps"] == 2 and len(bars) == 1 and (bars[0].n, bars[0].total) == (2, 2)
+    assert "mqar gdn step " not in capfd.readouterr().err
+
+
 def test_generate_greedy_without_key():
     """generate / decode_loop take no key for greedy decoding (the default); sampling without one is
     a TypeError that says so."""

@@ -57,7 +57,7 @@ def test_seed_axis_mean_and_spread_and_one_compiled_step(tmp_path):
         S.validate(_cfg(tmp_path / "x", seeds=(1, 1)))
 
 
-def test_live_progress_of_the_run_in_flight(tmp_path, capsys):
+def test_live_progress_of_the_run_in_flight(tmp_path, capsys, monkeypatch):
     class Bar:
         shown = []
 
@@ -69,9 +69,17 @@ def test_live_progress_of_the_run_in_flight(tmp_path, capsys):
     name = S.cells(cfg)[0].name
     assert Bar.shown[0].startswith(f"{name} lr 0.01: step 2/6, loss ")
     assert any("step 4/6" in s and " acc " in s and " test " in s for s in Bar.shown), Bar.shown
-    # the sweep's own bar (one process) shows it
-    S.run_sweep(_cfg(tmp_path / "bar", lrs=(1e-2,), progress=True))
+    # the sweep's own bar (one process) shows it where it is seen live
+    import gdn_jax.recall as R
+
+    with monkeypatch.context() as m:
+        m.setattr(R, "live_progress", lambda cls: True)
+        S.run_sweep(_cfg(tmp_path / "bar", lrs=(1e-2,), progress=True))
     assert f"{name} lr 0.01: step 6/6" in capsys.readouterr().err
+    # in a log (stderr not a terminal, as captured here): no bar ('\r' lines), a line per finished cell
+    S.run_sweep(_cfg(tmp_path / "log", lrs=(1e-2,), progress=True))
+    err = capsys.readouterr().err
+    assert "\r" not in err and f": {name} done (1/1 cells)" in err
 
 
 def test_shared_step_equals_the_optimizer_at_that_rate():

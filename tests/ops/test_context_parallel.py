@@ -237,3 +237,65 @@ def test_refusals_layers_and_models():
             lm(tokens, context_axis="seq")
     finally:
         MIXERS.pop("cp_test_custom", None)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "tpu", "hopper"])
+def test_pallas_kernels_typed_for_checked_shard_map(kernels):
+    """The compiled Pallas kernels (Triton, Mosaic TPU, the Hopper kernels of Mosaic GPU: traced
+    here, not run) inside ``shard_map(check_vma=True)``: forward, state maps and backward
+    type-check (the out_shapes carry the inputs' varying mesh axes; untyped, pallas_call refuses
+    them, and plgpu.kernel's untyped outputs fail the backward), packed documents, an initial
+    state and the final state; the output varies over 'seq'."""
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.ops._vma import _varying_axes
+    from gdn_jax.ops.pallas import KernelConfig
+
+    config = {"triton": KernelConfig(platform="gpu", gpu_kernels="triton"), "tpu": KernelConfig(platform="tpu"),
+              "hopper": KernelConfig(platform="gpu", gpu_kernels="mosaic")}[kernels]
+    hopper = kernels == "hopper"  # the Hopper kernels take bf16, head dims >= 64, chunk 64
+    D, T, C, dt = (64, 256, 64, jnp.bfloat16) if hopper else (16, 32, 16, jnp.float32)
+    q, k, v, g, beta = _inputs(T=T, H=2, K=D, V=D)
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    cu = jnp.asarray([int(c) * T // 32 for c in cp_check.PACKED_CU], jnp.int32)
+    s0 = jnp.ones((len(cp_check.PACKED_CU) - 1, 2, D, D)) * 0.1
+    seen = []
+
+    def body(q, k, v, g, beta, s0, cu):
+        o, fin = context_parallel_gated_delta_rule(q, k, v, g, beta, axis_name="seq", initial_state=s0, cu_seqlens=cu,
+                                                   output_final_state=True, backend="pallas", chunk_size=C,
+                                                   kernel_config=config)
+        seen.append(_varying_axes(o))
+        return o, fin
+
+    spec = P(None, "seq")
+    f = jax.shard_map(body, mesh=_mesh(4), in_specs=(spec,) * 5 + (P(), P()), out_specs=(spec, P()), check_vma=True)
+    loss = lambda *a: jnp.sum(f(*a, cu)[0].astype(jnp.float32)) + jnp.sum(f(*a, cu)[1])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, g, beta, s0))
+    assert seen and all(s == {"seq"} for s in seen)
+    assert ("mpmd_map" in jaxpr) == hopper and ("pallas_call" in jaxpr) != hopper  # the kernels asked for
+
+
+def test_pallas_interpreter_in_user_shard_map():
+    """The Pallas kernels in JAX's interpreter (CPU) inside a shard_map of one's own: with
+    check_vma=False equal to the unsharded op (<= 1e-5 of the max, o and the gradient of q); with
+    check_vma=True (which JAX's interpreter cannot lower) a ValueError that names check_vma=False,
+    at trace time."""
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.ops import gated_delta_rule
+
+    q, k, v, g, beta = _inputs(T=32, H=2)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    body = lambda *a: context_parallel_gated_delta_rule(*a, axis_name="seq", backend="pallas", chunk_size=16)[0]
+    spec = P(None, "seq")
+    sm = lambda check: jax.shard_map(body, mesh=_mesh(2), in_specs=(spec,) * 5, out_specs=spec, check_vma=check)
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.make_jaxpr(sm(True))(q, k, v, g, beta)
+    ref = lambda q: gated_delta_rule(q, k, v, g, beta, backend="chunk", chunk_size=16)[0]
+    o1, o0 = jax.jit(sm(False))(q, k, v, g, beta), ref(q)
+    assert float(jnp.max(jnp.abs(o1 - o0))) <= TOL * float(jnp.max(jnp.abs(o0)))
+    w = jnp.asarray(np.random.default_rng(4).standard_normal(o0.shape), jnp.float32)
+    d1 = jax.jit(jax.grad(lambda q: jnp.sum(sm(False)(q, k, v, g, beta) * w)))(q)
+    d0 = jax.grad(lambda q: jnp.sum(ref(q) * w))(q)
+    assert float(jnp.max(jnp.abs(d1 - d0))) <= TOL * float(jnp.max(jnp.abs(d0)))

@@ -50,6 +50,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from .._common import GateForms
+from .._vma import match_vma
 from . import hopper_plan
 from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype, check_type
 from .platform import PLATFORMS, is_hopper
@@ -151,6 +152,11 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
     prep = to_kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                             use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                             config=KernelConfig() if kernel_config is None else kernel_config)
-    o, fin = chunk_gated_delta_rule(prep.calls, *prep.args)
+    # under shard_map(check_vma=True): every differentiable input varying like the others, so that the
+    # custom_vjp's cotangents have their inputs' types (an invariant input, e.g. a zero state, is
+    # made varying outside it; that cast's transpose sums its gradient over the axes)
+    args = list(prep.args)
+    args[:6] = [match_vma(a, *args[:6]) for a in args[:6]]
+    o, fin = chunk_gated_delta_rule(prep.calls, *args)
     o, fin = prep.finish(o, fin)
     return o, fin, prep.valid

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .._common import L2NORM_EPS
+from .._vma import varying_struct
 from . import platform as _plat
 from . import partition as _partition
 
@@ -83,7 +84,8 @@ def _tpu_call(p, q, k, v, g3, b3, state, *, scale, use_qk_l2norm, state_dtype):
     full = lambda *shape: pl.BlockSpec((None,) + shape, lambda b: (b,) + (0,) * len(shape))
     specs = [full(Hk, K), full(Hk, K), full(H, V), full(H, g3.shape[-1]), full(H, b3.shape[-1]), full(H, K, V)]
     out_specs = [full(H, V), full(H, K, V)]
-    out_shape = [jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.dtype(state_dtype))]
+    out_shape = [varying_struct(jax.ShapeDtypeStruct(s, d), q, k, v, g3, b3, state)  # typed for shard_map
+                 for s, d in (((B, H, V), v.dtype), ((B, H, K, V), jnp.dtype(state_dtype)))]
     aliases = {5: 1} if jnp.dtype(state.dtype) == jnp.dtype(state_dtype) else {}
     blocks = [(specs[5], state.dtype), (out_specs[1], state_dtype), (specs[2], v.dtype), (out_specs[0], v.dtype)]
     fn = pl.pallas_call(
@@ -129,7 +131,8 @@ def _step_block(static, q, k, v, g3, b3, state):
              pl.BlockSpec((None, None, K, bv), lambda i, j: (i // H, i % H, 0, j))]
     out_specs = [pl.BlockSpec((None, None, bv), lambda i, j: (i // H, i % H, j)),
                  pl.BlockSpec((None, None, K, bv), lambda i, j: (i // H, i % H, 0, j))]
-    out_shape = [jax.ShapeDtypeStruct((B, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.dtype(state_dtype))]
+    out_shape = [varying_struct(jax.ShapeDtypeStruct(s, d), q, k, v, g3, b3, state)  # typed for shard_map
+                 for s, d in (((B, H, V), v.dtype), ((B, H, K, V), jnp.dtype(state_dtype)))]
     aliases = {5: 1} if jnp.dtype(state.dtype) == jnp.dtype(state_dtype) else {}
     fn = pl.pallas_call(
         functools.partial(_kernel, scale=float(scale), l2norm=bool(use_qk_l2norm)),

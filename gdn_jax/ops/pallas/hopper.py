@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._vma import varying_kernel
 from .config import KernelCall
 from .hopper_plan import (SMEM_BYTES, block_for, default_block, producer, single_q, smem_bytes, wy_compact,  # noqa: F401
                           wy_smem_bytes)
@@ -489,8 +490,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         out_type += states if save_states else ()
     if wspec:
         kw.update(num_threads=nc + 1, thread_name="wg")
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // (bv * nc)),
-                      grid_names=("bh", "vb"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
+                        scratch_types=list(scratch.values()), grid=(BH, V // (bv * nc)),
+                        grid_names=("bh", "vb"), **kw)
     args = ([] if rec else [q]) + [k] + ([t[0], t[1], v] if tf else [w.astype(BF16), u.astype(BF16)])
     args += ([] if rec else [aqk.astype(BF16)]) + [gates, h0]
     out = fn(*args)
@@ -871,16 +873,16 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
-        fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
-                          grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
+        fn = varying_kernel(plgpu.kernel, body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
+                            grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
         return dict(zip(("aqk", "t_hi", "t_lo", "w"), fn(q, k, gates)))
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
         out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
-    fn = plgpu.kernel(body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
-                      grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
+                        grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
     if backward:
         w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
         return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)

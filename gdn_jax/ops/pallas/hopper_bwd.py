@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._vma import varying_kernel
 from .config import KernelCall
 from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _sync, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
                      _wait_slot, chunk_last_row, scaled_t, tile_in, tile_out, write_w_u)
@@ -278,7 +279,8 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, 5, C), F32))
     kw = _kernel_kw(call)
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
+                        scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
     col = lambda r: sc[:, :, r].reshape(BH, Tp, 1)
@@ -561,8 +563,8 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     kw = _kernel_kw(call, "grads")  # KernelConfig.auto_barriers (see hopper._sync)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
-                      **threads, **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
+                        **threads, **kw)
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
     col = lambda x: x.reshape(BH, Tp, 1)
@@ -656,7 +658,8 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
     # KernelConfig.auto_barriers: one of the "wy" kernels (no thread load of a tile it overwrites:
     # dVl and W / U land in tiles that only a completed wgmma has read, as in the forward WY)
     kw = _kernel_kw(call, "wy")
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
+                        scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     w, u, dvl = fn(k, v, do, gates, aqk.astype(BF16), t_hi, t_lo)
     return dict(w=w, u=u, dvl=dvl)
 
@@ -851,7 +854,8 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     kw = _kernel_kw(call, "reverse")  # KernelConfig.auto_barriers (see hopper._sync)
     if prod:
         kw.update(num_threads=2, thread_name="wg")
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
+                        scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
     dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), (aqk if own_dvl else dvl).astype(BF16), do, gates,
                           dfinal.astype(F32), h.astype(BF16))
     return dict(dh=dh, dvn=dvn, dh0=dh0, de_gam_last=dd.sum((1, 3)).reshape(BH, n, 1, 1))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._vma import varying_kernel
 from .config import KernelCall
 from .hopper import (BF16, F32, _T, _i32, _kernel_kw, _load, _mmas, _plgpu, _slot_flags, _smem,
                      chunk_last_row, tile_in, tile_out)
@@ -165,7 +166,7 @@ def forward_states_transition(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
     if save_states:
         out_type += (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
-    fn = plgpu.kernel(body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // bv),
-                      grid_names=("bh", "vb"), **kw)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // bv),
+                        grid_names=("bh", "vb"), **kw)
     out = fn(q, k, w.astype(BF16), u.astype(BF16), aqk.astype(BF16), gates, h0)
     return dict(zip(("o", "final", "h", "vn"), out))

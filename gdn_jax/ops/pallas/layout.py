@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._vma import varying_struct
 from . import platform as _plat
 from .config import KernelCall
 
@@ -75,7 +76,8 @@ def run(call: KernelCall, body, *, name: str, grid, inputs: dict, outputs: dict,
     Returns ``{name: array}`` of the outputs.
     """
     ins = [(k, a, s) for k, v in inputs.items() if v is not None for a, s in (v,)]
-    outs = list((k, o, s) for k, (o, s) in outputs.items())
+    # typed varying like the inputs: under shard_map(check_vma=True) a pallas_call needs it
+    outs = list((k, varying_struct(o, *[a for _, a, _ in ins]), s) for k, (o, s) in outputs.items())
     names = [k + "_ref" for k, _, _ in ins] + [k + "_ref" for k, _, _ in outs]
     extra = {}
     if scratch:

@@ -128,7 +128,24 @@ def dot_precision(p: str, operand_dtype, f32_name: str):
 
 
 def invoke(p: str, fn, *args):
-    """Invoke a built ``pallas_call`` (Triton deprecation warnings silenced on GPU)."""
+    """Invoke a built ``pallas_call`` (Triton deprecation warnings silenced on GPU).
+
+    Raises:
+      ValueError: an interpreted platform (CPU) inside ``jax.shard_map(..., check_vma=True)`` (its
+        arguments typed varying over mesh axes): JAX's Pallas interpreter (0.10, 0.11) evaluates the
+        kernel body without those types and fails when the program is lowered; the compiled kernels
+        (GPU, TPU) are typed (:func:`gdn_jax.ops._vma.varying_struct`) and run there.
+    """
+    if interpreted(p):
+        from .._vma import _varying_axes
+
+        axes = set().union(*(_varying_axes(a) for a in args))
+        if axes:
+            raise ValueError(f"backend='pallas' runs its kernels in the Pallas interpreter here (platform {p!r}), "
+                             f"which JAX cannot run inside jax.shard_map(..., check_vma=True) (the arguments vary "
+                             f"over mesh axes {sorted(axes, key=str)}): pass check_vma=False to that shard_map, or "
+                             f"use backend='chunk' on the CPU (gdn_jax.ops.context_parallel.shard_gated_delta_rule "
+                             f"sets check_vma itself)")
     if p != "gpu":
         return fn(*args)
     with warnings.catch_warnings():
