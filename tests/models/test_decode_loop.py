@@ -71,8 +71,8 @@ def test_generate_fused_step_bf16_state_and_timed_loop():
     graphdef, state = nnx.split(model)
     cache = jax.jit(lambda st, p: nnx.merge(graphdef, st).prefill(p, 64)[1])(state, prompt)
     assert cache[0].state.dtype == jnp.bfloat16
+    toks, new = decode_loop(model, cache, greedy[:, 0], 4, key=key)  # greedy: its own compile (argmax only)
     before = TRACE_COUNT["decode_loop"]
-    toks, new = decode_loop(model, cache, greedy[:, 0], 4, key=key)
     np.testing.assert_array_equal(toks, greedy[:, 1:])
     assert cache[0].state.is_deleted() and new[0].state.dtype == jnp.bfloat16 and int(new[1].pos) == 8
     r = time_decode_loop(model, new, greedy[:, -1], 2, reps=1)  # 2n = 4 slots: the same compile
