@@ -74,6 +74,7 @@ def _loop(model, cache, tok, keys, temperature, top_k, num_steps=None, *, greedy
     if n == 0:  # no step (generate with max_new_tokens=1): the loop body would still be traced
         return out, cache
     view = model.decode_view() if hasattr(model, "decode_view") else None
+    unroll = min(unroll, n)  # more steps per iteration than the loop has slots: never run
 
     def steps(u):
         def body(carry):
