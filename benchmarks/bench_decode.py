@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 SEED_MODEL = dict(vocab_size=1024, d_model=2048, num_heads=16, head_dim=128, num_layers=8)
@@ -609,7 +610,7 @@ def main(argv=None):
                           f"{row['floor_ms_nominal'] * 1e3:.1f} | {nbytes:,} | {r['first_call_s']:.1f} |", flush=True)
                     if args.profile and ctx == min(args.contexts) and B == min(args.batches):
                         prof, cache = profile_cell(model, cache, B, args.tokens, unroll,
-                                                   os.path.join(args.out, "trace", f"{len(results['profiles'])}"))
+                                                   tempfile.mkdtemp(prefix="bench_decode_trace_"))
                         results["profiles"].append(dict(prof, label=label, batch=B, context=ctx))
                         print_profile(label, B, ctx, prof, r["slope_s"] * 1e3)
                         print("\n" + hdr + "\n" + "|---" * 14 + "|", flush=True)

@@ -124,7 +124,8 @@ def decode_options(decode_backend: str, state_dtype, *, K: int, V: int, dtype, o
     ``decode_backend`` one of :data:`DECODE_BACKENDS` ("auto", "scan", "pallas", "fused_layer");
     ``state_dtype`` float32 or bfloat16 (the dtype of the cache's recurrent state). With
     ``decode_backend="pallas"`` or ``"fused_layer"`` (and ``check_kernel``) the fused decode kernel must
-    take the head dims and dtypes (the layer checks the rest of ``"fused_layer"``'s conditions) (``ValueError`` with its reason). Returns ``state_dtype`` as a ``jnp.dtype``."""
+    take the head dims and dtypes (``ValueError`` with its reason; the layer checks the rest of
+    ``"fused_layer"``'s conditions). Returns ``state_dtype`` as a ``jnp.dtype``."""
     one_of("decode_backend", decode_backend, DECODE_BACKENDS)
     sdt = float_dtype("state_dtype", state_dtype)
     if sdt.name not in STATE_DTYPES:
