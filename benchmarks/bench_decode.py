@@ -108,6 +108,9 @@ def parse_args(argv=None):
                          "by a large device-to-device copy) or a number (an H200's HBM: 4.3e12)")
     ap.add_argument("--copy_bytes", type=float, default=None,
                     help="bytes of the bandwidth measurement's array (default 1 GiB; --tiny 16 MiB)")
+    ap.add_argument("--traced_count", action="store_true",
+                    help="time loops whose step count is traced (one compile of 2n slots, the earlier protocol; on a "
+                         "GPU a host read of the loop condition per iteration) instead of static counts")
     ap.add_argument("--profile", action="store_true",
                     help="per (model, batch) at the smallest context: the compiled decode loop's kernels per step "
                          "(XLA's optimized HLO of the loop bodies) and a jax.profiler trace of one call, its device "
@@ -143,17 +146,19 @@ def parse_args(argv=None):
         raise SystemExit(f"--tokens and --reps must be >= 1, got {args.tokens}, {args.reps}")
     if not (0 < args.mem_fraction <= 1) or args.max_seconds < 0 or args.copy_bytes < 2 ** 20:
         raise SystemExit("--mem_fraction must be in (0, 1], --max_seconds >= 0, --copy_bytes >= 1 MiB")
-    need = slots_needed(args.tokens, args.reps) + (2 * args.tokens if args.profile else 0)
+    need = slots_needed(args.tokens, args.reps, args.traced_count) + (2 * args.tokens if args.profile else 0)
     if min(args.contexts) <= need:
         raise SystemExit(f"--contexts: the smallest context ({min(args.contexts)}) must exceed the "
-                         f"{need} slots the timed calls write (--tokens {args.tokens} x (1 + 3 x --reps {args.reps})"
+                         f"{need} slots the timed calls write (--tokens {args.tokens} x "
+                         f"({1 if args.traced_count else 3} + 3 x --reps {args.reps})"
                          f"{', + 2 x --tokens for --profile' if args.profile else ''})")
     return args
 
 
-def slots_needed(tokens: int, reps: int) -> int:
-    """KV slots the timing writes: a warm-up call of n steps, then reps x (n + 2n)."""
-    return tokens * (1 + 3 * reps)
+def slots_needed(tokens: int, reps: int, traced_count: bool = False) -> int:
+    """KV slots the timing writes: warm-up calls of n and 2n steps (one of n with ``traced_count``),
+    then reps x (n + 2n)."""
+    return tokens * ((1 if traced_count else 3) + 3 * reps)
 
 
 def coarse_first(xs):
@@ -276,34 +281,61 @@ def _opcode(line):
     return op, detail
 
 
-def loop_kernels(compiled_text, unroll):
+def _count_kernels(comps, name, ops, seen=None):
+    """Add the kernel-running instructions of computation ``name`` to the Counter ``ops``, looking
+    through ``call`` instructions (XLA:GPU outlines command-buffer sequences into called computations)."""
+    import re
+
+    seen = set() if seen is None else seen
+    for line in comps.get(name, []):
+        op, detail = _opcode(line)
+        if op == "call":
+            m = re.search(r"to_apply=%?([\w.\-]+)", line)
+            if m and m.group(1) not in seen:
+                seen.add(m.group(1))
+                _count_kernels(comps, m.group(1), ops, seen)
+                continue
+        if op not in NOT_KERNELS:
+            ops[f"{op} {detail}".strip()] += 1
+
+
+def loop_kernels(compiled_text, unroll, traced_count=False, n=None):
     """The kernels each decode step launches, from the compiled (optimized) HLO: for every ``while``
-    of the entry computation (the decode loops; loops nested in their bodies count as one
-    instruction each: on a GPU there are none, on a CPU the Pallas interpreter's), its body's instructions that run as a kernel (everything but parameters, tuples, constants,
-    bitcasts, ...), grouped by opcode (custom calls by target, fusions by kind). Returns a list of
-    dict(body, steps (the loop's steps per iteration: ``unroll`` for the first loop when there are
-    two), kernels, per_step, ops {label: count})."""
+    of the entry computation (or of a computation it calls: the decode loops; loops nested in their
+    bodies count as one instruction each: on a GPU there are none, on a CPU the Pallas
+    interpreter's), its body's instructions that run as a kernel (everything but parameters, tuples,
+    constants, bitcasts, ...; ``call`` instructions looked through), grouped by opcode (custom calls
+    by target, fusions by kind). ``steps`` per iteration: ``unroll`` for a static-count loop and for
+    the first of a traced-count loop's two, else 1; where XLA unrolled the loop away (no while),
+    the entry computation's kernels over the ``n`` steps. Returns a list of dict(body, steps,
+    kernels, per_step, ops {label: count})."""
     import re
     from collections import Counter
 
     comps = _hlo_computations(compiled_text)
-    bodies = []
-    for lines in (comps.get("ENTRY", []),):
-        for line in lines:
-            if " while(" in line:
-                m = re.search(r"body=%?([\w.\-]+)", line)
-                if m:
-                    bodies.append(m.group(1))
+    bodies, todo, seen = [], ["ENTRY"], set()
+    while todo:
+        name = todo.pop(0)
+        for line in comps.get(name, []):
+            m = re.search(r"body=%?([\w.\-]+)", line) if " while(" in line else None
+            if m:
+                bodies.append(m.group(1))
+            c = re.search(r"to_apply=%?([\w.\-]+)", line) if " call(" in line else None
+            if c and c.group(1) not in seen:
+                seen.add(c.group(1))
+                todo.append(c.group(1))
     out = []
+    if not bodies and n:
+        ops = Counter()
+        _count_kernels(comps, "ENTRY", ops)
+        k = sum(ops.values())
+        return [dict(body="ENTRY (no loop left)", steps=n, kernels=k, per_step=k / n, ops=dict(ops.most_common()))]
     for i, b in enumerate(bodies):
         ops = Counter()
-        for line in comps.get(b, []):
-            op, detail = _opcode(line)
-            if op not in NOT_KERNELS:
-                ops[f"{op} {detail}".strip()] += 1
-        steps = unroll if (len(bodies) > 1 and i == 0 and unroll > 1) else 1
-        n = sum(ops.values())
-        out.append(dict(body=b, steps=steps, kernels=n, per_step=n / steps, ops=dict(ops.most_common())))
+        _count_kernels(comps, b, ops)
+        steps = unroll if (not traced_count or (i == 0 and len(bodies) > 1)) else 1
+        k = sum(ops.values())
+        out.append(dict(body=b, steps=steps, kernels=k, per_step=k / steps, ops=dict(ops.most_common())))
     return out
 
 
@@ -337,25 +369,25 @@ def trace_kernels(fn, steps, out_dir):
     return sorted(rows, key=lambda r: -r["us_total"])
 
 
-def profile_cell(model, cache, B, n, unroll, out_dir):
-    """The ``--profile`` report of one cell: loop_kernels of the compiled decode loop (n traced
-    steps, greedy) and trace_kernels of one call of n steps. Returns (dict, the cache after the
-    traced call: the loop donates it)."""
+def profile_cell(model, cache, B, n, unroll, traced_count, out_dir):
+    """The ``--profile`` report of one cell: loop_kernels of the compiled decode loop (n steps,
+    greedy, the count static or traced as timed) and trace_kernels of one call of n steps. Returns
+    (dict, the cache after the traced call: the loop donates it)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from gdn_jax.inference.generate import _decode_loop, _check_unroll
 
-    u = _check_unroll(unroll)
+    u = _check_unroll(unroll, traced_count)
     graphdef, state = nnx.split(model)
     tok = jnp.zeros((B,), jnp.int32)
     keys = jax.random.split(jax.random.key(0), n)
-    temp, steps = jnp.asarray(0.0, jnp.float32), jnp.asarray(n, jnp.int32)
+    temp, steps = jnp.asarray(0.0, jnp.float32), jnp.asarray(n, jnp.int32) if traced_count else None
     sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
     text = _decode_loop.lower(graphdef, state, sds, tok, keys, temp, steps, top_k=None, greedy=True,
                               unroll=u).compile().as_text()
-    hlo = loop_kernels(text, u)
+    hlo = loop_kernels(text, u, traced_count, n)
     holder = {"cache": cache}
 
     def run():
@@ -365,7 +397,7 @@ def profile_cell(model, cache, B, n, unroll, out_dir):
 
     run()  # compiled and warm before the trace
     kernels = trace_kernels(run, n, out_dir)
-    return dict(unroll=u, hlo_loops=hlo, trace=kernels), holder["cache"]
+    return dict(unroll=u, traced_count=bool(traced_count), hlo_loops=hlo, trace=kernels), holder["cache"]
 
 
 def print_profile(label, B, ctx, prof, wall_ms=None):
@@ -512,7 +544,7 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     size = TINY_MODEL if args.tiny else SEED_MODEL
-    need = slots_needed(args.tokens, args.reps) + (2 * args.tokens if args.profile else 0)
+    need = slots_needed(args.tokens, args.reps, args.traced_count) + (2 * args.tokens if args.profile else 0)
     copy = None
     if args.bandwidth == "measure":
         copy = measure_copy_bandwidth(args.copy_bytes)
@@ -555,7 +587,7 @@ def main(argv=None):
             label = mixer if mixer == "attention" else f"{mixer} ({be}, {sdt} state)"
             if unroll is not None:
                 label += f" unroll {unroll}"
-            models[label] = (mixer, be, sdt, _check_unroll(unroll), cfg)
+            models[label] = (mixer, be, sdt, _check_unroll(unroll, args.traced_count), cfg)
     built = {}
 
     hdr = ("| mixer | decode backend | state | unroll | batch | context | ms/token | slope ms | tokens/s | floor µs | ratio "
@@ -597,7 +629,7 @@ def main(argv=None):
                     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
                     moved = weights + traffic_bytes(cache)
                     r = time_decode_loop(model, cache, jnp.zeros((B,), jnp.int32), args.tokens, reps=args.reps,
-                                         unroll=unroll)
+                                         unroll=unroll, traced_count=args.traced_count)
                     cache = r.pop("cache")
                     ms = r["per_token_s"] * 1e3
                     floor = moved / args.bandwidth * 1e3
@@ -609,7 +641,7 @@ def main(argv=None):
                           f"{row['tokens_per_s']:,.0f} | {floor * 1e3:.1f} | {row['ratio']:.1f}x | "
                           f"{row['floor_ms_nominal'] * 1e3:.1f} | {nbytes:,} | {r['first_call_s']:.1f} |", flush=True)
                     if args.profile and ctx == min(args.contexts) and B == min(args.batches):
-                        prof, cache = profile_cell(model, cache, B, args.tokens, unroll,
+                        prof, cache = profile_cell(model, cache, B, args.tokens, unroll, args.traced_count,
                                                    tempfile.mkdtemp(prefix="bench_decode_trace_"))
                         results["profiles"].append(dict(prof, label=label, batch=B, context=ctx))
                         print_profile(label, B, ctx, prof, r["slope_s"] * 1e3)

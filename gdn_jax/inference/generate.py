@@ -2,9 +2,9 @@
 
 ``generate`` jits one function per (graph, batch, prompt length, max_new_tokens, max_len, top_k,
 greedy or sampling, unroll): the prompt goes through :meth:`LM.prefill` (chunked / Pallas GDN op),
-then a loop of :meth:`LM.decode_step` over the new tokens, ``unroll`` steps per iteration (default
-4 on an accelerator), so the whole token loop runs on the device in one call (no host round trip
-per token) and nothing is retraced per token. ``temperature == 0`` is greedy: the loop takes the
+then a loop of :meth:`LM.decode_step` over the new tokens (static trip count: on a GPU no host
+round trip per iteration either; ``unroll`` steps per iteration), so the whole token loop runs on
+the device in one call and nothing is retraced per token. ``temperature == 0`` is greedy: the loop takes the
 argmax of the logits and nothing else; a sampling ``temperature`` is a traced scalar (changing it
 does not recompile). The fused GDN layers' decode-time weight views (:meth:`LM.decode_view`) are
 built once per call, before the loop.
@@ -31,16 +31,19 @@ from ..layers.attention import KVCache
 TRACE_COUNT = {"generate": 0, "decode_loop": 0}  # incremented at trace time (tests check there is one trace per shape)
 
 
-def default_unroll() -> int:
-    """Decode steps per loop iteration when ``unroll`` is None: 4 on an accelerator (each iteration of
-    a loop whose trip count is traced costs the GPU a device-to-host read of its condition; unrolled,
-    that cost and the token write are shared by 4 steps), 1 on the CPU (compile time of the tests)."""
-    return 1 if jax.default_backend() == "cpu" else 4
+def default_unroll(traced_count: bool = False) -> int:
+    """Decode steps per loop iteration when ``unroll`` is None. A loop of static trip count (``generate``,
+    ``decode_loop``, ``time_decode_loop``): 1 (XLA knows the trip count: the GPU runtime launches
+    the body that many times with no host round trip). A loop whose count is traced
+    (``time_decode_loop(..., traced_count=True)``): 4 on an accelerator (there every iteration costs
+    the GPU a device-to-host read of the loop condition, and the host waits for it before launching
+    the next iteration; unrolled, 4 steps share it), 1 on the CPU (compile time)."""
+    return 4 if traced_count and jax.default_backend() != "cpu" else 1
 
 
-def _check_unroll(unroll):
+def _check_unroll(unroll, traced_count: bool = False):
     if unroll is None:
-        return default_unroll()
+        return default_unroll(traced_count)
     if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) or unroll < 1:
         raise ValueError(f"unroll must be an int >= 1 (decode steps per loop iteration) or None, got {unroll!r}")
     return int(unroll)
@@ -74,7 +77,7 @@ def _loop(model, cache, tok, keys, temperature, top_k, num_steps=None, *, greedy
     if n == 0:  # no step (generate with max_new_tokens=1): the loop body would still be traced
         return out, cache
     view = model.decode_view() if hasattr(model, "decode_view") else None
-    unroll = min(unroll, n)  # more steps per iteration than the loop has slots: never run
+    unroll = max(1, min(unroll, n))  # more steps per iteration than the loop has slots: never run
 
     def steps(u):
         def body(carry):
@@ -212,7 +215,8 @@ def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: 
     ``temperature == 0``). The cache is **donated**: its buffers are reused for the new cache (the
     GDN states and the attention KV caches are updated in place, as a serving loop would), so the
     ``cache`` passed in must not be used afterwards. One compile per (graph, cache shapes, batch,
-    num_tokens, top_k, greedy or not, unroll). Timing one call (``jax.block_until_ready``) and
+    num_tokens, top_k, greedy or not, unroll): the step count is static, so that XLA knows the
+    loop's trip count (on a GPU: no device-to-host read of the loop condition per iteration). Timing one call (``jax.block_until_ready``) and
     dividing by ``num_tokens`` gives the per-token cost inside the loop: no host round trip per
     token, one dispatch per call. Greedy decoding (``temperature == 0``) compiles a loop that only
     takes the argmax (no random draws); a sampling temperature is traced (changing it does not
@@ -226,8 +230,8 @@ def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: 
       token: int ``[B]``, the last token already in the context (its logits are not yet computed).
       num_tokens: steps to run (>= 0).
       key, temperature, top_k: as in :func:`generate`.
-      unroll: decode steps per loop iteration (None: :func:`default_unroll`, 4 on an accelerator,
-        1 on the CPU); the tokens are the same for every value.
+      unroll: decode steps per loop iteration (None: :func:`default_unroll`, 1 for this loop of
+        static count); the tokens are the same for every value.
 
     Returns:
       (int32 ``[B, num_tokens]``: the token sampled after each step, the cache after the last step).
@@ -251,28 +255,32 @@ def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: 
         return jnp.zeros((token.shape[0], 0), jnp.int32), cache
     graphdef, state = nnx.split(model)
     return _decode_loop(graphdef, state, cache, token.astype(jnp.int32), jax.random.split(key, num_tokens),
-                        jnp.asarray(temperature, jnp.float32), jnp.asarray(num_tokens, jnp.int32),
+                        jnp.asarray(temperature, jnp.float32), None,
                         top_k=None if top_k is None else int(top_k), greedy=float(temperature) == 0, unroll=unroll)
 
 
-def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key=None, unroll: Optional[int] = None):
+def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key=None, unroll: Optional[int] = None,
+                     traced_count: bool = False):
     """Per-token cost of the decode loop measured inside it (greedy; docs/inference.md).
 
-    Compiles one :func:`decode_loop` of ``2 * num_tokens`` slots whose step count is a traced
-    argument, runs it once for ``num_tokens`` steps (warm-up: compile + run, ``first_call_s``),
-    then ``reps`` times for ``num_tokens`` and for ``2 * num_tokens`` steps, each call synchronised
+    Compiles :func:`decode_loop`'s loops of ``num_tokens`` and ``2 * num_tokens`` steps (static
+    counts, as ``generate`` and ``decode_loop`` run them; ``traced_count=True``: one loop of
+    ``2 * num_tokens`` slots whose step count is a traced argument, the protocol of earlier
+    versions, whose every iteration reads its condition back to the host on a GPU), runs each once
+    (warm-up: compile + run; ``first_call_s`` is the n-step one's), then ``reps`` times for
+    ``num_tokens`` and for ``2 * num_tokens`` steps, each call synchronised
     (``jax.block_until_ready``) and timed on the host clock. The cache is donated to every call (in
-    place) and the last one is returned; an attention layer needs ``num_tokens * (1 + 3 * reps)``
-    free slots after its ``pos``.
+    place) and the last one is returned; an attention layer needs ``num_tokens * (3 + 3 * reps)``
+    free slots after its ``pos`` (``num_tokens * (1 + 3 * reps)`` with ``traced_count``).
 
     Returns a dict (seconds): ``per_token_s`` = median over reps of ``t(2n) / 2n`` (total loop time
     over its tokens, one dispatch included); ``slope_s`` = median of ``(t(2n) - t(n)) / n`` (the
     cost of one more step: dispatch and fixed costs cancel); ``call_s`` / ``call2_s`` (the
     ``t(n)`` / ``t(2n)`` of each rep); ``first_call_s``; ``tokens`` (n); ``cache`` (after the last
-    call). ``unroll`` as in :func:`decode_loop`. Raises ValueError for ``num_tokens < 1`` or
+    call). ``unroll`` as in :func:`decode_loop` (None: :func:`default_unroll`). Raises ValueError for ``num_tokens < 1`` or
     ``reps < 1``, or a ``token`` or ``unroll`` as :func:`decode_loop` rejects it.
     """
-    unroll = _check_unroll(unroll)
+    unroll = _check_unroll(unroll, bool(traced_count))
     num_tokens = _check_count("num_tokens", num_tokens)
     reps = _check_count("reps", reps)
     if num_tokens < 1 or reps < 1:
@@ -284,12 +292,15 @@ def time_decode_loop(model, cache, token, num_tokens: int, *, reps: int = 3, key
     steps = {m: jnp.asarray(m * num_tokens, jnp.int32) for m in (1, 2)}
 
     def call(m, cache):
+        ks, n = (keys, steps[m]) if traced_count else (keys[:m * num_tokens], None)
         t0 = time.perf_counter()
-        out, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, token, keys, temp, steps[m], top_k=None,
+        out, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, token, ks, temp, n, top_k=None,
                                                         greedy=True, unroll=unroll))
         return time.perf_counter() - t0, cache
 
     first, cache = call(1, cache)
+    if not traced_count:
+        _, cache = call(2, cache)  # the 2n-step loop's compile
     t1, t2 = [], []
     for _ in range(reps):
         a, cache = call(1, cache)
@@ -377,7 +388,7 @@ def generate(model, prompt, max_new_tokens: int, *, key=None, temperature: float
         timings.update(prefill_s=t1 - t0, decode_s=0.0, decode_tokens=0, per_token_s=float("nan"))
         return tok[:, None]
     rest, cache = jax.block_until_ready(_decode_loop(graphdef, state, cache, tok, keys[1:], temp,
-                                                     jnp.asarray(n, jnp.int32), top_k=top_k, greedy=greedy,
+                                                     None, top_k=top_k, greedy=greedy,
                                                      unroll=unroll))
     t2 = time.perf_counter()
     timings.update(prefill_s=t1 - t0, decode_s=t2 - t1, decode_tokens=n, per_token_s=(t2 - t1) / n if n else float("nan"))

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from gdn_jax.inference import GDNCache, KVCache
-from gdn_jax.inference.generate import decode_drift, decode_loop, generate
+from gdn_jax.inference.generate import _decode_loop, decode_drift, decode_loop, generate
 from gdn_jax.layers import GatedDeltaNet, KimiDeltaAttention
 from gdn_jax.models import LM, LMConfig
 
@@ -70,8 +70,8 @@ def test_prefill_plus_decode_equals_forward(backend, dtype, tol):
 
 def test_unrolled_loop_and_greedy_path_same_tokens():
     """decode_loop and generate give the same tokens for unroll 1 and 3 (7 steps: two unrolled
-    iterations and one single step), greedy and sampled; the fused layer's greedy tokens equal the
-    per-op decode's."""
+    iterations and one step after the loop), greedy and sampled, and so does a loop of traced step
+    count; the fused layer's greedy tokens equal the per-op decode's."""
     model = _hybrid("scan")
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 5)), jnp.int32)
     key = jax.random.key(3)
@@ -86,6 +86,14 @@ def test_unrolled_loop_and_greedy_path_same_tokens():
     for k in [(0.0,), (0.8,), (0.0, "loop"), (0.8, "loop")]:
         np.testing.assert_array_equal(out[(1,) + k], out[(3,) + k])
     np.testing.assert_array_equal(out[1, 0.0, "loop"], out[1, 0.0][:, 1:])  # greedy: the same continuation
+    # a traced step count (time_decode_loop(traced_count=True)'s loop): 7 of 9 slots, unroll 3 (two
+    # iterations of 3, then a loop of single steps), the same greedy tokens, the last 2 columns untouched
+    graphdef, state = nnx.split(model)
+    _, cache = model.prefill(prompt, 16)
+    toks, _ = _decode_loop(graphdef, state, cache, out[1, 0.0][:, 0], jax.random.split(key, 9), jnp.float32(0.0),
+                           jnp.int32(7), top_k=None, greedy=True, unroll=3)
+    np.testing.assert_array_equal(toks[:, :7], out[1, 0.0][:, 1:])
+    assert not np.any(np.asarray(toks[:, 7:]))
     fused = generate(_hybrid("fused_layer"), prompt, 8, unroll=2)
     np.testing.assert_array_equal(fused, out[1, 0.0])
     with pytest.raises(ValueError, match="unroll must be an int >= 1"):
