@@ -7,8 +7,11 @@ donated — for GDN, attention and the 3:1 hybrid (every 4th layer gated attenti
 context. The attention KV cache has exactly ``context`` slots (its masked attention reads all of
 them every step); GDN's state has a fixed size.
 
-Timing (:func:`gdn_jax.inference.generate.time_decode_loop`): one compile per cell shape, a warm-up
-call, then ``--reps`` pairs of synchronised calls of n = ``--tokens`` and 2n steps.
+Timing (:func:`gdn_jax.inference.generate.time_decode_loop`): loops of static step count n =
+``--tokens`` and 2n (as ``generate`` runs them; ``--traced_count``: one loop of 2n slots whose count
+is traced, the earlier protocol), a warm-up call of each, then ``--reps`` pairs of synchronised
+calls of n and 2n steps. GDN's decode path: ``--decode_backend`` (default auto: the fused layer
+kernel on one GPU).
 ``ms/token`` = median of (2n-step call time) / 2n (total loop time over its tokens, one dispatch
 included); ``slope`` = median of (t(2n) - t(n)) / n (the cost of one more step, dispatch cancelled).
 
