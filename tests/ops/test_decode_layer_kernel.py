@@ -1,6 +1,7 @@
 """The fused decode layer kernel (:mod:`gdn_jax.ops.pallas.decode_layer`: conv update, SiLU, q/k L2
 norms, decay and beta, state update and read, gated RMSNorm in one kernel) against an independent
-float64 numpy layer step: the GPU program in interpret mode and the TPU variant under
+float64 numpy layer step: the GPU program in interpret mode (its state updated in column chunks)
+and the TPU variant under
 ``pltpu.InterpretParams()``, every decay form, per-channel gates, grouped value heads, a bfloat16
 state; the Triton and Mosaic TPU lowerings (on this CPU); what it declines.
 
@@ -85,7 +86,8 @@ SPECS = {
 def test_fused_layer_matches_float64(name, platform):
     spec = SPECS[name]
     x = inputs(spec, 2, F32, hash(name) % 1000)
-    y, S, convs = jax.jit(lambda *a: DL.decode_layer(*a, spec=spec, state_dtype=F32, platform=platform))(*x)
+    kw = dict(bv=16) if platform == "interpret" else {}  # the GPU program: state columns in chunks of 16
+    y, S, convs = jax.jit(lambda *a: DL.decode_layer(*a, spec=spec, state_dtype=F32, platform=platform, **kw))(*x)
     ry, rS, rconvs = ref_layer(spec, *x)
     assert y.shape == ry.shape and y.dtype == F32 and S.dtype == F32
     assert rel(y, ry) < 1e-5 and rel(S, rS) < 1e-5, (rel(y, ry), rel(S, rS))
@@ -123,6 +125,7 @@ def test_fused_layer_lowers_for_gpu_and_tpu(name):
 
 
 def test_covers_and_errors():
+    """What the kernel declines (the reason named), and argument errors."""
     ok = SPECS["mamba2"]
     assert DL.covers(ok, BF16, F32) is None
     assert "K=48" in DL.covers(DL.LayerSpec(Hk=2, H=2, K=48, V=64, W=4), F32, F32)
@@ -132,5 +135,7 @@ def test_covers_and_errors():
     x = inputs(ok, 1, F32, 0)
     with pytest.raises(NotImplementedError, match="K=48"):
         DL.decode_layer(*x, spec=DL.LayerSpec(Hk=2, H=2, K=48, V=64, W=4), state_dtype=F32)
+    with pytest.raises(ValueError, match="bv must be a power of two dividing V = 64"):
+        DL.decode_layer(*x, spec=ok, state_dtype=F32, platform="interpret", bv=24)
     with pytest.raises(ValueError, match=r"state must have shape \(1, 2, 32, 64\)"):
         DL.decode_layer(*x[:-1], x[-1][:, :, :16], spec=ok, state_dtype=F32)

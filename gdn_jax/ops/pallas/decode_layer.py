@@ -24,7 +24,8 @@ the compute dtype).
 
 Platforms: GPU through the Triton lowering (one program per batch row and value head, the whole
 ``[K, V]`` state block; segments read straight from ``proj`` through the block index maps, so their
-offsets must be multiples of their block sizes, :func:`covers`); TPU (Mosaic; ``"tpu"`` /
+offsets must be multiples of their block sizes, :func:`covers`; the state updated in column chunks
+of ``bv``); TPU (Mosaic; ``"tpu"`` /
 ``"tpu_interpret"``): one program per batch row holding every head, the segments sliced and
 reshaped to head-major blocks by XLA; CPU in interpret mode (the GPU program).
 
@@ -156,8 +157,10 @@ def _silu(x):
 
 
 # ----------------------------------------------------------------------------- GPU / interpret
-def _kernel(*refs, spec: LayerSpec):
-    """One (batch row, value head) program; refs in :func:`_gpu_call`'s order."""
+def _kernel(*refs, spec: LayerSpec, bv: int):
+    """One (batch row, value head) program; refs in :func:`_gpu_call`'s order. The state block
+    ``[K, V]`` is updated in column chunks of ``bv`` (fewer live registers on a GPU); the read's
+    chunks are kept for the RMSNorm over all of V."""
     it = iter(refs)
     pq, pk, pv, pz = next(it), next(it), next(it), next(it)
     pa = next(it) if spec.decay != "none" else None
@@ -167,13 +170,13 @@ def _kernel(*refs, spec: LayerSpec):
     dtb_ref = next(it) if spec.decay == "mamba2" else None
     nw_ref, s_ref = next(it), next(it)
     y_ref, ns_ref, cq_o, ck_o, cv_o = (next(it) for _ in range(5))
-    W = spec.W
+    W, V = spec.W, spec.V
 
-    def conv(c_ref, w_ref, x_ref):
-        x = x_ref[...].astype(F32)
-        acc = x * w_ref[W - 1, :].astype(F32)
+    def conv(c_ref, w_ref, x_ref, cols=slice(None)):
+        x = x_ref[cols].astype(F32)
+        acc = x * w_ref[W - 1, cols].astype(F32)
         for i in range(W - 1):
-            acc = acc + c_ref[i, :].astype(F32) * w_ref[i, :].astype(F32)
+            acc = acc + c_ref[i, cols].astype(F32) * w_ref[i, cols].astype(F32)
         return _silu(acc)
 
     def shift(c_ref, x_ref, o_ref):
@@ -181,20 +184,29 @@ def _kernel(*refs, spec: LayerSpec):
             o_ref[i, :] = c_ref[i + 1, :]
         o_ref[W - 2, :] = x_ref[...].astype(o_ref.dtype)
 
-    q, k, v = conv(cq, wq, pq), conv(ck, wk, pk), conv(cv, wv, pv)
+    q, k = conv(cq, wq, pq), conv(ck, wk, pk)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * spec.scale
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
     a = pa[...].astype(F32) if pa is not None else jnp.zeros((1,), F32)
-    g = _log_decay(spec, a, None if A_ref is None else A_ref[...].astype(F32),
-                   None if dtb_ref is None else dtb_ref[...].astype(F32))
-    beta = _beta(spec, pb[...].astype(F32))
-    S = s_ref[...].astype(F32) * jnp.exp(g)[:, None]  # g: [1] or [K]
-    pred = jnp.sum(S * k[:, None], axis=0)
-    S = S + k[:, None] * (beta * (v - pred))[None, :]  # beta: [1] or [V]
-    o = jnp.sum(S * q[:, None], axis=0)
-    ns_ref[...] = S.astype(ns_ref.dtype)
-    o = o * jax.lax.rsqrt(jnp.mean(o * o) + spec.norm_eps) * nw_ref[...].astype(F32)
-    y_ref[...] = (o * _silu(pz[...].astype(F32))).astype(y_ref.dtype)
+    decay = jnp.exp(_log_decay(spec, a, None if A_ref is None else A_ref[...].astype(F32),
+                               None if dtb_ref is None else dtb_ref[...].astype(F32)))[:, None]  # [1 | K, 1]
+    outs, sq = [], 0.0
+    for j in range(V // bv):
+        cols = slice(j * bv, (j + 1) * bv)
+        v = conv(cv, wv, pv, cols)
+        beta = _beta(spec, pb[...].astype(F32) if spec.gb == 1 else pb[cols].astype(F32))  # [1] or [bv]
+        S = s_ref[:, cols].astype(F32) * decay
+        pred = jnp.sum(S * k[:, None], axis=0)
+        S = S + k[:, None] * (beta * (v - pred))[None, :]
+        o = jnp.sum(S * q[:, None], axis=0)
+        ns_ref[:, cols] = S.astype(ns_ref.dtype)
+        outs.append(o)
+        sq = sq + jnp.sum(o * o)
+    inv = jax.lax.rsqrt(sq / V + spec.norm_eps)
+    for j, o in enumerate(outs):
+        cols = slice(j * bv, (j + 1) * bv)
+        y = o * inv * nw_ref[cols].astype(F32) * _silu(pz[cols].astype(F32))
+        y_ref[cols] = y.astype(y_ref.dtype)
     shift(cv, pv, cv_o)
 
     @pl.when(pl.program_id(0) % spec.group == 0)  # the first value head of a key head writes its q, k convs
@@ -203,7 +215,7 @@ def _kernel(*refs, spec: LayerSpec):
         shift(ck, pk, ck_o)
 
 
-def _gpu_call(p, spec: LayerSpec, state_dtype, num_warps, proj, convs, conv_w, A_log, dt_bias, norm_w, state):
+def _gpu_call(p, spec: LayerSpec, state_dtype, num_warps, bv, proj, convs, conv_w, A_log, dt_bias, norm_w, state):
     B = proj.shape[0]
     Hk, H, K, V, W, G = spec.Hk, spec.H, spec.K, spec.V, spec.W, spec.group
     seg = segments(spec)
@@ -233,7 +245,7 @@ def _gpu_call(p, spec: LayerSpec, state_dtype, num_warps, proj, convs, conv_w, A
     out_shape = [jax.ShapeDtypeStruct((B, H * V), proj.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.dtype(state_dtype))]
     out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in convs]
     aliases = {len(args) - 1: 1} if jnp.dtype(state.dtype) == jnp.dtype(state_dtype) else {}
-    fn = pl.pallas_call(functools.partial(_kernel, spec=spec), out_shape=out_shape, grid=(B * H,), in_specs=specs,
+    fn = pl.pallas_call(functools.partial(_kernel, spec=spec, bv=bv), out_shape=out_shape, grid=(B * H,), in_specs=specs,
                         out_specs=out_specs, input_output_aliases=aliases, name="gdn_decode_layer",
                         **_plat.call_kwargs(p, num_warps=num_warps, num_stages=1, n_grid=1))
     return _plat.invoke(p, fn, *args)
@@ -319,7 +331,7 @@ def _tpu_call(p, spec: LayerSpec, state_dtype, proj, convs, conv_w, A_log, dt_bi
 
 # ----------------------------------------------------------------------------- entry point
 def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state, *, spec: LayerSpec,
-                 state_dtype, platform: Optional[str] = None, num_warps: Optional[int] = None):
+                 state_dtype, platform: Optional[str] = None, num_warps: int = 4, bv: Optional[int] = None):
     """One token of a Gated DeltaNet layer after its fused input projection (see the module docstring).
 
     Args:
@@ -333,7 +345,8 @@ def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, s
         is already in ``state_dtype``: donate it under ``jax.jit`` to update in place).
       spec: the layer's :class:`LayerSpec`; state_dtype: the new state's dtype.
       platform: the kernel platform (None: that of ``jax.default_backend()``). num_warps: GPU warps
-        per program (None: 8 for a state block of 128 x 128 or more, else 4).
+        per program. bv: the GPU program's column chunk of the state (a power of two dividing V;
+        None: ``min(V, 64)``, the block of the step kernel :mod:`.decode`).
 
     Returns:
       ``(y [B, H*V] in proj.dtype, new state [B, H, K, V] in state_dtype, (conv_q, conv_k, conv_v)
@@ -363,7 +376,9 @@ def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, s
         y, ns, *cs = _tpu_call(p, spec, state_dtype, proj, conv_states, conv_weights, A_log, dt_bias, norm_weight,
                                state)
     else:
-        nw = num_warps or (8 if K * V >= 128 * 128 else 4)
-        y, ns, *cs = _gpu_call(p, spec, state_dtype, nw, proj, conv_states, conv_weights, A_log, dt_bias,
+        bv = min(V, 64) if bv is None else bv
+        if bv < 1 or bv & (bv - 1) or V % bv:
+            raise ValueError(f"bv must be a power of two dividing V = {V}, got {bv}")
+        y, ns, *cs = _gpu_call(p, spec, state_dtype, num_warps, bv, proj, conv_states, conv_weights, A_log, dt_bias,
                                norm_weight, state)
     return y, ns, tuple(cs)
