@@ -362,7 +362,8 @@ def trace_kernels(fn, steps, out_dir):
         if not plane.name.startswith("/device:"):
             continue
         lines = list(plane.lines)
-        use = [ln for ln in lines if ln.name.startswith("Stream")] or [ln for ln in lines if ln.name == "XLA Ops"]
+        use = ([ln for ln in lines if ln.name.startswith("Stream")] or [ln for ln in lines if ln.name == "XLA Ops"]
+               or [ln for ln in lines if not any(w in ln.name for w in ("Module", "Step", "Launch"))])
         for ln in use:
             for e in ln.events:
                 count[e.name] += 1
