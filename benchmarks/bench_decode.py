@@ -303,19 +303,21 @@ def _count_kernels(comps, name, ops, seen=None):
 
 
 def loop_kernels(compiled_text, unroll, traced_count=False, n=None):
-    """The kernels each decode step launches, from the compiled (optimized) HLO: for every ``while``
-    of the entry computation (or of a computation it calls: the decode loops; loops nested in their
-    bodies count as one instruction each: on a GPU there are none, on a CPU the Pallas
-    interpreter's), its body's instructions that run as a kernel (everything but parameters, tuples,
-    constants, bitcasts, ...; ``call`` instructions looked through), grouped by opcode (custom calls
-    by target, fusions by kind). ``steps`` per iteration: ``unroll`` for a static-count loop and for
-    the first of a traced-count loop's two, else 1; where XLA unrolled the loop away (no while),
-    the entry computation's kernels over the ``n`` steps. Returns a list of dict(body, steps,
-    kernels, per_step, ops {label: count})."""
+    """The kernels each decode step launches, from the compiled (optimized) HLO of a decode loop of
+    ``n`` steps, ``unroll`` per iteration: the body of its ``while`` (found in the entry computation
+    or a computation it calls; loops nested in the body count as one instruction each: on a GPU
+    there are none, on a CPU the Pallas interpreter's), i.e. its instructions that run as a kernel
+    (everything but parameters, tuples, constants, bitcasts, ...; ``call`` instructions looked
+    through), grouped by opcode (custom calls by target, fusions by kind), divided by the steps per
+    iteration. A static count: the largest loop body, ``unroll`` steps. A traced count: the two
+    largest (``unroll`` steps, then the single-step loop). A static loop of one iteration (XLA
+    drops it): the entry computation's kernels over the ``n`` steps. Returns a list of dict(body,
+    steps, kernels, per_step, ops {label: count})."""
     import re
     from collections import Counter
 
     comps = _hlo_computations(compiled_text)
+    u = max(1, min(unroll, n or unroll))
     bodies, todo, seen = [], ["ENTRY"], set()
     while todo:
         name = todo.pop(0)
@@ -327,19 +329,20 @@ def loop_kernels(compiled_text, unroll, traced_count=False, n=None):
             if c and c.group(1) not in seen:
                 seen.add(c.group(1))
                 todo.append(c.group(1))
-    out = []
-    if not bodies and n:
+    counted = []
+    for b in bodies:
+        ops = Counter()
+        _count_kernels(comps, b, ops)
+        counted.append((sum(ops.values()), b, ops))
+    counted.sort(key=lambda t: -t[0])
+    if (not traced_count and n and n // u <= 1) or not counted:
         ops = Counter()
         _count_kernels(comps, "ENTRY", ops)
         k = sum(ops.values())
-        return [dict(body="ENTRY (no loop left)", steps=n, kernels=k, per_step=k / n, ops=dict(ops.most_common()))]
-    for i, b in enumerate(bodies):
-        ops = Counter()
-        _count_kernels(comps, b, ops)
-        steps = unroll if (not traced_count or (i == 0 and len(bodies) > 1)) else 1
-        k = sum(ops.values())
-        out.append(dict(body=b, steps=steps, kernels=k, per_step=k / steps, ops=dict(ops.most_common())))
-    return out
+        return [dict(body="ENTRY (no loop)", steps=n or 1, kernels=k, per_step=k / (n or 1), ops=dict(ops.most_common()))]
+    keep = counted[:2] if (traced_count and u > 1) else counted[:1]
+    return [dict(body=b, steps=u if i == 0 else 1, kernels=k, per_step=k / (u if i == 0 else 1),
+                 ops=dict(ops.most_common())) for i, (k, b, ops) in enumerate(keep)]
 
 
 def trace_kernels(fn, steps, out_dir):
