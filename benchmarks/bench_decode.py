@@ -114,6 +114,9 @@ def parse_args(argv=None):
     ap.add_argument("--traced_count", action="store_true",
                     help="time loops whose step count is traced (one compile of 2n slots, the earlier protocol; on a "
                          "GPU a host read of the loop condition per iteration) instead of static counts")
+    ap.add_argument("--check", action="store_true",
+                    help="per GDN model at the smallest batch and context: one decode step's logits and new state "
+                         "against the same model decoding with decode_backend='scan' (plain XLA ops), same cache")
     ap.add_argument("--profile", action="store_true",
                     help="per (model, batch) at the smallest context: the compiled decode loop's kernels per step "
                          "(XLA's optimized HLO of the loop bodies) and a jax.profiler trace of one call, its device "
@@ -411,6 +414,32 @@ def profile_cell(model, cache, B, n, unroll, traced_count, out_dir):
     return out, holder["cache"]
 
 
+def check_against_scan(model, cfg, cache, B, seed):
+    """One decode step of ``model`` and of the same model built with ``decode_backend="scan"`` (the
+    same parameters: the same config and seed) from ``cache`` (not donated): RMS-relative
+    differences of the logits and of the GDN states (float64 on the host)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from gdn_jax.inference import GDNCache
+    from gdn_jax.models import LM
+
+    ref = LM(dataclasses.replace(cfg, decode_backend="scan"), rngs=nnx.Rngs(seed))
+    tok = jnp.zeros((B,), jnp.int32)
+    outs = []
+    for m in (model, ref):
+        gd, st = nnx.split(m)
+        outs.append(jax.jit(lambda st, t, c, gd=gd: nnx.merge(gd, st).decode_step(t, c))(st, tok, cache))
+    rel = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                                     / np.mean(np.asarray(b, np.float64) ** 2)))
+    states = [(a.state, b.state) for a, b in zip(outs[0][1], outs[1][1]) if isinstance(a, GDNCache)]
+    return dict(logits=rel(outs[0][0], outs[1][0]), state=max(rel(a, b) for a, b in states))
+
+
 def print_profile(label, B, ctx, prof, wall_ms=None):
     print(f"\n### profile: {label}, batch {B}, context {ctx:,} (unroll {prof['unroll']})")
     for lp in prof["hlo_loops"]:
@@ -640,6 +669,10 @@ def main(argv=None):
                     assert cache_nbytes(cache) == nbytes
                     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
                     moved = weights + traffic_bytes(cache)
+                    if args.check and mixer != "attention" and ctx == min(args.contexts) and B == min(args.batches):
+                        row["check"] = check_against_scan(model, cfg, cache, B, args.seed)  # before the loop's
+                        print(f"check: {label}: one step against decode_backend='scan': logits rel. RMS "  # slots
+                              f"{row['check']['logits']:.2e}, GDN states {row['check']['state']:.2e}", flush=True)
                     r = time_decode_loop(model, cache, jnp.zeros((B,), jnp.int32), args.tokens, reps=args.reps,
                                          unroll=unroll, traced_count=args.traced_count)
                     cache = r.pop("cache")

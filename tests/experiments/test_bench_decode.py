@@ -51,6 +51,11 @@ def test_bench_decode_tiny(bench, tmp_path, capsys):
         assert r["bytes_per_token"] == r["weight_bytes"] + (L - n_attn) * gdn + n_attn * attn
         assert r["floor_ms"] == pytest.approx(r["bytes_per_token"] / res["bandwidth"] * 1e3)
         assert r["floor_ms_nominal"] == pytest.approx(r["bytes_per_token"] / 4.3e12 * 1e3) and r["unroll"] == 1
+    # --check: the fused layer's first step against the plain XLA decode of the same model and cache
+    bench.main(["--tiny", "--contexts", "64", "--batches", "1", "--mixers", "gdn", "--decode_backend", "fused_layer",
+                "--dtype", "float32", "--check", "--out", str(out)])
+    row = json.load(open(out / "results.json"))["rows"][0]
+    assert row["decode_backend"] == "fused_layer" and row["check"]["logits"] < 1e-5 and row["check"]["state"] < 1e-5
     # an exhausted time budget: every cell skipped and listed, the JSON still written
     bench.main(["--tiny", "--contexts", "64", "--batches", "1", "--mixers", "attention", "--max_seconds", "1e-9",
                 "--out", str(out)])
