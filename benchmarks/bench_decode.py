@@ -24,6 +24,9 @@ at the start of the same run (:func:`measure_copy_bandwidth`: a jitted, donated 
 fixed H200 figure of 4.3e12 B/s (the benchmark's former floor) is reported beside it
 (``floor@4.3T``). ``ratio`` = ms/token / floor.
 
+``--check`` compares, per GDN model at the smallest batch and context, one decode step's logits and
+states with the same model decoding through plain XLA ops (``decode_backend="scan"``).
+
 ``--unroll`` (comma-separated) sets the decode loop's steps per iteration (default the library's,
 4 on an accelerator). ``--profile`` adds, per model at the smallest batch and context, the
 kernels of one decode step: from the compiled (optimized) HLO of the loop bodies (every
