@@ -353,9 +353,13 @@ class GatedDeltaNet(RecurrentMixer):
 
         return default_platform() == "gpu" and jax.device_count() == 1
 
-    def _fused_in_weight(self):
+    def _fused_in_projections(self):
+        """The input projections in the fused kernel's column order (q, k, v, z, a, b)."""
         names = ["q_proj", "k_proj", "v_proj", "g_proj"] + (["a_proj"] if self.decay != "none" else []) + ["b_proj"]
-        return jnp.concatenate([getattr(self, n).kernel[...].astype(self.dtype) for n in names], axis=1)
+        return [getattr(self, n) for n in names]
+
+    def _fused_in_weight(self):
+        return jnp.concatenate([p.kernel[...].astype(self.dtype) for p in self._fused_in_projections()], axis=1)
 
     def decode_view(self):
         """The decode-time weight view of the fused path, or None when :meth:`decode` does not use it.
@@ -370,8 +374,11 @@ class GatedDeltaNet(RecurrentMixer):
     def _fused_decode(self, x_t, cache: GDNCache, view):
         from ..ops.pallas.decode_layer import decode_layer
 
-        w_in = view["w_in"] if view is not None else self._fused_in_weight()
-        proj = jnp.dot(x_t[:, 0].astype(self.dtype), w_in.astype(self.dtype))
+        x = x_t[:, 0].astype(self.dtype)
+        if view is not None:  # one matmul through the view
+            proj = jnp.dot(x, view["w_in"].astype(self.dtype))
+        else:  # no view (a lone step): the six projections, their [B, N] outputs side by side (no weight copy)
+            proj = jnp.concatenate([p(x) for p in self._fused_in_projections()], axis=-1)
         A_log = self.A_log[...] if self.decay == "mamba2" else None
         dt_bias = self.dt_bias[...] if self.decay == "mamba2" else None
         convs = (cache.conv_q, cache.conv_k, cache.conv_v)
@@ -388,8 +395,8 @@ class GatedDeltaNet(RecurrentMixer):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able.
 
         Where :meth:`uses_fused_decode` (``decode_backend="fused_layer"``; ``"auto"`` on a GPU): one
-        matmul for the six input projections (``view``, from :meth:`decode_view`, or built here when
-        None), the fused layer kernel (:mod:`gdn_jax.ops.pallas.decode_layer`: conv update, SiLU, q/k
+        matmul for the six input projections through ``view`` (from :meth:`decode_view`; None: the six
+        projections, their outputs side by side), the fused layer kernel (:mod:`gdn_jax.ops.pallas.decode_layer`: conv update, SiLU, q/k
         L2 norms, decay and beta, state update and read, gated RMSNorm), the output projection.
 
         Otherwise the per-op path: the projections of the one token, the short-conv update (conv

@@ -631,8 +631,8 @@ class LM(nnx.Module):
         """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
         Jit-able; GDN layers use the single-token recurrence (``cfg.decode_backend``: the fused layer
         kernel by default on a GPU) on their state (``cfg.state_dtype``). ``view``: the result of
-        :meth:`decode_view` (None: each fused layer builds its view in the step; ValueError unless a
-        tuple with one entry per layer)."""
+        :meth:`decode_view` (None: each fused layer runs its six input projections as separate
+        matmuls; ValueError unless a tuple with one entry per layer)."""
         if not (hasattr(token, "ndim") and hasattr(token, "dtype")):
             raise TypeError(f"token must be an integer array [B] or [B, 1] (a NumPy or JAX array), got "
                             f"{type(token).__name__}")

@@ -39,7 +39,7 @@ def _hybrid(backend, dtype="float32", **kw):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_plus_decode_equals_forward(backend, dtype, tol):
     """Prefill 14 tokens, decode 3 (jitted steps, the weight view built once; the last step without
-    a view: the layer builds it): every step's logits, then the GDN state, the conv states and the
+    a view: the six projections as separate matmuls): every step's logits, then the GDN state, the conv states and the
     KV cache against the full forward and the prefill of all 17 tokens."""
     model = _hybrid(backend, dtype)
     gdn = model.blocks[0].mixer
