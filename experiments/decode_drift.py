@@ -54,7 +54,7 @@ def main(argv=None):
                     help="activation / weight dtypes")
     ap.add_argument("--state_dtypes", action=ListAction, nargs="*", default=["float32", "bfloat16"],
                     help="decode-state dtypes (LMConfig.state_dtype)")
-    ap.add_argument("--decode_backend", default="auto", help="auto | scan | pallas (CPU: interpret mode)")
+    ap.add_argument("--decode_backend", default="auto", help="auto | scan | pallas | fused_layer (CPU: interpret mode)")
     args = ap.parse_args(argv)
     state_dtypes = list(args.state_dtypes)
     bad = [s for s in state_dtypes if s not in ("float32", "bfloat16")]

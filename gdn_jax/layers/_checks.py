@@ -112,28 +112,30 @@ def cu_seqlens_arg(cu_seqlens, batch: int, T: Optional[int] = None):
 
 
 STATE_DTYPES = ("float32", "bfloat16")
+# the step op's backends ("auto", "scan", "pallas") and "fused_layer": the whole GDN layer's decode in
+# one kernel (gdn_jax.ops.pallas.decode_layer; "auto" picks it on a GPU where it applies)
+DECODE_BACKENDS = ("auto", "scan", "pallas", "fused_layer")
 
 
 def decode_options(decode_backend: str, state_dtype, *, K: int, V: int, dtype, owner: str = "",
                    check_kernel: bool = True):
     """The decode step's options of a delta-rule mixer, checked when the layer or config is built.
 
-    ``decode_backend`` one of ``gdn_jax.ops.step.STEP_BACKENDS`` ("auto", "scan", "pallas");
+    ``decode_backend`` one of :data:`DECODE_BACKENDS` ("auto", "scan", "pallas", "fused_layer");
     ``state_dtype`` float32 or bfloat16 (the dtype of the cache's recurrent state). With
-    ``decode_backend="pallas"`` (and ``check_kernel``) the fused decode kernel must take the head
-    dims and dtypes (``ValueError`` with its reason). Returns ``state_dtype`` as a ``jnp.dtype``."""
-    from ..ops.step import STEP_BACKENDS
-
-    one_of("decode_backend", decode_backend, STEP_BACKENDS)
+    ``decode_backend="pallas"`` or ``"fused_layer"`` (and ``check_kernel``) the fused decode kernel must
+    take the head dims and dtypes (``ValueError`` with its reason; the layer checks the rest of
+    ``"fused_layer"``'s conditions). Returns ``state_dtype`` as a ``jnp.dtype``."""
+    one_of("decode_backend", decode_backend, DECODE_BACKENDS)
     sdt = float_dtype("state_dtype", state_dtype)
     if sdt.name not in STATE_DTYPES:
         raise ValueError(f"{owner}state_dtype must be one of {STATE_DTYPES}, got {sdt.name!r}")
-    if decode_backend == "pallas" and check_kernel:
+    if decode_backend in ("pallas", "fused_layer") and check_kernel:
         from ..ops.pallas import decode as _decode
 
         # the step's inputs: q, k, v in the compute dtype, g and beta in float32
         reason = _decode.covers(K, V, jnp.promote_types(jnp.dtype(dtype), jnp.float32), sdt)
         if reason is not None:
-            raise ValueError(f"{owner}decode_backend='pallas' (the fused decode kernel) does not take {reason}; "
+            raise ValueError(f"{owner}decode_backend={decode_backend!r} (the fused decode kernel) does not take {reason}; "
                              "use decode_backend='scan' or 'auto'")
     return sdt

@@ -159,9 +159,13 @@ class GatedDeltaNet(RecurrentMixer):
       use_short_conv, conv_size: the causal depthwise conv on q, k, v (on by default).
       backend, chunk_size: passed to :func:`gdn_jax.ops.gated_delta_rule` (the full-sequence call
         and prefill).
-      decode_backend: the single-token step's backend, passed to
-        :func:`gdn_jax.ops.gated_delta_rule_step` by :meth:`decode`: ``"auto"`` (default: the fused
-        kernel on a GPU where it applies, the plain XLA step elsewhere; see the op), ``"scan"`` or
+      decode_backend: how :meth:`decode` runs a token: ``"fused_layer"`` (the whole layer between the
+        input and output projections in one kernel, :mod:`gdn_jax.ops.pallas.decode_layer`; needs the
+        short conv; ValueError naming why where it does not apply), ``"auto"`` (default: the fused
+        layer on a one-device GPU process where it applies, else the step op's auto: its fused step
+        kernel on a GPU where it applies, the plain XLA step elsewhere), or the single-token step's
+        backend passed to :func:`gdn_jax.ops.gated_delta_rule_step` with the other ops around it:
+        ``"scan"`` or
         ``"pallas"`` (the fused decode kernel: q/k L2
         norm and scale, decay, delta-rule write and read in one pass over the state; K and V powers
         of two from 16 to 256, checked when the layer is built).
@@ -239,6 +243,7 @@ class GatedDeltaNet(RecurrentMixer):
             self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, n_decay, dt_min=dt_min, dt_max=dt_max,
                                                          A_init_range=A_init_range, param_dtype=param_dtype)
         self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self._check_fused_decode()
 
     def gates(self, x):
         """Log decay g ``[B,T,H]`` / ``[B,T,H,K]`` and beta ``[B,T,H]`` / ``[B,T,H,V]`` in float32
@@ -309,19 +314,104 @@ class GatedDeltaNet(RecurrentMixer):
         _checks.mixer_input(x, self.hidden_size)
         return self._sequence(x, with_cache=True)
 
-    def decode(self, x_t, cache: GDNCache):
+    # ------------------------------------------------------------------ decode
+    def fused_decode_reason(self) -> Optional[str]:
+        """None when the fused decode layer kernel (:mod:`gdn_jax.ops.pallas.decode_layer`) takes this
+        layer, else the reason (a phrase): no short conv, head dims or head counts it does not tile,
+        unsupported dtypes."""
+        from ..ops.pallas import decode_layer as _dl
+
+        if not self.use_short_conv:
+            return "a layer without short conv (use_short_conv=False)"
+        return _dl.covers(self._decode_spec(), self.dtype, self.state_dtype)
+
+    def _decode_spec(self):
+        from ..ops.pallas.decode_layer import LayerSpec
+
+        return LayerSpec(Hk=self.num_heads, H=self.num_v_heads, K=self.head_dim, V=self.value_head_dim,
+                         W=self.conv_size, decay=self.decay, g_per_channel=self.decay_per_channel,
+                         beta_per_channel=self.beta_per_channel, neg_eigval=self.allow_neg_eigval,
+                         scale=float(self.head_dim) ** -0.5, norm_eps=float(self.o_norm.epsilon))
+
+    def _check_fused_decode(self):
+        """decode_backend='fused_layer' on a layer the kernel does not take: ValueError naming why."""
+        if self.decode_backend == "fused_layer":
+            reason = self.fused_decode_reason()
+            if reason is not None:
+                raise ValueError(f"{type(self).__name__}: decode_backend='fused_layer' does not take {reason}; use "
+                                 "decode_backend='auto' (falls back to the per-op decode there) or 'pallas'")
+
+    def uses_fused_decode(self) -> bool:
+        """Whether :meth:`decode` runs the fused layer kernel: ``decode_backend="fused_layer"``, or
+        ``"auto"`` on a one-device GPU process for a layer the kernel takes (the kernel is not
+        partitioned over devices; with several, ``"auto"`` keeps the per-op path whose step kernel is)."""
+        if self.decode_backend == "fused_layer":
+            return True
+        if self.decode_backend != "auto" or self.fused_decode_reason() is not None:
+            return False
+        from ..ops.pallas.platform import default_platform
+
+        return default_platform() == "gpu" and jax.device_count() == 1
+
+    def _fused_in_projections(self):
+        """The input projections in the fused kernel's column order (q, k, v, z, a, b)."""
+        names = ["q_proj", "k_proj", "v_proj", "g_proj"] + (["a_proj"] if self.decay != "none" else []) + ["b_proj"]
+        return [getattr(self, n) for n in names]
+
+    def _fused_in_weight(self):
+        return jnp.concatenate([p.kernel[...].astype(self.dtype) for p in self._fused_in_projections()], axis=1)
+
+    def decode_view(self):
+        """The decode-time weight view of the fused path, or None when :meth:`decode` does not use it.
+
+        ``{"w_in": [hidden_size, N]}``: the q, k, v, output-gate, decay and beta projections' kernels
+        side by side (:func:`gdn_jax.ops.pallas.decode_layer.segments`) in the compute dtype, so that
+        one matmul projects the token. Built from the parameters (which keep their names, shapes and
+        checkpoints); a decode loop builds it once before its first token and passes it to every
+        step (``decode(..., view=...)``); it holds a second copy of those kernels meanwhile."""
+        return dict(w_in=self._fused_in_weight()) if self.uses_fused_decode() else None
+
+    def _fused_decode(self, x_t, cache: GDNCache, view):
+        from ..ops.pallas.decode_layer import decode_layer
+
+        x = x_t[:, 0].astype(self.dtype)
+        if view is not None:  # one matmul through the view
+            proj = jnp.dot(x, view["w_in"].astype(self.dtype))
+        else:  # no view (a lone step): the six projections, their [B, N] outputs side by side (no weight copy)
+            proj = jnp.concatenate([p(x) for p in self._fused_in_projections()], axis=-1)
+        A_log = self.A_log[...] if self.decay == "mamba2" else None
+        dt_bias = self.dt_bias[...] if self.decay == "mamba2" else None
+        convs = (cache.conv_q, cache.conv_k, cache.conv_v)
+        if any(c is None for c in convs):
+            raise ValueError("cache has no short-conv states (conv_q / conv_k / conv_v None) but the layer has a "
+                             "short conv: make the cache with this layer's init_cache / prefill")
+        y, state, convs = decode_layer(proj, tuple(c.astype(self.dtype) for c in convs),
+                                       (self.q_conv.weight[...], self.k_conv.weight[...], self.v_conv.weight[...]),
+                                       A_log, dt_bias, self.o_norm.scale[...], cache.state, spec=self._decode_spec(),
+                                       state_dtype=self.state_dtype)
+        return self.o_proj(y[:, None]), GDNCache(state, *convs)
+
+    def decode(self, x_t, cache: GDNCache, *, view=None):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able.
 
-        The projections of the one token, the short-conv update (conv states shifted by one), the
-        gates, then :func:`gdn_jax.ops.gated_delta_rule_step` with ``backend=self.decode_backend``
-        and ``state_dtype=self.state_dtype`` (``"pallas"``: one fused kernel for q/k norm, decay,
-        write and read; the state buffer is updated in place when the cache is donated to the
-        enclosing ``jax.jit``), then the gated RMSNorm and the output projection.
+        Where :meth:`uses_fused_decode` (``decode_backend="fused_layer"``; ``"auto"`` on a GPU): one
+        matmul for the six input projections through ``view`` (from :meth:`decode_view`; None: the six
+        projections, their outputs side by side), the fused layer kernel (:mod:`gdn_jax.ops.pallas.decode_layer`: conv update, SiLU, q/k
+        L2 norms, decay and beta, state update and read, gated RMSNorm), the output projection.
+
+        Otherwise the per-op path: the projections of the one token, the short-conv update (conv
+        states shifted by one), the gates, then :func:`gdn_jax.ops.gated_delta_rule_step` with
+        ``backend=self.decode_backend`` and ``state_dtype=self.state_dtype`` (``"pallas"``: one fused
+        kernel for q/k norm, decay, write and read; the state buffer is updated in place when the
+        cache is donated to the enclosing ``jax.jit``), then the gated RMSNorm and the output
+        projection.
 
         ``cache.state`` must be in the layer's ``state_dtype`` (``TypeError`` otherwise: a decode
         loop carries the cache, so its dtype may not change between steps)."""
         _checks.step_input(x_t, self.hidden_size, cache, GDNCache)
         self._check_cache_state(cache, x_t.shape[0])
+        if self.uses_fused_decode():
+            return self._fused_decode(x_t, cache, view)
         q, k, v, convs = self._qkv(x_t, cache=cache)
         g, beta = self.gates(x_t)
         o, state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,

@@ -40,7 +40,8 @@ class KimiDeltaAttention(GatedDeltaNet):
         GatedDeltaNet) and ``A = exp(A_log) ~ U(A_init_range)``, default ``(1, 16)`` (GatedDeltaNet's:
         ``(0, 16)``).
       use_short_conv, conv_size, backend, chunk_size, kernel_config, norm_eps, dtype, param_dtype,
-      decode_backend, state_dtype, rngs: as in :class:`GatedDeltaNet`.
+      decode_backend, state_dtype, rngs: as in :class:`GatedDeltaNet`; ``decode_backend="fused_layer"``
+      is a ValueError (:meth:`fused_decode_reason`), ``"auto"`` keeps the per-op decode.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: Optional[int] = None, *,
@@ -85,6 +86,14 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.A_log, self.dt_bias = mamba2_decay_init(rngs, H, H * K, dt_min=dt_min, dt_max=dt_max,
                                                      A_init_range=A_init_range, param_dtype=param_dtype)
         self.o_norm = nnx.RMSNorm(V, epsilon=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+        self._check_fused_decode()
+
+    def fused_decode_reason(self):
+        """Always a reason: the fused decode layer kernel declines Kimi Delta Attention (its low-rank
+        forget and output gates need a second matmul between the input projection and the kernel, and
+        its output gate is a sigmoid); ``decode_backend="auto"`` keeps the per-op decode."""
+        return ("Kimi Delta Attention (its low-rank forget and output gates need a second matmul between the "
+                "projection and the kernel)")
 
     def gates(self, x):
         """Per-key-channel log decay g ``[B,T,H,K]`` and beta ``[B,T,H]``, float32."""

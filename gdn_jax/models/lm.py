@@ -89,9 +89,11 @@ class LMConfig:
       (no conv, no SiLU): the GLA paper's layer.
 
     Decoding (``decode_step`` / ``generate``; docs/inference.md):
-      decode_backend: backend of the delta-rule mixers' single-token step (``gdn``, ``deltanet``,
-        ``kda``): ``"auto"`` (default), ``"scan"`` or ``"pallas"`` (the fused decode kernel),
-        passed to ``gated_delta_rule_step``. The no-delta-rule mixers (``mamba2``, ``gla``,
+      decode_backend: how the delta-rule mixers (``gdn``, ``deltanet``, ``kda``) decode a token:
+        ``"fused_layer"`` (the whole GDN layer between its input and output projections in one
+        kernel; KDA declines it), ``"auto"`` (default: the fused layer on a one-device GPU process
+        where it applies, else the step op's auto), ``"scan"`` or ``"pallas"`` (the fused step
+        kernel), passed to ``gated_delta_rule_step`` with the other ops around it. The no-delta-rule mixers (``mamba2``, ``gla``,
         ``linear``) have no fused step and ignore it, as they run ``backend="pallas"`` as auto.
       state_dtype: dtype of the delta-rule mixers' cached state, ``"float32"`` (default) or
         ``"bfloat16"`` (half the state bytes per step; accumulation stays float32). The no-delta-rule
@@ -232,6 +234,14 @@ class LMConfig:
                                      dtype=self.dtype, owner="LMConfig: ",
                                      check_kernel=bool(set(mixers) & {"gdn", "deltanet", "kda"}))
         object.__setattr__(self, "state_dtype", jnp.dtype(sdt).name)  # by name, as dtype / param_dtype
+        if self.decode_backend == "fused_layer":  # the fused decode layer kernel declines these (by name)
+            if "kda" in mixers:
+                raise ValueError("LMConfig.decode_backend='fused_layer' does not take mixer 'kda' (Kimi Delta "
+                                 "Attention: its low-rank gates need a second matmul before the kernel); use "
+                                 "decode_backend='auto' (the per-op decode for KDA)")
+            if not self.use_short_conv and set(mixers) & {"gdn", "deltanet"}:
+                raise ValueError("LMConfig.decode_backend='fused_layer' needs the short conv (use_short_conv=True); "
+                                 "use decode_backend='auto'")
         fixed = sorted(set(mixers) & {"mamba2", "gla", "linear"})
         if sdt != jnp.dtype(jnp.float32) and fixed:
             raise ValueError(f"state_dtype={self.state_dtype!r} is implemented for the delta-rule mixers (gdn, "
@@ -457,9 +467,16 @@ class Block(nnx.Module):
         y, cache = self._need("prefill")(self.norm1(x), max_len=max_len)
         return self._mlp(x + y), cache
 
-    def decode(self, x_t, cache):
-        y, cache = self._need("decode")(self.norm1(x_t), cache)
+    def decode(self, x_t, cache, view=None):
+        """One token; ``view`` the mixer's decode-time weight view (``mixer.decode_view()``) or None."""
+        dec = self._need("decode")
+        y, cache = dec(self.norm1(x_t), cache) if view is None else dec(self.norm1(x_t), cache, view=view)
         return self._mlp(x_t + y), cache
+
+    def decode_view(self):
+        """The mixer's decode-time weight view (None for mixers without one)."""
+        fn = getattr(self.mixer, "decode_view", None)
+        return None if fn is None else fn()
 
 
 def _check_token_array(tokens):
@@ -603,10 +620,19 @@ class LM(nnx.Module):
             caches.append(c)
         return self.logits(self.norm(x)), tuple(caches)
 
-    def decode_step(self, token, cache):
+    def decode_view(self) -> tuple:
+        """Per-layer decode-time weight views (a tuple; None for layers without one): the fused GDN
+        layers' input projections side by side (:meth:`gdn_jax.layers.GatedDeltaNet.decode_view`).
+        Build it once before a token loop and pass it to every :meth:`decode_step` (``generate`` and
+        ``decode_loop`` do); the parameters themselves are not changed."""
+        return tuple(blk.decode_view() for blk in self.blocks)
+
+    def decode_step(self, token, cache, *, view=None):
         """One token ``token [B]`` (or ``[B, 1]``) int -> ``(logits [B, vocab] float32, new cache)``.
-        Jit-able; GDN layers use the single-token recurrence (``cfg.decode_backend``) on their state
-        (``cfg.state_dtype``)."""
+        Jit-able; GDN layers use the single-token recurrence (``cfg.decode_backend``: the fused layer
+        kernel by default on a GPU) on their state (``cfg.state_dtype``). ``view``: the result of
+        :meth:`decode_view` (None: each fused layer runs its six input projections as separate
+        matmuls; ValueError unless a tuple with one entry per layer)."""
         if not (hasattr(token, "ndim") and hasattr(token, "dtype")):
             raise TypeError(f"token must be an integer array [B] or [B, 1] (a NumPy or JAX array), got "
                             f"{type(token).__name__}")
@@ -620,9 +646,14 @@ class LM(nnx.Module):
             raise ValueError(f"cache has {len(cache)} layer entries for {len(self.blocks)} layers")
         _check_token_range(token, self.cfg.vocab_size)
         self._no_learned_positions("decode_step")
+        if view is None:
+            view = (None,) * len(self.blocks)
+        elif not isinstance(view, (tuple, list)) or len(view) != len(self.blocks):
+            raise ValueError(f"view must be model.decode_view(), a tuple of {len(self.blocks)} layer entries, got "
+                             f"{type(view).__name__}")
         x = self.embed(token)
         new = []
-        for blk, c in zip(self.blocks, cache):
-            x, c = blk.decode(x, c)
+        for blk, c, v in zip(self.blocks, cache, view):
+            x, c = blk.decode(x, c, v)
             new.append(c)
         return self.logits(self.norm(x))[:, 0], tuple(new)

@@ -68,3 +68,36 @@ def test_prefill_decode_states_match_hf_cache(pair):
             for ours_kv, ref in ((c.k, layer.keys), (c.v, layer.values)):
                 ref = ref.numpy().transpose(0, 2, 1, 3)
                 assert rms_rel(np.asarray(ours_kv)[:, :T], ref) <= 1e-5, f"{name} layer {i}: kv"
+
+
+def test_fused_decode_layer_matches_hf_cache(tmp_path):
+    """decode_backend="fused_layer" (the whole GDN layer's decode in one kernel, interpret mode on
+    CPU) on a Qwen3.5 checkpoint with head dims 16 (the kernel's smallest) and grouped value heads
+    where transformers has them: prefill, then two decode steps, whose logits and GDN recurrent and
+    conv states equal transformers' cache within 1e-5 (RMS-relative)."""
+    import transformers
+
+    Hv = 4 if gva_supported() else 2
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=Hv, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+        rms_norm_eps=1e-6)
+    m = build_hf(cfg, seed=3)
+    model = hf.load_pretrained(save_hf(m, tmp_path / "ckpt"), chunk_size=16, decode_backend="fused_layer")
+    assert model.blocks[0].mixer.uses_fused_decode() and model.blocks[0].mixer.num_v_heads == Hv
+    prompt = _prompt(T=9)
+    nxt = np.array([[3, 5], [7, 11]], np.int64)
+    with torch.no_grad():
+        out = m(torch.as_tensor(prompt), use_cache=True)
+        cache = out.cache
+        steps = [m(torch.as_tensor(nxt[:, i:i + 1]), cache=cache, use_cache=True).logits.numpy()[:, -1] for i in range(2)]
+    _, ours = model.prefill(jnp.asarray(prompt, jnp.int32), max_len=16)
+    view = model.decode_view()
+    for i in range(2):
+        step, ours = model.decode_step(jnp.asarray(nxt[:, i], jnp.int32), ours, view=view)
+        assert rms_rel(step, steps[i]) <= 1e-5, i
+    layer, c = cache.layers[0], ours[0]
+    assert rms_rel(c.state, layer.recurrent_states[0].numpy()) <= 1e-5
+    conv = np.concatenate([np.asarray(c.conv_q), np.asarray(c.conv_k), np.asarray(c.conv_v)], axis=-1)
+    assert rms_rel(conv, layer.conv_states[0].numpy()[:, :, 1:].transpose(0, 2, 1)) <= 1e-5

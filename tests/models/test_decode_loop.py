@@ -71,14 +71,17 @@ def test_generate_fused_step_bf16_state_and_timed_loop():
     graphdef, state = nnx.split(model)
     cache = jax.jit(lambda st, p: nnx.merge(graphdef, st).prefill(p, 64)[1])(state, prompt)
     assert cache[0].state.dtype == jnp.bfloat16
+    toks, new = decode_loop(model, cache, greedy[:, 0], 4, key=key)  # greedy: its own compile (argmax only)
     before = TRACE_COUNT["decode_loop"]
-    toks, new = decode_loop(model, cache, greedy[:, 0], 4, key=key)
     np.testing.assert_array_equal(toks, greedy[:, 1:])
     assert cache[0].state.is_deleted() and new[0].state.dtype == jnp.bfloat16 and int(new[1].pos) == 8
-    r = time_decode_loop(model, new, greedy[:, -1], 2, reps=1)  # 2n = 4 slots: the same compile
-    assert TRACE_COUNT["decode_loop"] == before
+    r = time_decode_loop(model, new, greedy[:, -1], 2, reps=1)  # static counts: n = 2 compiles, 2n = 4 is
+    assert TRACE_COUNT["decode_loop"] == before + 1                # decode_loop's
     assert r["tokens"] == 2 and len(r["call_s"]) == len(r["call2_s"]) == 1 and r["per_token_s"] > 0
-    assert int(r["cache"][1].pos) == 8 + 2 * (1 + 3)
+    assert int(r["cache"][1].pos) == 8 + 2 * (3 + 3)  # warm-ups of n and 2n, then n + 2n per rep
+    r = time_decode_loop(model, r["cache"], greedy[:, -1], 2, reps=1, traced_count=True)  # one compile of 2n
+    assert TRACE_COUNT["decode_loop"] == before + 2                                       # slots, traced count
+    assert int(r["cache"][1].pos) == 20 + 2 * (1 + 3)
     with pytest.raises(ValueError, match="token must be an integer array"):
         decode_loop(model, r["cache"], greedy, 2, key=key)
     with pytest.raises(ValueError, match="num_tokens must be"):

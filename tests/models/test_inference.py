@@ -189,8 +189,11 @@ def test_generate_greedy_matches_naive_loop_and_compiles_once():
         nxt = jnp.argmax(fwd(toks)[:, -1], -1).astype(jnp.int32)
         toks = jnp.concatenate([toks, nxt[:, None]], 1)
     np.testing.assert_array_equal(out, toks[:, 5:])
-    generate(model, prompt + 1, 4, key=jax.random.key(5), temperature=0.7)  # new values, same shapes
+    generate(model, prompt + 1, 4, key=jax.random.key(5))  # new values, same shapes: no retrace
     assert TRACE_COUNT["generate"] == before + 1  # one trace (no per-token or per-value retracing)
+    for t in (0.7, 0.9):  # sampling: one more compile (greedy takes the argmax only), temperature traced
+        generate(model, prompt, 4, key=jax.random.key(5), temperature=t)
+    assert TRACE_COUNT["generate"] == before + 2
 
 
 def test_generate_sampling_determinism():
