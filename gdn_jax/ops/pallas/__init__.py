@@ -7,15 +7,15 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
   ``gated_delta_rule(..., kernel_config=...)``) and :func:`~.config.resolve`, the one place
   that turns it into the settings of a call (:class:`~.config.KernelCall`);
 * :mod:`.call`: :class:`~.call.KernelCall`, the record every kernel reads;
-* :mod:`.hopper_plan`: which calls the Hopper kernels take, their shared memory and value blocks
-  (plain Python, no kernel);
 * :mod:`.platform`: GPU (Triton) / TPU (Mosaic) / interpret rules of a ``pallas_call``;
 * :mod:`.wy`: the intra-chunk WY / UT representation (A, T = (I + A)^-1, W, U; Aqk or dVl);
 * :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
 * :mod:`.state_bwd`: the backward state passes (reverse dS pass; merged with the recompute);
 * :mod:`.grads`: the per-chunk gradient kernel (dq, dk, dv, dbeta, gate terms);
-* :mod:`.hopper`, :mod:`.hopper_bwd`: the forward's two stages and the backward's four as Mosaic
-  GPU kernels for sm_90 (TMA, wgmma), chosen by ``KernelConfig.gpu_kernels`` (default: on
+* :mod:`.hopper`: a package of Mosaic GPU kernels for sm_90 (TMA, wgmma) split by the same stage
+  names (``wy``, ``state_fwd``, ``state_bwd``, ``transition``, ``grads``; shared helpers in
+  ``common``, and ``plan``: which calls they take, their shared memory and value blocks, plain
+  Python, no kernel), chosen by ``KernelConfig.gpu_kernels`` (default: on
   Hopper GPUs, for the calls they cover);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
 * :mod:`.partition`: the kernels' sharding rules (``custom_partitioning``): under ``jit`` on
@@ -50,7 +50,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from .._common import GateForms
-from . import hopper_plan
+from .hopper import plan as hopper_plan
 from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype, check_type
 from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
@@ -95,7 +95,7 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
     (shapes and dtypes are what count): ``("hopper", None)`` for the Mosaic GPU kernels of
     :mod:`.hopper`, else ``(platform kernels, reason)`` with the platform's kernels ("triton" on
     GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
-    (:func:`.hopper_plan.fwd_covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
+    (:func:`.hopper.plan.fwd_covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
     non-Hopper device under the default).
 
     Raises: as ``gated_delta_rule(..., backend="pallas")``: TypeError / ValueError for arguments
@@ -108,10 +108,10 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
 def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
                      kernel_config: Optional[KernelConfig] = None):
     """:func:`forward_kernels` for the backward: ``("hopper", None)`` for the Mosaic GPU kernels of
-    :mod:`.hopper_bwd`, ``("hopper+xla", None)`` / ``("hopper-blocks", None)`` for K > 128 with
+    :mod:`.hopper`, ``("hopper+xla", None)`` / ``("hopper-blocks", None)`` for K > 128 with
     ``KernelConfig.wide_backward`` "hopper_xla" / "hopper" (the Mosaic GPU reverse pass and the local
     gradients as XLA matmuls / from the Hopper gradient kernel on 128-column blocks), else ``(platform kernels,
-    reason)`` (:func:`.hopper_bwd.covers`).
+    reason)`` (:func:`.hopper.plan.bwd_covers`).
 
     Raises: as :func:`forward_kernels`."""
     return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)

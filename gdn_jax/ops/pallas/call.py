@@ -1,5 +1,5 @@
 """The settings of one direction of one ``backend="pallas"`` call (:class:`KernelCall`): a plain
-record that the kernels, the planning module (:mod:`.hopper_plan`) and :mod:`.config` (which
+record that the kernels, the planning module (:mod:`.hopper.plan`) and :mod:`.config` (which
 builds it) all read; it imports nothing of theirs."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class KernelCall:
     mixed_bwd: bool = False
     # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
     # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
-    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
+    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper.grads.chunk_grads_blocks)
     grad_blocks: Tuple[int, int] = (1, 1)
     wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import hopper_plan
+from .hopper import plan as hopper_plan
 from .call import KernelCall
 from .platform import PLATFORMS, is_tpu_layout
 
@@ -34,7 +34,7 @@ MAX_DIM = 256  # largest head dim K or V the kernels take
 # the backward recomputes what it needs from the inputs, so the forward runs at its own, larger
 # chunk for 16-bit inputs (half the sequential steps of the state pass: 1.02 vs 1.18 ms at
 # B4 T4096 H16 D128); float32 inputs (3-pass TF32 dots) keep the backward's chunk. The Hopper
-# backward (Mosaic GPU, hopper_bwd.py) runs at 64 (:func:`kernel_chunk`).
+# backward (Mosaic GPU, hopper/) runs at 64 (:func:`kernel_chunk`).
 _MAX_CHUNK = {
     ("gpu", "bwd"): ((128, 32), (256, 32)),
     ("gpu", "fwd"): ((128, 64), (256, 32)),
@@ -92,7 +92,7 @@ class KernelConfig:
         (state passes: at least ~256 programs on GPU; TPU: V, or 128 when V is a multiple of 128).
         A value above the (padded) V is clipped to V. ``bv_state`` also sets the Hopper state
         pass's block, as given (16, 32 or 64 dividing V, and fitting shared memory; None:
-        :func:`gdn_jax.ops.pallas.hopper.block_for`: 64, halved on a GPU while B*H*V/bv < 64,
+        :func:`gdn_jax.ops.pallas.hopper.plan.block_for`: 64, halved on a GPU while B*H*V/bv < 64,
         and halved until the state pass fits shared memory -- 32 at K = 256): another value,
         one above V included, sends the forward to the Triton kernels (see
         ``gdn_jax.ops.pallas.forward_kernels``, whose reason names the value).
@@ -101,9 +101,9 @@ class KernelConfig:
         None: K up to 128, 128 above (TPU: K).
     GPU kernels:
       gpu_kernels: "triton" (every stage in Pallas' Triton lowering), "mosaic" (the forward's
-        and the backward's stages in the Hopper kernels of :mod:`gdn_jax.ops.pallas.hopper` and
-        :mod:`gdn_jax.ops.pallas.hopper_bwd` -- Mosaic GPU: TMA, wgmma -- for the calls they
-        cover, see ``hopper.covers`` / ``hopper_bwd.covers``; Triton for the rest); None:
+        and the backward's stages in the Hopper kernels of the package :mod:`gdn_jax.ops.pallas.hopper`
+        -- Mosaic GPU: TMA, wgmma -- for the calls they
+        cover, see ``hopper.plan.fwd_covers`` / ``hopper.plan.bwd_covers``; Triton for the rest); None:
         "mosaic" on an sm_90 GPU (H100 / H200), else "triton". With ``platform="interpret"``,
         "mosaic" runs those kernels in Mosaic GPU's interpret mode (CPU).
       wide_backward: the backward where max(K, V) is 129-256 and the forward runs the Hopper
@@ -111,11 +111,11 @@ class KernelConfig:
         "triton" (every backward stage in Triton at its own chunk, 32 on GPU, recomputing the
         forward's intermediates) or "hopper_xla" (at the forward's chunk, 64, on the forward's
         saved residuals -- ``save_wy`` and ``save_states`` on -- the Mosaic GPU reverse pass
-        :func:`.hopper_bwd.reverse_states` and the local gradients as batched XLA matmuls,
+        :func:`.hopper.state_bwd.reverse_states` and the local gradients as batched XLA matmuls,
         :func:`.grads_xla.chunk_grads_xla`; bf16 inputs on sm_90 or Mosaic GPU's interpret
         mode) or "hopper" (the same, with the local gradients from the Hopper gradient kernel run
         on 128 x 128 (key block, value block) tiles of h_n and dh_n and summed:
-        :func:`.hopper_bwd.chunk_grads_blocks`; "hopper_xla" where the blocks do not fit or
+        :func:`.hopper.grads.chunk_grads_blocks`; "hopper_xla" where the blocks do not fit or
         with ``grad_warpgroups=1``, ``grad_chunks_per_cta`` > 1 or ``grad_t_phase="chain"``);
         None: "hopper" (measured on the H200 at 2x8192x8x256, fwd+bwd ms: "triton" 3.92,
         "hopper_xla" 3.72, "hopper" 1.99, jax-linear-attention 2.23;
@@ -203,7 +203,7 @@ class KernelConfig:
         against the bf16-rounded beta (V - e^gamma K S)), as W and U are in "wu". At K = 256 the
         state pass keeps one q tile ("t") or one q and one W tile ("wu", not yet
         run on a GPU: one dependent wgmma less per chunk than "t", for W and U's HBM traffic),
-        refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.single_q`). None
+        refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.plan.single_q`). None
         (default): "t" where K > 128 and at K = 128 with at least 128 state-pass CTAs
         (:func:`t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (results/hopper_h200/, pipelined ms):
         4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
@@ -214,7 +214,7 @@ class KernelConfig:
         0.408 vs 0.367 in the next call, results/hopper_h200/).
         GPU check 16 of 16 with "t" (beta near 2: o 5.7e-3 vs 6.1e-3, dg 1.1e-2 vs 7.2e-3).
         "transition" (opt-in, K <= 128 where its three slots fit shared memory -- K = 64): the state pass of
-        :mod:`gdn_jax.ops.pallas.hopper_transition`, one dependent wgmma group per chunk on the S
+        :mod:`gdn_jax.ops.pallas.hopper.transition`, one dependent wgmma group per chunk on the S
         chain (S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W formed a chunk ahead in the pass),
         the outputs off the chain (results/hopper_h200/NOTE.md item 28). On one H200 (results/hopper_h200/) correct (GPU check 10 of 10 at
         K = 64) but slower: 2x8192x16x64 state pass 0.255 vs 0.157 ms (~1.75x the wgmma work per
@@ -243,7 +243,7 @@ class KernelConfig:
         orders a TMA store's reads before threads overwrite the tile; every thread read of a slot
         that TMA refills comes before a ``commit_smem`` that precedes the refill (the state and
         reverse passes read their last gate of a step before that commit for this); the gradient
-        kernel keeps one ``bar.sync`` (``hopper._sync``) between its threads' loads of v and their
+        kernel keeps one ``bar.sync`` (``hopper.common.sync_own_barriers``) between its threads' loads of v and their
         dv stores into the same tile (the same register layout, so insurance). True: all keep
         Pallas' barriers; False: none does; None (default): all but the reverse
         pass place their own (config.DEFAULT_OWN_BARRIERS). H200, JAX 0.11.2, pipelined, each
@@ -341,7 +341,7 @@ class KernelConfig:
         gives the same: 7.83 -> 7.99e-3, 7.76 -> 7.68e-3). With the chain the same
         option cost more at beta 1.9 (dk 8.8 -> 9.1e-3, dbeta 9.2 -> 9.5e-3) and saved 0.549 ->
         0.489 ms. tests/ops/test_hopper.py bounds the change against bf16x3 at 3e-3.
-      grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper_bwd.chunk_grads`):
+      grad_warpgroups: warpgroups of the Hopper gradient kernel (:func:`.hopper.grads.chunk_grads`):
         1 (one warpgroup runs every phase in turn) or 2 (the Q path on one, dv, dKd, the T phase --
         on the first with ``grad_t_phase="chain"`` -- and the W phase on the other, side by side;
         the second warpgroup's dk partial as a single bf16 operand). Default 2 (H200, 4x4096x16x128: the gradient kernel 0.725 -> 0.544
@@ -498,7 +498,7 @@ def kernel_chunk(config: KernelConfig, platform: str, direction: str, chunk_size
             and 128 < head_dim <= 256 and chunk_size >= 64 and config.fuse_output
             and config.mid_dtype in ("auto", "bf16") and "f32" not in (config.u_dtype, config.state_dot, config.out_dot)
             and (direction == "fwd" or _wide_hopper(config))):
-        return 64  # the Hopper forward at K = 256 (hopper.covers takes the call), and its mixed backward
+        return 64  # the Hopper forward at K = 256 (hopper.plan.fwd_covers takes the call), and its mixed backward
     if direction == "fwd" and jnp.dtype(in_dt) == jnp.dtype(F32):
         direction = "bwd"  # the forward's own cap was measured with 16-bit inputs
     for d, c in _MAX_CHUNK.get((platform, direction), ()):
@@ -644,7 +644,7 @@ def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
     if not _mosaic_wanted(config, call.platform):
         return call
     # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
-    # forward to Triton, and hopper.covers' reason names that value and V
+    # forward to Triton, and hopper_plan.fwd_covers' reason names that value and V
     if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
         call = dataclasses.replace(call, state_prod=False, rev_prod=False)
     call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper_plan.block_for(call))

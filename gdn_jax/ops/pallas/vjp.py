@@ -22,11 +22,11 @@ the rest. A call that is not differentiated runs the forward without these resid
 
 * forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
   (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output; on
-  Hopper (``KernelCall.mosaic_fwd``) the Mosaic GPU twins :func:`~.hopper.wy_forward` ->
-  :func:`~.hopper.forward_states_and_output`.
+  Hopper (``KernelCall.mosaic_fwd``) the Mosaic GPU twins :func:`~.hopper.wy.wy_forward` ->
+  :func:`~.hopper.state_fwd.forward_states_and_output`.
 * backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
   h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`;
-  on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper_bwd`:
+  on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper`:
   wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads (with
   ``KernelConfig.save_wy`` the forward's Aqk and T replace the WY's inverse; with
   ``KernelConfig.save_states`` the forward's h_n and Vn replace recompute_states, and with both
@@ -45,7 +45,8 @@ import numpy as np
 
 from .. import packing as _packing
 from .._common import prepare
-from . import hopper, hopper_bwd, hopper_transition
+from .hopper import grads as hopper_grads, state_bwd as hopper_state_bwd, state_fwd as hopper_state_fwd
+from .hopper import transition as hopper_transition, wy as hopper_wy
 from . import platform as _plat
 from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 from .grads import chunk_grads
@@ -88,15 +89,15 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
         raise ValueError("forward(save_wy=True / save_states=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
     saved = {}
     if call.mosaic_fwd and call.fwd_form == "t":  # Hopper, the state pass forms Vn from T and v
-        wy = hopper.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
-        out = hopper.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
+        wy = hopper_wy.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
+        out = hopper_state_fwd.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
                                                wy["aqk"], save_states=save_states, v=v,
                                                t=(wy["t_hi"], wy["t_lo"]), beta=beta)
-    elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
-        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
+    elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.plan.fwd_covers took the call)
+        wy = hopper_wy.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
         # fwd_form "transition": the state pass with one wgmma group per chunk on its chain
         state_pass = (hopper_transition.forward_states_transition if call.fwd_form == "transition"
-                      else hopper.forward_states_and_output)
+                      else hopper_state_fwd.forward_states_and_output)
         out = state_pass(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam, wy["aqk"],
                          save_states=save_states)
     if call.mosaic_fwd:
@@ -149,7 +150,7 @@ def backward(call: KernelCall, inputs, cts, saved=None):
     do, dfin = cts
     do = do.astype(call.in_dt)
     dfin = dfin.astype(F32)
-    if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
+    if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper.plan.bwd_covers took the call)
         return _hopper_backward(call, inputs, do, dfin, saved or {})
     if call.mixed_bwd:  # K > 128 on Hopper (KernelConfig.wide_backward="hopper_xla")
         return _mixed_backward(call, inputs, do, dfin, saved)
@@ -169,20 +170,20 @@ def backward(call: KernelCall, inputs, cts, saved=None):
 def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     if "aqk" not in saved:
-        wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
+        wy = hopper_wy.wy_backward(call, q, k, v, do, beta, gam, e_gam)
     elif "w" in saved:  # the forward's Aqk, T, W and states: no WY stage (the reverse pass forms dVl)
         wy = dict(w=saved["w"], dvl=None, t_hi=saved["t_hi"], t_lo=saved["t_lo"])
     else:  # the forward's Aqk and T: no second inverse
         t_hi, t_lo = saved["t_hi"], saved["t_lo"]
-        wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, saved["aqk"], t_hi, t_lo), t_hi=t_hi,
+        wy = dict(hopper_wy.wy_from_saved(call, k, v, do, beta, e_gam, saved["aqk"], t_hi, t_lo), t_hi=t_hi,
                   t_lo=t_lo)
     if "h" in saved:  # the forward's states and Vn: no forward recompute
         st = dict(h=saved["h"], vn=saved["vn"])
     else:
-        st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
-    rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
+        st = hopper_state_fwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
+    rs = hopper_state_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
                                    flags, aqk=saved["aqk"] if wy["dvl"] is None else None)
-    gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
+    gr = hopper_grads.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
                                 rs["dvn"], wy["t_hi"], wy["t_lo"])
     return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
 
@@ -190,14 +191,14 @@ def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
 def _mixed_backward(call: KernelCall, inputs, do, dfin, saved):
     """K > 128 on Hopper: the Mosaic GPU reverse pass (dVl = Aqk^T dO formed in it) and the local
     gradients as XLA matmuls (:func:`.grads_xla.chunk_grads_xla`) or from the Hopper gradient kernel
-    on 128-column blocks (:func:`.hopper_bwd.chunk_grads_blocks`, ``wide_backward="hopper"``), both on
+    on 128-column blocks (:func:`.hopper.grads.chunk_grads_blocks`, ``wide_backward="hopper"``), both on
     the forward's saved Aqk, T, W, h_n and Vn."""
     q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
     if not saved or not {"aqk", "t_hi", "t_lo", "w", "h", "vn"} <= set(saved):
         raise ValueError("backward: KernelCall.mixed_bwd needs the forward's residuals (save_wy and save_states)")
-    rs = hopper_bwd.reverse_states(call, q, k, saved["w"], None, do, e_gam, e_gam_end, e_gam_last, dfin, saved["h"],
+    rs = hopper_state_bwd.reverse_states(call, q, k, saved["w"], None, do, e_gam, e_gam_end, e_gam_last, dfin, saved["h"],
                                    flags, aqk=saved["aqk"])
-    grads = hopper_bwd.chunk_grads_blocks if call.wide_grads == "hopper" else chunk_grads_xla
+    grads = hopper_grads.chunk_grads_blocks if call.wide_grads == "hopper" else chunk_grads_xla
     gr = grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, saved["h"], rs["dh"], saved["vn"], rs["dvn"],
                saved["t_hi"], saved["t_lo"])
     return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)

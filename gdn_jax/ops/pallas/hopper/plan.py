@@ -1,21 +1,21 @@
 """Planning of the Hopper (Mosaic GPU) kernels, in plain Python: which calls they take
-(:func:`fwd_covers` for the forward of :mod:`.hopper`, :func:`transition_covers` for
-``fwd_form="transition"`` in :mod:`.hopper_transition`, :func:`bwd_covers` for :mod:`.hopper_bwd`),
-their shared-memory budgets and their value-block choices. It imports no kernel, so that
-:mod:`.config` plans a call without importing the kernels; the kernel modules re-export these
-names (``hopper.covers``, ``hopper_bwd.covers``, ``hopper_transition.covers`` included)."""
+(:func:`fwd_covers` for the forward of :mod:`.wy` and :mod:`.state_fwd`, :func:`transition_covers`
+for ``fwd_form="transition"`` in :mod:`.transition`, :func:`bwd_covers` for the backward of
+:mod:`.wy`, :mod:`.state_bwd` and :mod:`.grads`), their shared-memory budgets and their value-block
+choices. It imports no kernel, so that :mod:`gdn_jax.ops.pallas.config` plans a call without
+importing the kernels."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
 
-from .call import KernelCall
+from ..call import KernelCall
 
 BF16 = jnp.bfloat16
 # shared memory per CTA on an H100 / H200 (227 KB usable)
 SMEM_BYTES = 227 * 1024
-SLOTS = 3  # TMA slots of the transition pass (hopper_transition)
+SLOTS = 3  # TMA slots of the transition pass (transition.py)
 
 
 def default_block(BH: int, V: int, platform: str = "gpu") -> int:
@@ -58,7 +58,7 @@ def producer(call: KernelCall) -> bool:
 
 
 def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_and_output` (two TMA slots, or ``state_slots`` with
+    """Shared memory of :func:`.state_fwd.forward_states_and_output` (two TMA slots, or ``state_slots`` with
     :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
     of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
     block in place of W and U; where :func:`single_q`, one q tile and, in "wu", one W tile). Counts
@@ -119,7 +119,7 @@ def fwd_covers(call: KernelCall) -> str | None:
 
 
 def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
+    """Shared memory of :func:`.wy.wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
     tiles, Aqk's staging tile, T and L as bf16 (hi, lo) pairs (their lo tiles only where
     ``wy_precision`` uses them), and their compressed [C, 16] pairs with ``wy_inverse="blocked"``."""
     C, K, V = call.C, call.K, call.V
@@ -139,7 +139,7 @@ def wy_compact(call: KernelCall) -> bool:
 
 
 def transition_smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`.hopper_transition.forward_states_transition` at value block ``bv``: three slots of q, k,
+    """Shared memory of :func:`.transition.forward_states_transition` at value block ``bv``: three slots of q, k,
     W, U's value block, Aqk and the gates; two K~ and two M tiles; the S, Vn, o and h0 / final tiles."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
@@ -172,7 +172,7 @@ def bwd_covers(call: KernelCall) -> str | None:
 
 
 def grads_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
+    """Shared memory of :func:`.grads.chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
     gates), the output scalars and the phase scratch (dKK and the T phase's two [C, C] tiles); with
     two warpgroups (``call.grad_wgs == 2``) also the dk partial's [C, K] tile and nine output rows."""
     C, K, V = call.C, call.K, call.V
@@ -183,7 +183,7 @@ def grads_smem_bytes(call: KernelCall) -> int:
 
 
 def block_call(call: KernelCall) -> KernelCall | None:
-    """The sub-call :func:`chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
+    """The sub-call :func:`.grads.chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
     K > 128 (backward) call -- key and value dims cut into blocks of 128 (``grad_blocks`` = their
     counts), one virtual head per (head, key block, value block) -- or None where that kernel does
     not take the blocks (:func:`bwd_covers`) or the call asks for options it lacks there
@@ -202,7 +202,7 @@ def block_call(call: KernelCall) -> KernelCall | None:
 
 
 def reverse_single_tiles(call: KernelCall) -> bool:
-    """Whether :func:`reverse_states` keeps q, k and W in one tile each instead of two TMA slots
+    """Whether :func:`.state_bwd.reverse_states` keeps q, k and W in one tile each instead of two TMA slots
     (K > 128, where two slots of the three [C, K] tiles alone would take 192 KB): k is refilled as
     soon as K dS has read it, q and W once the chunk's last wgmma has, so the next chunk's copies
     land during the rest of this step (k) or during the whole next step until its last wgmma (q, W)."""
@@ -210,7 +210,7 @@ def reverse_single_tiles(call: KernelCall) -> bool:
 
 
 def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
-    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
+    """Shared memory of :func:`.state_bwd.reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
     with the Aqk tile that forms dVl in the kernel instead of a dVl tile; q, k, W single where
     :func:`reverse_single_tiles`)."""
     C, K = call.C, call.K
@@ -221,7 +221,7 @@ def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
 
 
 def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
-    """The value block of :func:`reverse_states`: the forward's block (``bv_mosaic``) or the largest
+    """The value block of :func:`.state_bwd.reverse_states`: the forward's block (``bv_mosaic``) or the largest
     smaller one whose two TMA slots fit in shared memory."""
     bv = call.bv_mosaic
     while bv > 16 and reverse_smem_bytes(call, bv, own_dvl) > SMEM_BYTES:
