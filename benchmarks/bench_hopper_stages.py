@@ -287,8 +287,8 @@ def main(argv=None):
             names = ("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl")
             cf, fargs = prep.kernel_args("fwd")
             F = dict(zip(names, fargs))
-            print(shape, "fwd: mosaic", cf.mosaic_fwd, "C", cf.C, "value block", cf.bv_mosaic, flush=True)
-            if not cf.mosaic_fwd:
+            print(shape, "fwd: mosaic", prep.paths[0].startswith("hopper"), "C", cf.C, "value block", cf.bv_mosaic, flush=True)
+            if not prep.paths[0].startswith("hopper"):
                 print("  not on the Hopper kernels:", HP.fwd_covers(cf) or "not an sm_90 GPU", flush=True)
                 continue
             wy_fwd = lambda c, A, **kw: HW.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
@@ -423,7 +423,7 @@ def main(argv=None):
                             v=A["v"], t=(A["t_t_hi"], A["t_t_lo"]), beta=A["beta"]), Ft)
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
-            if cb.mosaic_bwd:
+            if prep.paths[1] == "hopper":
                 pad = cb.Tp - x["do"].shape[1]  # the kernels' time axis: T padded to whole chunks
                 Bk.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))),
                           dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
@@ -504,7 +504,7 @@ def main(argv=None):
                           flush=True)
             else:
                 print("  backward not on the Hopper kernels:", HP.bwd_covers(cb) or "not an sm_90 GPU", flush=True)
-                if cf.mosaic_fwd and cf.K > 128:
+                if prep.paths[0].startswith("hopper") and cf.K > 128:
                     # K = 256: the Triton backward's stages at its own chunk, and the Hopper reverse
                     # pass at K = 256 (single q, k, W tiles; built, not wired) on the Hopper forward's
                     # residuals at chunk 64 -- what a D = 256 Hopper backward would replace
@@ -524,7 +524,7 @@ def main(argv=None):
                                                  "bwd grads K256 [hopper blocks]")):
                         fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
                               F["h0"], F["fl"])
-                        _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True))(*fa)
+                        _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True, path=prep.paths[0]))(*fa)
                         pad_f = cf.Tp - x["do"].shape[1]
                         R = dict(F, **sv, do=jnp.pad(x["do"], ((0, 0), (0, pad_f), (0, 0), (0, 0))),
                                  dfin=jnp.zeros(F["h0"].shape, jnp.float32))

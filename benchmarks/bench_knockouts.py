@@ -175,7 +175,7 @@ def main(argv=None):
         def run(M):
             return M.chunk_grads(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
                                  A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
-    on = call.mosaic_fwd if args.kernel in ("wy", "state") else call.mosaic_bwd
+    on = prep.paths[0].startswith("hopper") if args.kernel in ("wy", "state") else prep.paths[1] == "hopper"
     print(jax.__version__, jax.devices()[0].device_kind, shape, args.kernel, "on the Hopper kernels:", on, flush=True)
     if not on:
         return 1

@@ -252,7 +252,7 @@ def kernel_breakdown(x, chunk, reps, config=KernelConfig()):
 def _fwd_steps(prep, reps):
     """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
-    if cfg.mosaic_fwd:  # the Hopper (Mosaic GPU) forward
+    if prep.paths[0].startswith("hopper"):  # a Hopper (Mosaic GPU) forward path
         names = ["fwd WY (W, U, Aqk) [hopper]", "fwd state pass + output [hopper]"]
         wy = jax.jit(lambda: HW.wy_forward(cfg, q, k, v, beta, gc, eg))()
         fns = [lambda: HW.wy_forward(cfg, q, k, v, beta, gc, eg),
@@ -276,7 +276,7 @@ def _bwd_steps(prep, do_l, reps, on_row=None):
     """Backward kernels at the backward chunking (``on_row(name, ms, mb, gbs)`` as each is timed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
-    if cfg.mosaic_bwd:  # the Hopper (Mosaic GPU) backward
+    if prep.paths[1] == "hopper":  # the Hopper (Mosaic GPU) backward
         wy = jax.jit(lambda: HW.wy_backward(cfg, q, k, v, do_l, beta, gc, eg))()
         st = jax.jit(lambda: HS.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info))()
         rs = jax.jit(lambda: HR.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd, dec, dfin, st["h"],

@@ -28,7 +28,7 @@ from conftest import (BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL
 from reference import reference, reference_grads
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
-from gdn_jax.ops.pallas import hopper
+from gdn_jax.ops.pallas import hopper, paths
 from gdn_jax.ops.pallas.config import resolve
 from gdn_jax.ops.pallas.vjp import to_kernel_inputs
 
@@ -66,7 +66,7 @@ def _check(x, got, *, cu_seqlens=None):
 def _mosaic_taken(x, config, chunk_size=64, cu_seqlens=None):
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size, config=config,
                             cu_seqlens=cu_seqlens)
-    return prep.calls[0].mosaic_fwd
+    return prep.paths[0].startswith("hopper")
 
 
 # (gates, B, T, H key heads, group, K, V, init): T not a multiple of the chunk, K != V, GVA,
@@ -138,11 +138,28 @@ def test_f16_inputs_bf16_operands():
 
 
 def _call(**kw):
+    """The forward's call as the path the table chooses prepares it (the Hopper paths set its value
+    block and form)."""
     base = dict(platform="interpret", C=64, n=4, BH=4, H=2, K=128, V=128, K0=128, V0=128, scale=0.1,
                 in_dt=BF16, packed=False, nseq=1, group=1)
     cfg = kw.pop("config", MOSAIC)
     base.update(kw)
-    return resolve(cfg, **base)
+    return paths.choose("fwd", resolve(cfg, **base)).call
+
+
+def _on_hopper(call):
+    """Whether the forward path the table chooses for ``call`` runs the Hopper kernels."""
+    return paths.FORWARD_BY_NAME[paths.choose("fwd", call).path].hopper
+
+
+def _fwd_reason(call):
+    """Why the Hopper forward does not take ``call`` (with the Hopper paths' value block and form)."""
+    return hopper.plan.fwd_covers(paths.hopper_call(call))
+
+
+def _on_hopper_bwd(call):
+    """Whether the backward path the table chooses for ``call`` (no forward given) is "hopper"."""
+    return paths.choose("bwd", call).path == "hopper"
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -159,8 +176,8 @@ def _call(**kw):
 ])
 def test_coverage_reasons(kw, reason):
     call = _call(**kw)
-    assert not call.mosaic_fwd
-    assert reason in hopper.plan.fwd_covers(call)
+    assert not _on_hopper(call)
+    assert reason in _fwd_reason(call)
 
 
 def test_default_block():
@@ -173,12 +190,12 @@ def test_default_block():
 
 
 def test_dispatch():
-    assert _call().mosaic_fwd
-    assert _call(group=2, BH=4, H=2).mosaic_fwd
+    assert _on_hopper(_call())
+    assert _on_hopper(_call(group=2, BH=4, H=2))
     assert _call(config=dataclasses.replace(MOSAIC, bv_state=32)).bv_mosaic == 32
-    assert not _call(config=KernelConfig(platform="interpret")).mosaic_fwd  # None: Hopper GPUs only
-    assert not _call(config=KernelConfig(platform="interpret", gpu_kernels="triton")).mosaic_fwd
-    assert not _call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")).mosaic_fwd
+    assert not _on_hopper(_call(config=KernelConfig(platform="interpret")))  # None: Hopper GPUs only
+    assert not _on_hopper(_call(config=KernelConfig(platform="interpret", gpu_kernels="triton")))
+    assert not _on_hopper(_call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")))
     with pytest.raises(ValueError, match="gpu_kernels"):
         KernelConfig(gpu_kernels="cuda")
     with pytest.raises(ValueError, match="f32_inputs"):
@@ -229,7 +246,7 @@ def test_cuda_lowering_export(K, V, group, bv, packed):
     sds += [jax.ShapeDtypeStruct((B, T, H * group), F32), jax.ShapeDtypeStruct((B, T, H * group), BF16)]
     call = to_kernel_inputs(*[jnp.zeros(s.shape, s.dtype) for s in sds], chunk_size=64, config=cfg,
                             cu_seqlens=cu).calls[0]
-    assert call.mosaic_fwd and call.bv_mosaic == bv and call.group == group
+    assert _on_hopper(call) and call.bv_mosaic == bv and call.group == group
 
     def fwd(q, k, v, g, b):
         return gated_delta_rule(q, k, v, g, b, output_final_state=True, backend="pallas", chunk_size=64,
@@ -245,10 +262,15 @@ def test_forward_kernels_reports_the_path():
 
     x = make_inputs(seed_of("hopper-fk"), 1, 70, 2, 128, 128, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    assert forward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
-    assert forward_kernels(*args, kernel_config=KernelConfig(platform="interpret")) == ("interpret", None)
-    name, why = forward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert forward_kernels(*args, kernel_config=MOSAIC)[:3] == ("hopper", None, "hopper_wu")
+    assert forward_kernels(*args, kernel_config=KernelConfig(platform="interpret"))[:3] == ("interpret", None, "fused")
+    rep = forward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    name, why = rep[:2]
     assert name == "interpret" and "chunk 32" in why
+    # the path table's report: every other entry and why it does not run, in the table's order
+    assert rep.path == "fused" and [n for n, _ in rep.not_taken] == ["hopper_t", "hopper_transition", "hopper_wu",
+                                                                     "unfused"]
+    assert "chunk 32" in dict(rep.not_taken)["hopper_wu"] and "comes first" in dict(rep.not_taken)["unfused"]
     y = [a.astype(F16) for a in args]
     assert "float16" in forward_kernels(*y, kernel_config=MOSAIC)[1]
 
@@ -260,11 +282,11 @@ def test_default_on_hopper(monkeypatch):
 
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     gpu = dict(platform="gpu", config=KernelConfig())
-    assert _call(**gpu).mosaic_fwd
-    assert _call(packed=True, nseq=3, **gpu).mosaic_fwd
-    assert not _call(in_dt=F16, **gpu).mosaic_fwd
+    assert _on_hopper(_call(**gpu))
+    assert _on_hopper(_call(packed=True, nseq=3, **gpu))
+    assert not _on_hopper(_call(in_dt=F16, **gpu))
     monkeypatch.setattr(plat, "is_hopper", lambda: False)
-    assert not _call(**gpu).mosaic_fwd
+    assert not _on_hopper(_call(**gpu))
 
 
 @pytest.mark.parametrize("K,V,save_wy", [(64, 64, False), (128, 64, True)])
@@ -479,7 +501,7 @@ def test_two_warpgroup_gradient_kernel_config():
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
                             config=dataclasses.replace(MOSAIC, grad_warpgroups=2))
     call = prep.calls[1]
-    assert call.grad_wgs == 2 and call.mosaic_bwd
+    assert call.grad_wgs == 2 and _on_hopper_bwd(call)
     assert HP.grads_smem_bytes(call) <= HP.SMEM_BYTES
 
 
@@ -556,7 +578,7 @@ def test_fwd_form_t_k256(packed, form):
     cfg = dataclasses.replace(MOSAIC, fwd_form=form)  # None: "t" where K > 128
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg, cu_seqlens=cu)
     cf, cb = prep.calls
-    assert cf.mosaic_fwd and hopper.plan.single_q(cf) and cf.bv_mosaic == 32 and not cb.mosaic_bwd
+    assert _on_hopper(cf) and hopper.plan.single_q(cf) and cf.bv_mosaic == 32 and not _on_hopper_bwd(cb)
     assert hopper.plan.smem_bytes(cf, 32) <= hopper.plan.SMEM_BYTES < hopper.plan.smem_bytes(cf, 64)
     assert cf.fwd_form == (form or "t")
     o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
@@ -656,10 +678,10 @@ def test_k256_block_and_reason():
     memory it needs and a block that fits."""
     k256 = dict(K=256, V=256, K0=256, V0=256)
     call = _call(**k256)
-    assert call.mosaic_fwd and call.bv_mosaic == hopper.plan.block_for(call) == 32
+    assert _on_hopper(call) and call.bv_mosaic == hopper.plan.block_for(call) == 32
     assert hopper.plan.default_block(4, 256, "interpret") == 64
     bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
-    assert not bad.mosaic_fwd and "bv_state=32 fits" in hopper.plan.fwd_covers(bad)
+    assert not _on_hopper(bad) and "bv_state=32 fits" in _fwd_reason(bad)
 
 
 @pytest.mark.parametrize("K,V,form", [(256, 128, "wu"), (128, 256, "t")])
@@ -695,7 +717,7 @@ def test_state_producer_kernel(nc, D, form, packed):
                             config=dataclasses.replace(MOSAIC, fwd_form=form))
     cf, fargs = prep.kernel_args("fwd")
     A = dict(zip(("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl"), fargs))
-    assert cf.mosaic_fwd and not hopper.plan.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
+    assert _on_hopper(cf) and not hopper.plan.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
     cw = dataclasses.replace(cf, state_prod=True, state_wgs=nc, state_slots=D, bv_mosaic=64 if (nc, D) == (1, 2) else 32)
     assert hopper.plan.producer(cw) and hopper.plan.fwd_covers(cw) is None
     base = dataclasses.replace(cw, state_prod=False)
@@ -741,9 +763,9 @@ def test_state_producer_checked():
         KernelConfig(state_producer=1)
     gpu = KernelConfig(platform="gpu", gpu_kernels="mosaic", state_producer=True)
     call = _call(platform="gpu", config=gpu)
-    assert call.mosaic_fwd and hopper.plan.producer(call)
+    assert _on_hopper(call) and hopper.plan.producer(call)
     bad = _call(platform="gpu", V=64, V0=64, config=dataclasses.replace(gpu, state_warpgroups=2, bv_state=64))
-    assert not bad.mosaic_fwd and "state_warpgroups=2" in hopper.plan.fwd_covers(bad)
+    assert not _on_hopper(bad) and "state_warpgroups=2" in _fwd_reason(bad)
     assert not hopper.plan.producer(_call(platform="gpu", K=256, V=256, K0=256, V0=256, config=gpu))
     assert not hopper.plan.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
     c = dataclasses.replace(call, state_wgs=2, state_slots=3, bv_mosaic=64)
@@ -751,9 +773,9 @@ def test_state_producer_checked():
     # two warpgroups at V = 64: the default block halves until two blocks tile V (gpu: 64 -> 32)
     two = _call(platform="gpu", BH=64, H=16, K=64, V=64, K0=64, V0=64,
                 config=dataclasses.replace(gpu, state_warpgroups=2))
-    assert two.mosaic_fwd and two.bv_mosaic == 32, (two.bv_mosaic, hopper.plan.fwd_covers(two))
+    assert _on_hopper(two) and two.bv_mosaic == 32, (two.bv_mosaic, _fwd_reason(two))
     four = _call(platform="gpu", config=dataclasses.replace(gpu, state_slots=4))
-    assert not four.mosaic_fwd and "fewer fit" in hopper.plan.fwd_covers(four)
+    assert not _on_hopper(four) and "fewer fit" in _fwd_reason(four)
 
 
 @pytest.mark.parametrize("form", ["wu", "t"])
@@ -806,14 +828,14 @@ def test_fwd_form_transition_covers_and_lowers():
 
 @pytest.mark.parametrize("H,form,want", [(64, None, "t"), (8, None, "wu"), (64, "wu", "wu")])
 def test_fwd_form_default_at_k128(H, form, want):
-    """``fwd_form`` None at K = 128 takes "t" with >= 128 state-pass CTAs (config.t_form_default:
+    """``fwd_form`` None at K = 128 takes "t" with >= 128 state-pass CTAs (hopper.plan.t_form_default:
     H 64 x V / 64 = 128 here), "wu" with fewer; an explicit "wu" is kept."""
     from gdn_jax.ops.pallas import to_kernel_inputs
-    from gdn_jax.ops.pallas.config import T_FORM_MIN_CTAS, t_form_default
+    from gdn_jax.ops.pallas.hopper.plan import T_FORM_MIN_CTAS, t_form_default
 
     x = jnp.zeros((1, 64, H, 128), jnp.bfloat16)
     gz = jnp.zeros((1, 64, H), jnp.float32)
     cfg = dataclasses.replace(MOSAIC, fwd_form=form)
     cf = to_kernel_inputs(x, x, x, gz, gz, chunk_size=64, config=cfg).calls[0]
-    assert cf.mosaic_fwd and cf.fwd_form == want
+    assert _on_hopper(cf) and cf.fwd_form == want
     assert t_form_default(cf) == (cf.BH * (cf.V // cf.bv_mosaic) >= T_FORM_MIN_CTAS)

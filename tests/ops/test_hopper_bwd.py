@@ -49,7 +49,7 @@ def test_stages_match_triton_stages(K, V, cu):
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, initial_state=x["S0"],
                             cu_seqlens=cu_j, config=dataclasses.replace(MOSAIC, save_t=True))
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags) = prep.kernel_args("bwd")
-    assert call.mosaic_bwd and call.C == 64
+    assert prep.paths[1] == "hopper" and call.C == 64
     do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape), BF16)  # in the kernels' time layout
     dfin = jnp.asarray(np.random.default_rng(0).standard_normal(h0.shape), F32)
 
@@ -161,19 +161,22 @@ def test_backward_coverage():
     """Which backward calls the Hopper kernels take, and why not."""
     x = make_inputs(seed_of("hopper-bwd-cov"), 1, 70, 2, 128, 128, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    calls = to_kernel_inputs(*args, chunk_size=64, config=MOSAIC).calls
-    assert calls[1].mosaic_bwd and calls[0].mosaic_fwd
-    c32 = to_kernel_inputs(*args, chunk_size=32, config=MOSAIC).calls[1]
-    assert not c32.mosaic_bwd and "backward kernel chunk 32" in HP.bwd_covers(c32)
-    f16 = to_kernel_inputs(*(a.astype(jnp.float16) for a in args), chunk_size=64, config=MOSAIC).calls[1]
-    assert not f16.mosaic_bwd and "float16" in HP.bwd_covers(f16)
+    assert to_kernel_inputs(*args, chunk_size=64, config=MOSAIC).paths == ("hopper_wu", "hopper")
+    c32 = to_kernel_inputs(*args, chunk_size=32, config=MOSAIC)
+    assert c32.paths[1] == "portable" and "backward kernel chunk 32" in HP.bwd_covers(c32.calls[1])
+    f16 = to_kernel_inputs(*(a.astype(jnp.float16) for a in args), chunk_size=64, config=MOSAIC)
+    assert f16.paths[1] == "portable" and "float16" in HP.bwd_covers(f16.calls[1])
     tri = to_kernel_inputs(*args, chunk_size=64, config=KernelConfig(platform="interpret", gpu_kernels="triton"))
-    assert not tri.calls[1].mosaic_bwd
+    assert tri.paths == ("fused", "portable")
     from gdn_jax.ops.pallas import backward_kernels
 
-    assert backward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
-    name, why = backward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert backward_kernels(*args, kernel_config=MOSAIC)[:3] == ("hopper", None, "hopper")
+    rep = backward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    name, why = rep[:2]
     assert name == "interpret" and "backward kernel chunk 32" in why and "bwd_chunk" in why
+    # the path table's report: every entry before the one that runs, and why not
+    assert rep.path == "portable" and [n for n, _ in rep.not_taken] == ["hopper", "hopper_blocks", "hopper_xla"]
+    assert "backward kernel chunk 32" in dict(rep.not_taken)["hopper"]
 
 
 def test_gpu_backward_chunk_on_hopper(monkeypatch):
@@ -225,9 +228,9 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
     from gdn_jax.ops.pallas.vjp import saves_wy
 
     recompute = dataclasses.replace(MOSAIC, save_wy=False)
-    assert saves_wy(prep.calls) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
-                                                                   config=recompute).calls)
-    assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    assert saves_wy(prep.route) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
+                                                                   config=recompute).route)
+    assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
     ref = grads(recompute)
 
     def no_second_wy(*a, **kw):
@@ -276,10 +279,10 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
     from gdn_jax.ops.pallas.vjp import saves_states
 
     keep = dataclasses.replace(MOSAIC, save_states=True)
-    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).calls)
-    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).route)
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
     recompute = dataclasses.replace(MOSAIC, save_states=False)
-    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).calls)
+    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).route)
 
     def must_not_run(*a, **kw):
         raise AssertionError("save_states: the backward must not run this stage")
@@ -312,7 +315,7 @@ def test_save_states_ignored_off_hopper():
     x = make_inputs(seed_of("hopper-save-states-triton"), 1, 64, 1, 64, 64, dtype=BF16)
     cfg = KernelConfig(platform="interpret", gpu_kernels="triton", save_states=True)
     assert not saves_states(to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
-                                             config=cfg).calls)
+                                             config=cfg).route)
     with pytest.raises(TypeError, match="KernelConfig.save_states"):
         KernelConfig(save_states="yes")
 
@@ -523,10 +526,11 @@ def test_wide_backward(cu, group, wide, form):
         x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
     cfg = dataclasses.replace(MOSAIC, wide_backward=wide, fwd_form=form)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
-    assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
-    assert cb.wide_grads == ("xla" if wide == "hopper_xla" else "hopper") and cf.fwd_form == (form or "t")
-    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == (
+    prep = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu)
+    cf, cb = prep.calls
+    assert prep.paths == ("hopper_" + (form or "t"), "hopper_xla" if wide == "hopper_xla" else "hopper_blocks")
+    assert cb.C == cf.C == 64 and cb.group == group and cf.fwd_form == (form or "t")
+    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg)[:2] == (
         "hopper+xla" if wide == "hopper_xla" else "hopper-blocks", None)
     _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
 
@@ -541,23 +545,25 @@ def test_wide_backward_dispatch(monkeypatch):
 
     x = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 256, 256, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    cb = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw)).calls[1]
-    assert cb(wide_backward="hopper_xla").mixed_bwd and cb(wide_backward="hopper_xla").wide_grads == "xla"
-    assert cb(wide_backward="hopper").wide_grads == "hopper"
-    assert cb(wide_backward="hopper", grad_warpgroups=1).wide_grads == "xla"  # the blocks need the 2-WG kernel
+    prep = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw))
+    cb = lambda **kw: prep(**kw).calls[1]
+    path = lambda **kw: prep(**kw).paths[1]
+    assert path(wide_backward="hopper_xla") == "hopper_xla"
+    assert path(wide_backward="hopper") == "hopper_blocks"
+    assert path(wide_backward="hopper", grad_warpgroups=1) == "hopper_xla"  # the blocks need the 2-WG kernel
     # and the direct dA: the chain's (I + A)^T needs the whole A, not a key block's (dk 2.7e-2 otherwise)
-    assert cb(wide_backward="hopper", grad_t_phase="chain").wide_grads == "xla"
+    assert path(wide_backward="hopper", grad_t_phase="chain") == "hopper_xla"
 
     sub = HP.block_call(cb(wide_backward="hopper"))
     assert (sub.K, sub.V, sub.grad_blocks, sub.BH) == (128, 128, (2, 2), 4)
-    assert cb().mixed_bwd and cb().wide_grads == "hopper"  # None: "hopper"
+    assert path() == "hopper_blocks"  # None: "hopper"
     for kw in (dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
                dict(wide_backward="hopper_xla", save_wy=False), dict(wide_backward="hopper_xla", gpu_kernels="triton")):
-        assert not cb(**kw).mixed_bwd, kw
+        assert path(**kw) == "portable", kw
     x128 = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 128, 128, dtype=BF16)
-    c128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
-                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).calls[1]
-    assert c128.mosaic_bwd and not c128.mixed_bwd
+    p128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
+                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).paths[1]
+    assert p128 == "hopper"
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla"), "gpu", "bwd", 64, 256, BF16) == 64
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla", save_states=False), "gpu", "bwd", 64, 256, BF16) == 32
@@ -586,6 +592,7 @@ def test_wide_backward_hopper_asymmetric(K, V):
 
     x = make_inputs(seed_of("wide-asym", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
     cfg = dataclasses.replace(MOSAIC, wide_backward="hopper")
-    cb = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg).calls[1]
-    assert cb.mixed_bwd and cb.wide_grads == "hopper" and HP.block_call(cb).grad_blocks == (K // 128, V // 128)
+    prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg)
+    cb = prep.calls[1]
+    assert prep.paths[1] == "hopper_blocks" and HP.block_call(cb).grad_blocks == (K // 128, V // 128)
     _check(x, _run(x, cfg))

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .hopper import plan as hopper_plan
 from .call import KernelCall
 from .platform import PLATFORMS, is_tpu_layout
 
@@ -205,7 +204,7 @@ class KernelConfig:
         run on a GPU: one dependent wgmma less per chunk than "t", for W and U's HBM traffic),
         refilled once Q S / W S have read them (:func:`gdn_jax.ops.pallas.hopper.plan.single_q`). None
         (default): "t" where K > 128 and at K = 128 with at least 128 state-pass CTAs
-        (:func:`t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (results/hopper_h200/, pipelined ms):
+        (:func:`gdn_jax.ops.pallas.hopper.plan.t_form_default`: 4x4096x16x128 fwd 0.259 -> 0.215 ms), else "wu". Measured on one H200 (results/hopper_h200/, pipelined ms):
         4x4096x16x128 WY 0.169 / WY + T 0.180 ("wu") vs 0.144 / 0.156 with W ("t"), state
         pass 0.131 / + h, Vn 0.170 vs
         0.160 / 0.180 (230 registers: one more dependent wgmma per chunk), whole op fwd 0.295 vs
@@ -586,14 +585,16 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         num_stages=2 if config.num_stages is None else config.num_stages,
         fuse_output=config.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
         save_wy=config.save_wy is not False, wy_inverse=config.wy_inverse, wy_precision=config.wy_precision,
-        wy_compact=config.wy_compact, grad_precision=config.grad_precision, grad_tp=config.grad_t_phase, fwd_form=config.fwd_form or ("t" if K > 128 else "wu"),
+        wy_compact=config.wy_compact, grad_precision=config.grad_precision, grad_tp=config.grad_t_phase,
+        fwd_form=config.fwd_form or ("t" if K > 128 else "wu"), fwd_form_auto=config.fwd_form is None,
         approx_math=config.approx_math, own_barriers=_own_barriers(config.auto_barriers), wy_per_cta=config.wy_chunks_per_cta or 1, late_o=config.late_o_store,
         state_prod=config.state_producer, state_wgs=config.state_warpgroups, state_slots=config.state_slots,
         rev_prod=config.reverse_producer, grad_wgs=config.grad_warpgroups,
         grad_per_cta=config.grad_chunks_per_cta or 1,
         save_states=config.save_states is not False,
+        hopper=_mosaic_wanted(config, platform), bv_given=config.bv_state, wide_backward=config.wide_backward,
     )
-    return _with_mosaic(config, call)
+    return call
 
 
 def _wide_hopper(config: KernelConfig) -> bool:
@@ -610,20 +611,6 @@ def _own_barriers(auto_barriers: Optional[bool]) -> Tuple[str, ...]:
     return () if auto_barriers else OWN_BARRIER_KERNELS
 
 
-# KernelConfig.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
-T_FORM_MIN_CTAS = 128
-
-
-def t_form_default(call: KernelCall) -> bool:
-    """Whether ``KernelConfig.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
-    set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
-    (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
-    CTA's chain is the bound and "wu" wins. Measured on one H200 (results/hopper_h200/, pipelined ms, "wu" vs "t"): 4x4096x16x128
-    (128 CTAs) fwd 0.259 vs 0.215, fwd+bwd 0.967 vs 0.925; 1x16384x16x128 (64 CTAs) 0.443 vs
-    0.435, 1.494 vs 1.576; 2x8192x16x64 (64 CTAs) 0.242 vs 0.253, 0.732 vs 0.764."""
-    return call.K == 128 and call.BH * (call.V // call.bv_mosaic) >= T_FORM_MIN_CTAS
-
-
 def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
     """Whether ``config.gpu_kernels`` asks for the Hopper kernels on ``platform`` (None: on an sm_90
     GPU with a JAX whose Mosaic GPU API they use: checked on 0.10.2 (lowering) and 0.11.2)."""
@@ -635,31 +622,3 @@ def _mosaic_wanted(config: KernelConfig, platform: str) -> bool:
         new_jax = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 10)
         return platform == "gpu" and new_jax and is_hopper()
     return config.gpu_kernels == "mosaic"
-
-
-def _with_mosaic(config: KernelConfig, call: KernelCall) -> KernelCall:
-    """Turn on the Hopper forward / backward kernels where ``config.gpu_kernels`` asks for them
-    (None: on an sm_90 GPU) and :func:`.hopper_plan.fwd_covers` /
-    :func:`.hopper_plan.bwd_covers` take the call."""
-    if not _mosaic_wanted(config, call.platform):
-        return call
-    # the Hopper block as the user gave it (not clipped to V): a value it does not take sends the
-    # forward to Triton, and hopper_plan.fwd_covers' reason names that value and V
-    if call.platform == "interpret":  # KernelConfig.state_producer, reverse_producer: GPU only (see there)
-        call = dataclasses.replace(call, state_prod=False, rev_prod=False)
-    call = dataclasses.replace(call, bv_mosaic=config.bv_state or hopper_plan.block_for(call))
-    if config.fwd_form is None and t_form_default(call):  # K = 128 with many state-pass CTAs: "t"
-        t = dataclasses.replace(call, fwd_form="t")
-        t = dataclasses.replace(t, bv_mosaic=config.bv_state or hopper_plan.block_for(t))
-        if hopper_plan.fwd_covers(t) is None:
-            call = t
-    call = dataclasses.replace(call, mosaic_fwd=hopper_plan.fwd_covers(call) is None, mosaic_bwd=hopper_plan.bwd_covers(call) is None)
-    # K > 128 (no Hopper gradient kernel): KernelConfig.wide_backward="hopper_xla" -- the Hopper
-    # reverse pass and XLA gradients on the saved residuals, where the forward kernels take the call
-    # at this chunk (vjp.to_kernel_inputs drops it unless the forward runs at the same chunk)
-    mixed = (not call.mosaic_bwd and max(call.K, call.V) > 128 and call.mosaic_fwd and _wide_hopper(config)
-             and call.layout == "bthd" and hopper_plan.reverse_smem_bytes(call, 16, True) <= hopper_plan.SMEM_BYTES)
-    wide = "xla" if config.wide_backward == "hopper_xla" else "hopper"
-    if mixed and wide == "hopper" and hopper_plan.block_call(call) is None:
-        wide = "xla"  # no block split the Hopper gradient kernel takes: the XLA gradients
-    return dataclasses.replace(call, mixed_bwd=mixed, wide_grads=wide)

@@ -197,7 +197,7 @@ def block_call(call: KernelCall) -> KernelCall | None:
         # sum over key blocks (found in a review: dk 2.7e-2 against float64 at K = 256)
         return None
     sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
-                              grad_blocks=(nk, nv), mixed_bwd=False)
+                              grad_blocks=(nk, nv))
     return sub if bwd_covers(sub) is None else None
 
 
@@ -227,3 +227,17 @@ def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
     while bv > 16 and reverse_smem_bytes(call, bv, own_dvl) > SMEM_BYTES:
         bv //= 2
     return bv
+
+
+# KernelConfig.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
+T_FORM_MIN_CTAS = 128
+
+
+def t_form_default(call: KernelCall) -> bool:
+    """Whether ``KernelConfig.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
+    set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
+    (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
+    CTA's chain is the bound and "wu" wins. Measured on one H200 (results/hopper_h200/, pipelined ms, "wu" vs "t"): 4x4096x16x128
+    (128 CTAs) fwd 0.259 vs 0.215, fwd+bwd 0.967 vs 0.925; 1x16384x16x128 (64 CTAs) 0.443 vs
+    0.435, 1.494 vs 1.576; 2x8192x16x64 (64 CTAs) 0.242 vs 0.253, 0.732 vs 0.764."""
+    return call.K == 128 and call.BH * (call.V // call.bv_mosaic) >= T_FORM_MIN_CTAS
