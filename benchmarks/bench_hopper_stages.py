@@ -231,6 +231,7 @@ def main(argv=None):
 
     import bench_pallas as bp
     from gdn_jax.ops import KernelConfig
+    from gdn_jax.ops.pallas.config import FLAT_NAMES, from_flat_names
     from gdn_jax.ops.pallas import vjp as V
     from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP, state_bwd as HR, state_fwd as HS, wy as HW
 
@@ -260,10 +261,10 @@ def main(argv=None):
         print(f"  {name:<22} {text} ms{note}", flush=True)
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
-    KC = lambda **kw: KernelConfig(**base, **kw)
+    KC = lambda **kw: from_flat_names(**base, **kw)
     # options that an older tree's gdn_jax lacks (the ab step runs this script beside other commits'
     # gdn_jax/) are skipped there rather than failing the whole run
-    has = lambda field: field in KernelConfig.__dataclass_fields__
+    has = lambda field: field in KernelConfig.__dataclass_fields__ or field in FLAT_NAMES
 
     def barriers(c, own):
         """KernelCall ``c`` with every Hopper kernel that can place its own barriers doing so (own) or
@@ -271,7 +272,7 @@ def main(argv=None):
         tree has no such option (an older ab tree: there it was a bool on KernelCall)."""
         fields = type(c).__dataclass_fields__
         if "own_barriers" in fields:
-            from gdn_jax.ops.pallas.config import OWN_BARRIER_KERNELS
+            from gdn_jax.ops.pallas.hopper.tuning import OWN_BARRIER_KERNELS
             return dataclasses.replace(c, own_barriers=OWN_BARRIER_KERNELS if own else ())
         return dataclasses.replace(c, auto_barriers=not own) if "auto_barriers" in fields else None
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops import pallas as P  # noqa: E402
+from gdn_jax.ops.pallas.config import from_flat_names  # noqa: E402
 from gdn_jax.ops.pallas.hopper import grads as HG, state_bwd as HR, state_fwd as HS, wy as HW  # noqa: E402
 from gdn_jax.ops.pallas.grads import chunk_grads  # noqa: E402
 from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
@@ -470,7 +471,7 @@ def main(argv=None):
                 def mk(kw=kw, c=c, explicit=explicit):
                     if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D caps
                         kw = dict(dict(fwd_chunk=c, bwd_chunk=c), **kw)
-                    f, fb = jax_fns("pallas", x, c, kernel_config=KernelConfig(**kw))
+                    f, fb = jax_fns("pallas", x, c, kernel_config=from_flat_names(**kw))
                     ov = jax.block_until_ready(f())
                     _, gv = jax.block_until_ready(fb())
                     if shape in numerics:  # the variant's own numerics against chunk, as for pallas

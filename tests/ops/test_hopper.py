@@ -200,16 +200,16 @@ def test_dispatch():
         KernelConfig(gpu_kernels="cuda")
     with pytest.raises(ValueError, match="f32_inputs"):
         KernelConfig(f32_inputs="tf32")
-    with pytest.raises(ValueError, match="KernelConfig.wy_inverse must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.wy_inverse must be one of"):
         KernelConfig(wy_inverse="Blocked")
     for bad in (None, 1, "yes"):
-        with pytest.raises(TypeError, match="KernelConfig.wy_compact must be True or False"):
+        with pytest.raises(TypeError, match="HopperTuning.wy_compact must be True or False"):
             KernelConfig(wy_compact=bad)
-    with pytest.raises(TypeError, match="KernelConfig.wy_inverse must be one of"):
+    with pytest.raises(TypeError, match="HopperTuning.wy_inverse must be one of"):
         KernelConfig(wy_inverse=np.array([1, 2]))
-    with pytest.raises(ValueError, match="KernelConfig.wy_precision must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.wy_precision must be one of"):
         KernelConfig(wy_precision="tf32")
-    with pytest.raises(ValueError, match="KernelConfig.grad_precision must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.grad_precision must be one of"):
         KernelConfig(grad_precision="fp8")
 
 
@@ -493,9 +493,9 @@ def test_two_warpgroup_gradient_kernel_config():
     """grad_warpgroups: 1 or 2 (bad values name the field); its shared memory fits at K = V = 128."""
     from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP
 
-    with pytest.raises(ValueError, match="KernelConfig.grad_warpgroups must be 1 or 2"):
+    with pytest.raises(ValueError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
         KernelConfig(grad_warpgroups=3)
-    with pytest.raises(TypeError, match="KernelConfig.grad_warpgroups must be 1 or 2"):
+    with pytest.raises(TypeError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
         KernelConfig(grad_warpgroups=True)
     x = make_inputs(seed_of("hopper-2wg-cov"), 1, 64, 1, 128, 128, dtype=BF16)
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,

@@ -4,8 +4,10 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 ``gdn_jax/ops/chunk.py`` for the math in plain JAX). Modules, one per stage:
 
 * :mod:`.config`: :class:`KernelConfig` (the options, a frozen value passed as
-  ``gated_delta_rule(..., kernel_config=...)``) and :func:`~.config.resolve`, the one place
-  that turns it into the settings of a call (:class:`~.config.KernelCall`);
+  ``gated_delta_rule(..., kernel_config=...)``: platform and chunks at the top, then the groups
+  :class:`~.config.Precision`, :class:`~.tuning.TritonTuning` (beside the portable kernels) and
+  :class:`~.hopper.tuning.HopperTuning` (beside the Hopper kernels)) and :func:`~.config.resolve`,
+  the one place that turns it into the settings of a call (:class:`~.config.KernelCall`);
 * :mod:`.call`: :class:`~.call.KernelCall`, the record every kernel reads;
 * :mod:`.platform`: GPU (Triton) / TPU (Mosaic) / interpret rules of a ``pallas_call``;
 * :mod:`.wy`: the intra-chunk WY / UT representation (A, T = (I + A)^-1, W, U; Aqk or dVl);
@@ -33,11 +35,11 @@ Declined with a reason: per-key-channel g, per-value-channel beta, float64.
 Precision: the kernels read q, k, v, dO in the input dtype and accumulate in float32. With
 bf16 inputs and max(K, V) >= 64 (``config.BF16_MID_MIN_DIM``) the intermediates written to HBM
 (W, U, Vn, h_n, dVl, dVn, dh_n) are bf16 and the state / output dots take bf16 operands (rel.
-rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(u_dtype="f32",
-state_dot="f32", out_dot="f32")`` gives 2.6e-3). float32 inputs keep everything float32 (on
-GPU as 1-pass TF32 dots by default, like XLA's; ``gpu_f32_*="tf32x3"`` for ~float32 accuracy;
-``f32_inputs="bf16"`` for the 16-bit path; float16 inputs run float16 kernels, or with
-``f16_inputs="bf16"`` the bf16 path, Hopper kernels included). The in-chunk triangular inverse is float32 (Triton)
+rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(precision=Precision(
+u_dtype="f32", state_dot="f32", out_dot="f32"))`` gives 2.6e-3). float32 inputs keep everything
+float32 (on GPU as 1-pass TF32 dots by default, like XLA's; ``Precision(gpu_f32_*="tf32x3")`` for
+~float32 accuracy; ``Precision(f32_inputs="bf16")`` for the 16-bit path; float16 inputs run float16
+kernels, or with ``Precision(f16_inputs="bf16")`` the bf16 path, Hopper kernels included). The in-chunk triangular inverse is float32 (Triton)
 or bf16x3 (the Hopper kernels) in every case.
 
 Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering
@@ -54,11 +56,14 @@ import jax.numpy as jnp
 from .._common import GateForms
 from . import paths
 from .hopper import plan as hopper_plan
-from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype, check_type
+from .config import (BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, Precision, auto_mid_dtype,
+                     check_type)
+from .hopper.tuning import HopperTuning
+from .tuning import TritonTuning
 from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
-__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
+__all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
            "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 

@@ -1,5 +1,5 @@
 """The backward's local gradients as batched XLA matmuls (no Pallas): the gradient stage of the
-Hopper backward at head dim 256 (``KernelConfig.wide_backward="hopper_xla"``), where the Mosaic
+Hopper backward at head dim 256 (``HopperTuning.wide_backward="hopper_xla"``), where the Mosaic
 GPU gradient kernel (:func:`gdn_jax.ops.pallas.hopper.grads.chunk_grads`, K <= 128) does not fit in
 shared memory. The same arithmetic as that kernel's direct form (``grad_t_phase="direct"``), per
 chunk and head (q scaled, S = h_n the state entering the chunk, dS = dh_n the gradient of the

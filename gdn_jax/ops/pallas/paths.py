@@ -4,7 +4,7 @@ tried in the order listed; the first whose ``covers`` returns None runs.
 Forward (:data:`FORWARD`):
 
 1. ``hopper_t``: the Hopper kernels, T form (:func:`.hopper.wy.wy_forward` writes T = (I + A)^-1, the
-   state pass forms Vn from T and v; ``KernelConfig.fwd_form="t"``, or None at K > 128 and at K = 128
+   state pass forms Vn from T and v; ``HopperTuning.fwd_form="t"``, or None at K > 128 and at K = 128
    with many state-pass CTAs, :func:`.hopper.plan.t_form_default`);
 2. ``hopper_transition``: the Hopper WY kernel and the transition-form state pass
    (:mod:`.hopper.transition`; ``fwd_form="transition"``, opt-in);
@@ -81,7 +81,7 @@ class Chosen:
 def hopper_call(call: KernelCall) -> KernelCall:
     """``call`` with the Hopper kernels' settings at its chunking: the one-warpgroup state and
     reverse passes in interpret mode (``state_producer`` / ``reverse_producer``: GPU only), the state
-    pass's value block (``KernelConfig.bv_state`` as given, else :func:`.hopper.plan.block_for`) and
+    pass's value block (``TritonTuning.bv_state`` as given, else :func:`.hopper.plan.block_for`) and
     the forward form (``fwd_form`` None at K = 128 with many state-pass CTAs: "t" where its kernels
     take the call, :func:`.hopper.plan.t_form_default`). The backward's Hopper entries read the same
     value block (the reverse pass's follows the forward's)."""
@@ -113,7 +113,7 @@ def _hopper_forward_covers(form: str):
         c = hopper_call(call)
         if c.fwd_form != form:
             given = "None" if call.fwd_form_auto else repr(call.fwd_form)
-            return f"the Hopper forward form is {c.fwd_form!r} (KernelConfig.fwd_form={given})"
+            return f"the Hopper forward form is {c.fwd_form!r} (HopperTuning.fwd_form={given})"
         return hopper_plan.fwd_covers(c)
 
     return covers

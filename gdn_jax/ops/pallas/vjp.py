@@ -15,8 +15,8 @@ heads, merged into the kernels' layout there (:func:`_merge`), so that under ``j
 inputs every device runs its own rows and heads. The forward and the backward each
 run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
 inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
-also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
-``KernelConfig.save_states`` (h_n, Vn and, with save_wy, W; on by default: the per-chunk states
+also what ``HopperTuning.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
+``HopperTuning.save_states`` (h_n, Vn and, with save_wy, W; on by default: the per-chunk states
 h_n alone, n K V per head, are 134 MB in bf16 at B4 T4096 H16 D128) keep; the backward recomputes
 the rest. A call that is not differentiated runs the forward without these residual writes.
 
@@ -86,7 +86,7 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
 
 
 def saves_wy(route) -> bool:
-    """Whether the forward keeps its WY products for the backward (``KernelConfig.save_wy``): both
+    """Whether the forward keeps its WY products for the backward (``HopperTuning.save_wy``): both
     directions of ``route`` (the forward's and the backward's :class:`.paths.Chosen`) on Hopper
     paths at the same chunking."""
     return bool(route[1].call.save_wy and _paths.hopper_both(*route))
@@ -94,7 +94,7 @@ def saves_wy(route) -> bool:
 
 def saves_states(route) -> bool:
     """Whether the forward keeps the states entering each chunk and Vn for the backward
-    (``KernelConfig.save_states``): both directions of ``route`` on Hopper paths at the same
+    (``HopperTuning.save_states``): both directions of ``route`` on Hopper paths at the same
     chunking."""
     return bool(route[1].call.save_states and _paths.hopper_both(*route))
 
@@ -229,8 +229,8 @@ def chunk_gated_delta_rule(route, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
     ``flags_*`` the per-chunk flags of each chunking. The kernels run through
     :func:`.partition.run_sharded`: under ``jit`` on sharded inputs each device runs its own batch
     rows and heads. The residuals are the inputs (the backward recomputes the rest) and, on the
-    Hopper kernels, with ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
-    ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
+    Hopper kernels, with ``HopperTuning.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
+    ``HopperTuning.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
     with both, W). Undifferentiated, the forward writes no residuals."""
     o, fin, _ = _run_forward(route, q, k, v, beta, g, h0, flags_fwd)
     return o, fin
@@ -332,9 +332,9 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     H, V0 = v.shape[2], v.shape[-1]  # value heads (grouped value heads: H = group * Hk)
     G = H // Hk
     in_dt = out_dt = _in_dtype(q, k, v)
-    if (in_dt == jnp.dtype(F32) and config.f32_inputs == "bf16") or (
-            in_dt == jnp.dtype(jnp.float16) and config.f16_inputs == "bf16"):
-        in_dt = jnp.dtype(jnp.bfloat16)  # KernelConfig.f32_inputs / f16_inputs: the kernels read bf16 operands
+    if (in_dt == jnp.dtype(F32) and config.precision.f32_inputs == "bf16") or (
+            in_dt == jnp.dtype(jnp.float16) and config.precision.f16_inputs == "bf16"):
+        in_dt = jnp.dtype(jnp.bfloat16)  # Precision.f32_inputs / f16_inputs: the kernels read bf16 operands
     Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
     Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
     C = max(Cf, Cb)  # the time layout is built for the larger chunk (powers of two: the smaller divides it)

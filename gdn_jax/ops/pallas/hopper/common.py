@@ -37,11 +37,11 @@ def interpret_params():
 
 def kernel_kw(call: KernelCall, kernel: Optional[str] = None) -> dict:
     """``plgpu.kernel``'s keyword arguments for ``call``: Mosaic GPU's interpreter (platform
-    "interpret") or, on a GPU, compiler params: with ``KernelConfig.approx_math`` exp lowered to
+    "interpret") or, on a GPU, compiler params: with ``HopperTuning.approx_math`` exp lowered to
     ``ex2.approx.ftz`` (a multiply and one instruction instead of libdevice's range reduction);
-    ``unsafe_no_auto_barriers`` for ``kernel`` (one of config.OWN_BARRIER_KERNELS: "wy", "state",
+    ``unsafe_no_auto_barriers`` for ``kernel`` (one of hopper.tuning.OWN_BARRIER_KERNELS: "wy", "state",
     "reverse", "grads", kernels that can place their own barriers, see :func:`sync_own_barriers`) where
-    ``KernelConfig.auto_barriers`` resolved to leave out Pallas' barriers (``call.own_barriers``)."""
+    ``HopperTuning.auto_barriers`` resolved to leave out Pallas' barriers (``call.own_barriers``)."""
     if call.platform == "interpret":
         return dict(interpret=interpret_params())
     kw = dict(approx_math=True) if call.approx_math else {}
@@ -153,7 +153,7 @@ def iota(shape, dim, interp):
 
 def split_hi_lo(x, lo=True):
     """float32 -> (hi, lo) bfloat16 with hi + lo = x to ~2^-16 relative (bf16x3 products); with
-    ``lo=False`` (``KernelConfig.wy_precision="bf16"``) (hi, None)."""
+    ``lo=False`` (``HopperTuning.wy_precision="bf16"``) (hi, None)."""
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16) if lo else None
 

@@ -69,9 +69,9 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     gate gradients). ``x_hi`` / ``x_lo``: two [C, C] bf16 scratch tiles; ``masks()`` and
     ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix;
     ``hp``: the three C x C x C products as bf16x3 (else one bf16 wgmma each, T as its hi part:
-    ``KernelConfig.grad_precision="bf16"``).
+    ``HopperTuning.grad_precision="bf16"``).
 
-    ``direct`` (``KernelConfig.grad_t_phase="direct"``): since T (I + A) = I, (I + A)^T T^T = I and
+    ``direct`` (``HopperTuning.grad_t_phase="direct"``): since T (I + A) = I, (I + A)^T T^T = I and
     dA = -strict(T^T (dVn Vn^T) (I + A)^T T^T) = -strict((T^T dVn) Vn^T): two products instead of
     three chained ones, Y = T^T dVn [C, V] (T's hi / lo pair against dVn; ``y``, when the caller
     has it already, skips it) and Y Vn^T (Y as a bf16 hi / lo pair; with ``hp`` False T's and Y's hi
@@ -270,7 +270,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
 
 
 def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
-    """:func:`chunk_grads` with two warpgroups per CTA (``KernelConfig.grad_warpgroups=2``): the
+    """:func:`chunk_grads` with two warpgroups per CTA (``HopperTuning.grad_warpgroups=2``): the
     same gradients, the work split so that the two wgmma chains run side by side and meet once.
 
     * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), with ``grad_t_phase="chain"``
@@ -541,7 +541,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
-    kw = kernel_kw(call, "grads")  # KernelConfig.auto_barriers (see hopper.common.sync_own_barriers)
+    kw = kernel_kw(call, "grads")  # HopperTuning.auto_barriers (see hopper.common.sync_own_barriers)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
@@ -556,7 +556,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
 
 
 def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
-    """:func:`chunk_grads` for K > 128 (``KernelConfig.wide_backward="hopper"``): the two-warpgroup
+    """:func:`chunk_grads` for K > 128 (``HopperTuning.wide_backward="hopper"``): the two-warpgroup
     gradient kernel on every (key block, value block) pair of 128 columns (:func:`block_call`: q, k
     and h_n, dh_n rows of its key block, v, dO, Vn, dVn and h_n, dh_n columns of its value block, all
     by TMA from the whole arrays), and the blocks' outputs summed. Exact by linearity: every local

@@ -20,7 +20,7 @@ SLOTS = 3  # TMA slots of the transition pass (transition.py)
 
 def default_block(BH: int, V: int, platform: str = "gpu") -> int:
     """Value channels per CTA of the Hopper state passes before the shared-memory check of
-    :func:`block_for` (the default, which ``KernelConfig.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
+    :func:`block_for` (the default, which ``TritonTuning.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
     leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
     chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
     win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
@@ -40,7 +40,7 @@ def single_q(call: KernelCall) -> bool:
 
 
 def block_for(call: KernelCall) -> int:
-    """The Hopper state pass's default value block for ``call`` (``KernelConfig.bv_state`` None):
+    """The Hopper state pass's default value block for ``call`` (``TritonTuning.bv_state`` None):
     :func:`default_block`, then halved (down to 16) until :func:`smem_bytes` fits an SM's shared
     memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32; K = 128 with ``state_slots`` 3: 32) and,
     with :func:`producer`, until ``state_warpgroups`` value blocks tile V."""
@@ -52,7 +52,7 @@ def block_for(call: KernelCall) -> int:
 
 
 def producer(call: KernelCall) -> bool:
-    """Whether the state passes of ``call`` run warp-specialised (``KernelConfig.state_producer``,
+    """Whether the state passes of ``call`` run warp-specialised (``HopperTuning.state_producer``,
     applied where K <= 128: at K = 256 the single q / W tiles of :func:`single_q` stay)."""
     return call.state_prod and not single_q(call)
 
@@ -60,7 +60,7 @@ def producer(call: KernelCall) -> bool:
 def smem_bytes(call: KernelCall, bv: int) -> int:
     """Shared memory of :func:`.state_fwd.forward_states_and_output` (two TMA slots, or ``state_slots`` with
     :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
-    of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
+    of U and their own state tiles; ``HopperTuning.fwd_form`` "t": T's (hi, lo) tiles and v's value
     block in place of W and U; where :func:`single_q`, one q tile and, in "wu", one W tile). Counts
     the forward's tiles: the backward's recompute (no q, Aqk, o) needs less."""
     C, K = call.C, call.K
@@ -81,7 +81,7 @@ def fwd_covers(call: KernelCall) -> str | None:
     fails of): K in (64, 128, 256); the token layout; the fused output (``fuse_output``); bf16
     inputs; a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 256:
     the forward's chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
-    value block (``KernelConfig.bv_state``, default :func:`default_block`) of 16, 32 or 64
+    value block (``TritonTuning.bv_state``, default :func:`default_block`) of 16, 32 or 64
     dividing V; shared memory (:func:`smem_bytes`, :func:`wy_smem_bytes`).
     :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
     if call.K not in (64, 128, 256):
@@ -101,7 +101,7 @@ def fwd_covers(call: KernelCall) -> str | None:
         return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
     if producer(call) and call.V % (call.bv_mosaic * call.state_wgs):
         return (f"state_warpgroups={call.state_wgs} x value block {call.bv_mosaic} does not divide V={call.V} "
-                f"(KernelConfig.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
+                f"(TritonTuning.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
     if call.fwd_form == "transition":
         why = transition_covers(call)
         if why is not None:
@@ -110,7 +110,7 @@ def fwd_covers(call: KernelCall) -> str | None:
         fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
         return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
                 f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"
-                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else "")
+                + (f" (TritonTuning.bv_state={fit[0]} fits)" if fit else "")
                 + (f"; with state_slots={call.state_slots}, state_warpgroups={call.state_wgs} (fewer fit)"
                    if producer(call) and (call.state_slots, call.state_wgs) != (2, 1) and not fit else ""))
     if wy_smem_bytes(call) > SMEM_BYTES:
@@ -133,7 +133,7 @@ def wy_smem_bytes(call: KernelCall) -> int:
 
 
 def wy_compact(call: KernelCall) -> bool:
-    """Whether the forward WY kernel runs in its compact layout (``KernelConfig.wy_compact``, where
+    """Whether the forward WY kernel runs in its compact layout (``HopperTuning.wy_compact``, where
     K == V: v takes q's tile)."""
     return call.wy_compact and call.K == call.V
 
@@ -229,12 +229,12 @@ def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
     return bv
 
 
-# KernelConfig.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
+# HopperTuning.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
 T_FORM_MIN_CTAS = 128
 
 
 def t_form_default(call: KernelCall) -> bool:
-    """Whether ``KernelConfig.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
+    """Whether ``HopperTuning.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
     set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
     (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
     CTA's chain is the bound and "wu" wins. Measured on one H200 (results/hopper_h200/, pipelined ms, "wu" vs "t"): 4x4096x16x128

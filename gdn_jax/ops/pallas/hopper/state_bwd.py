@@ -29,7 +29,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
     last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
     which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step). With
-    ``KernelConfig.reverse_producer`` at K <= 128 a second, producer warpgroup issues the slots'
+    ``HopperTuning.reverse_producer`` at K <= 128 a second, producer warpgroup issues the slots'
     copies and the consumer releases each slot after its step's last wgmma (h_n is still copied by
     the consumer). At K > 128
     (:func:`reverse_single_tiles`) q, k and W have one tile each, refilled as soon as this chunk's
@@ -37,7 +37,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
     ``dh0[seq]`` is written after its first.
 
-    With ``aqk`` (the forward's [BH, n, C, C] bf16 Aqk, ``KernelConfig.save_states`` with
+    With ``aqk`` (the forward's [BH, n, C, C] bf16 Aqk, ``HopperTuning.save_states`` with
     ``save_wy``) and ``dvl=None`` the kernel forms dVl = Aqk^T dO itself (one more wgmma per chunk,
     off the dS chain, issued with K dS): no dVl round trip through HBM and no WY stage in the
     backward.
@@ -48,7 +48,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         raise ValueError("reverse_states: pass exactly one of dvl and aqk")
     own_dvl = aqk is not None
     one = reverse_single_tiles(call)
-    prod = call.rev_prod and not one  # KernelConfig.reverse_producer (K <= 128)
+    prod = call.rev_prod and not one  # HopperTuning.reverse_producer (K <= 128)
     plgpu = plgpu_api()
     interp = call.platform == "interpret"
     C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
@@ -195,7 +195,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
         scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
     out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
                 jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
-    kw = kernel_kw(call, "reverse")  # KernelConfig.auto_barriers (see hopper.common.sync_own_barriers)
+    kw = kernel_kw(call, "reverse")  # HopperTuning.auto_barriers (see hopper.common.sync_own_barriers)
     if prod:
         kw.update(num_threads=2, thread_name="wg")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)

@@ -11,7 +11,7 @@ walks the chunks with the state S [K, bv] in registers (float32, the wgmma accum
 
 The next chunk's q, k, W, U, Aqk and gates are copied by TMA into the other of two SMEM slots
 (``state_slots`` with the producer below) while this one computes; o leaves through SMEM by TMA. Only ``U - W S`` and the K^T update sit
-on the S -> S' chain; Q S is issued beside W S. With ``KernelConfig.state_producer`` (the default
+on the S -> S' chain; Q S is issued beside W S. With ``HopperTuning.state_producer`` (the default
 on a GPU, K <= 128: :func:`producer`) a second, producer warpgroup issues those copies into
 ``state_slots`` slots and the compute warpgroup(s) release each slot after their step's last
 wgmma, so the copies' issue and waits leave the chain.
@@ -40,15 +40,15 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     Without ``q`` (the backward's recompute, :func:`gdn_jax.ops.pallas.hopper.state_fwd.recompute_states`)
     no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
     (bf16) leave by TMA instead of ``o`` and the final state. With ``q`` and ``save_states``
-    (``KernelConfig.save_states``) they leave as well as ``o`` and the final state, the same
+    (``HopperTuning.save_states``) they leave as well as ``o`` and the final state, the same
     values the recompute writes (the result has all four).
 
-    With :func:`producer` (``KernelConfig.state_producer``) the CTA has ``state_warpgroups`` compute
+    With :func:`producer` (``HopperTuning.state_producer``) the CTA has ``state_warpgroups`` compute
     warpgroups (each its own value block: grid (B*H, V / (bv * state_warpgroups))) and a producer
     warpgroup that copies every chunk's tiles into ``state_slots`` slots, refilling a slot once each
     compute warpgroup has arrived on its "free" barrier after the step's last wgmma.
 
-    With ``t`` = (t_hi, t_lo) [BH, n, C, C] bf16 (``KernelConfig.fwd_form="t"``; ``w`` and ``u``
+    With ``t`` = (t_hi, t_lo) [BH, n, C, C] bf16 (``HopperTuning.fwd_form="t"``; ``w`` and ``u``
     are None, ``v`` the values in the token layout, ``beta`` the beta column [BH, T, 1]) Vn is
     formed from T instead of W, U: ``Vn = T (beta V - beta e^gamma (K S))`` (K S issued beside
     Q S, the product with T as bf16x2)."""
@@ -71,7 +71,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     gates = jnp.stack(rows_, axis=2).astype(F32)
 
     sw = min(128, 2 * bv)  # every wgmma pairs a [., K] or [., C] tile with a [., bv] one: one swizzle
-    # KernelConfig.state_producer: a producer warpgroup fills D slots; nc compute warpgroups (value
+    # HopperTuning.state_producer: a producer warpgroup fills D slots; nc compute warpgroups (value
     # blocks) share each chunk's tiles but U's, and have their own state tiles
     wspec = producer(call)
     D, nc = (call.state_slots, call.state_wgs) if wspec else (2, 1)
@@ -199,7 +199,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         row = plgpu.Layout.WGMMA.reduce(1)
         bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-        late = call.late_o and not rec  # KernelConfig.late_o_store: chunk i-1's o leaves during step i's wgmmas
+        late = call.late_o and not rec  # HopperTuning.late_o_store: chunk i-1's o leaves during step i's wgmmas
 
         def store_o(o, j):  # o of chunk j through o_s by TMA
             tile_out(o, o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
@@ -246,7 +246,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 vn = load_tile(u_s.at[slot * nc + w], plgpu.Layout.WGMMA, interp).astype(F32) - ws
             e_end = load_tile(g_s.at[slot, 1], row, interp)
             # this slot's last gate reads come before the commit below: the one-warpgroup pass refills
-            # the slot at its next step, and without the automatic barriers (KernelConfig.auto_barriers,
+            # the slot at its next step, and without the automatic barriers (HopperTuning.auto_barriers,
             # the default for this pass) nothing else orders those reads before that TMA copy
             g_end = g_s[slot, 2, 0]
             e_o = None if rec else load_tile(g_s.at[slot, 0], row, interp)
@@ -280,7 +280,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    kw = kernel_kw(call, "state")  # KernelConfig.auto_barriers (see sync_own_barriers)
+    kw = kernel_kw(call, "state")  # HopperTuning.auto_barriers (see sync_own_barriers)
     states = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16))
     if rec:
         out_type = states

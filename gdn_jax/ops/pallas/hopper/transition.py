@@ -1,4 +1,4 @@
-"""The forward state pass in its "transition" form on Hopper (``KernelConfig.fwd_form="transition"``,
+"""The forward state pass in its "transition" form on Hopper (``HopperTuning.fwd_form="transition"``,
 opt-in; results/hopper_h200/NOTE.md items 28-29). On one H200 it is correct (GPU
 check 10 of 10 at K = 64) but slower than the default pass: 2x8192x16x64 state pass 0.255 vs 0.157 ms
 (~1.75x the wgmma work per chunk step on one warpgroup; the rounds were not the bound).

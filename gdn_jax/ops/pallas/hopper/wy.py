@@ -88,7 +88,7 @@ def _round_tiles(hp, pairs):
 
 def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, hp=True):
     """The doubling rounds of T = (I + A)^-1 that stay inside the 16 x 16 diagonal blocks
-    (T_2 -> T_4 -> T_8 -> T_16), computed on those blocks alone (``KernelConfig.wy_inverse="blocked"``).
+    (T_2 -> T_4 -> T_8 -> T_16), computed on those blocks alone (``HopperTuning.wy_inverse="blocked"``).
 
     A block-diagonal X is kept compressed, ``Xc[r, m] = X[r, 16 (r // 16) + m]`` ([C, 16]); for
     block-diagonal X, Y, ``(X Y)c = sum_b mask_b(Xc) @ Yc[16 b : 16 b + 16]`` with ``mask_b`` the rows
@@ -102,7 +102,7 @@ def _blocked_rounds(A, T2, i, j, C, interp, eye_s, tc_hi, tc_lo, lc_hi, lc_lo, h
     ``T = sum_b mask_b(Tc_hi + Tc_lo) @ I[16 b : 16 b + 16]`` (the identity in ``eye_s``, T_hi's
     tile, in a 32-byte swizzle as a K = 16 wgmma operand needs; the next round overwrites it).
     ``A``: the strictly lower [C, C] matrix; ``T2``: T_2 (full); ``hp``: bf16x3 products (else one
-    bf16 wgmma per block, ``KernelConfig.wy_precision="bf16"``). Returns T_16 as a float32 [C, C]
+    bf16 wgmma per block, ``HopperTuning.wy_precision="bf16"``). Returns T_16 as a float32 [C, C]
     array."""
     plgpu = plgpu_api()
     nb = C // 16
@@ -166,14 +166,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     The inverse's products can run as bf16x3 (T = T_hi + T_lo in registers, the SMEM operand split
     the same way; three wgmmas, ~2^-16 relative: finer than the TF32 of the Triton kernel); W and U
     as bf16x2 (T diag(s) as a register hi / lo pair against the unscaled bf16 K / V tile); with
-    ``KernelConfig.wy_precision="bf16"`` the doubling rounds' products take bf16 operands (one
+    ``HopperTuning.wy_precision="bf16"`` the doubling rounds' products take bf16 operands (one
     wgmma each, float32 accumulation), with ``"bf16_blocks"`` only the rounds inside the 16 x 16
     diagonal blocks (T_2 -> T_16); W, U and T's outputs keep the hi / lo pair.
     Returns ``w`` [BH, T, K], ``u`` [BH, T, V] (bf16) and ``aqk`` [BH, n, C, C] (bf16); with ``do``
     (the backward, :func:`gdn_jax.ops.pallas.hopper.wy.wy_backward`) ``dvl`` = Aqk^T dO [BH, T, V]
     and T as ``t_hi``, ``t_lo`` [BH, n, C, C] (bf16, T = t_hi + t_lo to ~2^-16) instead of ``aqk``;
-    with ``save_t`` (the forward of ``KernelConfig.save_wy``) ``t_hi``, ``t_lo`` besides ``aqk``.
-    With ``t_form`` (``KernelConfig.fwd_form="t"``: the state pass forms Vn from T, v and the
+    with ``save_t`` (the forward of ``HopperTuning.save_wy``) ``t_hi``, ``t_lo`` besides ``aqk``.
+    With ``t_form`` (``HopperTuning.fwd_form="t"``: the state pass forms Vn from T, v and the
     state; ``v`` is not read and may be None) ``aqk``, ``t_hi``, ``t_lo`` and, with ``with_w``,
     ``w`` (for the backward), no U.
     """
@@ -190,11 +190,11 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
 
     backward = do is not None
     blocked = call.wy_inverse == "blocked" and C % 16 == 0 and C >= 32
-    # KernelConfig.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
+    # HopperTuning.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
     # staging tile is L's hi tile of the inverse's rounds once Aqk has left
     compact = (wy_compact(call) or t_form) and not backward
     has_v = not t_form  # fwd_form="t": no v (compact layout: q, k and the [C, C] tiles)
-    # KernelConfig.wy_precision: bf16x3 products (else bf16) in the rounds inside the 16x16 diagonal
+    # HopperTuning.wy_precision: bf16x3 products (else bf16) in the rounds inside the 16x16 diagonal
     # blocks (T_2 -> T_16) and in the rounds across them (T_16 -> T_64)
     hp_in, hp_across = call.wy_precision == "bf16x3", call.wy_precision != "bf16"
 
@@ -206,7 +206,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     # 16-row slices of them (K = 16)
     sw = 32 if blocked else None
     cc = lambda: smem((C, C), BF16, sw)
-    # KernelConfig.wy_chunks_per_cta (the compact forward): m consecutive chunks per CTA, the next
+    # HopperVariants.wy_chunks_per_cta (the compact forward): m consecutive chunks per CTA, the next
     # chunk's q, k and gates arriving by TMA in a second slot while this one computes
     per = call.wy_per_cta if compact else 1
     S = 2 if per > 1 else 1  # TMA slots of q, k (and v), gates
@@ -384,7 +384,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
             write_w_u(tw, tu, k_s, v_s, q_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp,
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
-    kw = kernel_kw(call, "wy")  # KernelConfig.auto_barriers (see sync_own_barriers)
+    kw = kernel_kw(call, "wy")  # HopperTuning.auto_barriers (see sync_own_barriers)
     if t_form:
         out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
@@ -409,7 +409,7 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
 
 
 def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
-    """The backward's WY stage from the forward's saved Aqk and T (``KernelConfig.save_wy``): one
+    """The backward's WY stage from the forward's saved Aqk and T (``HopperTuning.save_wy``): one
     CTA per (batch x value head, chunk)::
 
         W = T diag(beta e^gamma) K,  U = T diag(beta) V   bf16x2 (T = t_hi + t_lo in registers, the
@@ -457,7 +457,7 @@ def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
                smem((C, C), BF16), smem((C, C), BF16), smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
     out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
                 jax.ShapeDtypeStruct((BH, Tp, V), in_dt))
-    # KernelConfig.auto_barriers: one of the "wy" kernels (no thread load of a tile it overwrites:
+    # HopperTuning.auto_barriers: one of the "wy" kernels (no thread load of a tile it overwrites:
     # dVl and W / U land in tiles that only a completed wgmma has read, as in the forward WY)
     kw = kernel_kw(call, "wy")
     fn = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
