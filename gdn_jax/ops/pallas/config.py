@@ -1,12 +1,14 @@
-"""Kernel configuration of ``backend="pallas"``: the user's options (:class:`KernelConfig`) and the
-one place that turns them, with the call's platform, shapes and dtype, into the concrete settings
-every kernel reads (:func:`kernel_chunk`, :func:`resolve` -> :class:`KernelCall`).
+"""Kernel configuration of ``backend="pallas"``: the user's options (:class:`KernelConfig`: platform
+and chunks, and the groups :class:`Precision` (here), :class:`~.tuning.TritonTuning` and
+:class:`~.hopper.tuning.HopperTuning`, each beside the kernels that read it) and the one place that
+turns them, with the call's platform, shapes and dtype, into the concrete settings every kernel
+reads (:func:`kernel_chunk`, :func:`resolve` -> :class:`KernelCall`).
 
 Nothing here is global or mutable: a :class:`KernelConfig` is a frozen, hashable value passed
 to ``gated_delta_rule(..., kernel_config=...)``, so ``jax.jit`` keys its cache on it like on any
 other static argument. None of its fields changes the result beyond floating-point rounding. The
-measurements behind the defaults are in docs/kernels.md, in each field's
-docstring below, in ``results/hopper_h200/`` (KERNELS.md option by option, NOTE.md, HISTORY.md) and in
+measurements behind the defaults are in docs/kernels.md ("Options in detail"), in
+``results/hopper_h200/`` (KERNELS.md option by option, NOTE.md, HISTORY.md) and in
 ``results/bench_pallas_h200/``.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
 from .call import KernelCall
 from .checks import check_choice, check_int
 from .hopper.tuning import HopperTuning, HopperVariants
