@@ -11,8 +11,9 @@ stage like the portable kernels of :mod:`gdn_jax.ops.pallas`:
   (the twin of :mod:`gdn_jax.ops.pallas.state_fwd`);
 * :mod:`.transition`: the forward state pass in its "transition" form (``fwd_form="transition"``);
 * :mod:`.state_bwd`: the reverse state pass (the twin of :mod:`gdn_jax.ops.pallas.state_bwd`);
-* :mod:`.grads`: the gradient kernel (the twin of :mod:`gdn_jax.ops.pallas.grads`).
+* :mod:`.grads`: the gradient kernel (the twin of :mod:`gdn_jax.ops.pallas.grads`);
+* :mod:`.tuning`: their options (``HopperTuning``, ``KernelConfig(hopper=...)``; plain Python).
 
-Which calls run them is decided by :mod:`gdn_jax.ops.pallas.config`. This package imports none of
-its modules, so that importing the planning module loads no kernel.
+Which kernels run a call is the table of :mod:`gdn_jax.ops.pallas.paths`. This package imports
+none of its modules, so that importing the planning module loads no kernel.
 """
