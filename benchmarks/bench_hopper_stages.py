@@ -231,7 +231,9 @@ def main(argv=None):
 
     import bench_pallas as bp
     from gdn_jax.ops import KernelConfig
-    from gdn_jax.ops.pallas import hopper as HF, hopper_bwd as HB, vjp as V
+    from gdn_jax.ops.pallas.config import FLAT_NAMES, from_flat_names
+    from gdn_jax.ops.pallas import vjp as V
+    from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP, state_bwd as HR, state_fwd as HS, wy as HW
 
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
 
@@ -259,10 +261,10 @@ def main(argv=None):
         print(f"  {name:<22} {text} ms{note}", flush=True)
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
-    KC = lambda **kw: KernelConfig(**base, **kw)
+    KC = lambda **kw: from_flat_names(**base, **kw)
     # options that an older tree's gdn_jax lacks (the ab step runs this script beside other commits'
     # gdn_jax/) are skipped there rather than failing the whole run
-    has = lambda field: field in KernelConfig.__dataclass_fields__
+    has = lambda field: field in KernelConfig.__dataclass_fields__ or field in FLAT_NAMES
 
     def barriers(c, own):
         """KernelCall ``c`` with every Hopper kernel that can place its own barriers doing so (own) or
@@ -270,7 +272,7 @@ def main(argv=None):
         tree has no such option (an older ab tree: there it was a bool on KernelCall)."""
         fields = type(c).__dataclass_fields__
         if "own_barriers" in fields:
-            from gdn_jax.ops.pallas.config import OWN_BARRIER_KERNELS
+            from gdn_jax.ops.pallas.hopper.tuning import OWN_BARRIER_KERNELS
             return dataclasses.replace(c, own_barriers=OWN_BARRIER_KERNELS if own else ())
         return dataclasses.replace(c, auto_barriers=not own) if "auto_barriers" in fields else None
 
@@ -286,12 +288,12 @@ def main(argv=None):
             names = ("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl")
             cf, fargs = prep.kernel_args("fwd")
             F = dict(zip(names, fargs))
-            print(shape, "fwd: mosaic", cf.mosaic_fwd, "C", cf.C, "value block", cf.bv_mosaic, flush=True)
-            if not cf.mosaic_fwd:
-                print("  not on the Hopper kernels:", HF.covers(cf) or "not an sm_90 GPU", flush=True)
+            print(shape, "fwd: mosaic", prep.paths[0].startswith("hopper"), "C", cf.C, "value block", cf.bv_mosaic, flush=True)
+            if not prep.paths[0].startswith("hopper"):
+                print("  not on the Hopper kernels:", HP.fwd_covers(cf) or "not an sm_90 GPU", flush=True)
                 continue
-            wy_fwd = lambda c, A, **kw: HF.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
-            wu = HF.covers(dataclasses.replace(cf, fwd_form="wu")) is None  # K = 256: the T-form lines alone
+            wy_fwd = lambda c, A, **kw: HW.wy_forward(c, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], **kw)
+            wu = HP.fwd_covers(dataclasses.replace(cf, fwd_form="wu")) is None  # K = 256: the T-form lines alone
             t_only[0] = not wu
             if not wu:
                 print("  fwd_form 'wu' does not take this shape: the T-form stages and the whole op only", flush=True)
@@ -314,7 +316,7 @@ def main(argv=None):
                 for label, c1, kw in ((f"fwd WY {m} per CTA", cm, {}),
                                       (f"fwd WY T-form {m} per CTA", dataclasses.replace(cm, fwd_form="t"),
                                        dict(t_form=True))):
-                    if not wanted(label) or (not kw and not (wu and HF.wy_compact(cm))):
+                    if not wanted(label) or (not kw and not (wu and HP.wy_compact(cm))):
                         continue
                     line(label, lambda A, c1=c1, kw=kw: wy_fwd(c1, A, **kw), F)
                     # the same values as one chunk per CTA, bit for bit (every output array)
@@ -331,7 +333,7 @@ def main(argv=None):
                         line(label, lambda A, kw=kw, cfp=cfp: wy_fwd(cfp, A, **kw), F)
             cfc = dataclasses.replace(cf, wy_compact=True)  # KernelConfig.wy_compact=True
             for label, kw in (("fwd WY compact", {}), ("fwd WY + T compact", dict(save_t=True))):
-                if wanted(label) and HF.wy_compact(cfc):
+                if wanted(label) and HP.wy_compact(cfc):
                     line(label, lambda A, kw=kw: wy_fwd(cfc, A, **kw), F)
                     # the same values as the separate layout, bit for bit (every output array)
                     cs = dataclasses.replace(cf, wy_compact=False)
@@ -339,7 +341,7 @@ def main(argv=None):
                     print(f"    {label}: outputs equal to the separate layout's: {same}", flush=True)
 
             def state_pass(c, A, **kw):
-                return HF.forward_states_and_output(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                return HS.forward_states_and_output(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
                                                     A["q"], A["eg"], A["aqk"], **kw)
 
             blocks = [cf.bv_mosaic] + [int(b) for b in args.blocks.split(",") if b and int(b) != cf.bv_mosaic]
@@ -348,7 +350,7 @@ def main(argv=None):
                 if wanted(f"fwd state pass bv{bv}"):
                     line(f"fwd state pass bv{bv}", lambda A, c2=c2: state_pass(c2, A), F)
             cf1 = dataclasses.replace(cf, state_prod=False)  # the one-warpgroup pass (state_producer=False)
-            if wanted("fwd state pass 1 WG") and cf.state_prod and HF.covers(cf1) is None:
+            if wanted("fwd state pass 1 WG") and cf.state_prod and HP.fwd_covers(cf1) is None:
                 line("fwd state pass 1 WG", lambda A: state_pass(cf1, A), F)
             if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
@@ -370,7 +372,7 @@ def main(argv=None):
                 for label, kw in ((f"fwd state pass ws {nc}x{D}", {}),
                                   (f"fwd state pass + h, Vn ws {nc}x{D}", dict(save_states=True))):
                     cw = dataclasses.replace(cf, state_prod=True, state_wgs=nc, state_slots=D)
-                    if not wanted(label) or not wu or HF.covers(cw) is not None:
+                    if not wanted(label) or not wu or HP.fwd_covers(cw) is not None:
                         continue
                     line(label, lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw), F)
                     same = bit_equal(lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw),
@@ -380,9 +382,9 @@ def main(argv=None):
             # (S' = e^{gamma_C} S + K~^T U + M S, M formed a chunk ahead in the pass); against the pass above
             ctr = dataclasses.replace(cf, fwd_form="transition", state_prod=False)
             if (any(wanted(lb) for lb in ("fwd state transition", "fwd state transition + h, Vn"))
-                    and wu and importlib.util.find_spec("gdn_jax.ops.pallas.hopper_transition")
-                    and HF.covers(ctr) is None):
-                from gdn_jax.ops.pallas import hopper_transition as HT
+                    and wu and importlib.util.find_spec("gdn_jax.ops.pallas.hopper.transition")
+                    and HP.fwd_covers(ctr) is None):
+                from gdn_jax.ops.pallas.hopper import transition as HT
 
                 def state_tr(A, **kw):
                     return HT.forward_states_transition(ctr, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
@@ -407,7 +409,7 @@ def main(argv=None):
                         line(label, lambda A, kw=kw: wy_fwd(ct, A, t_form=True, **kw), F)
 
                 def state_t(A, **kw):
-                    return HF.forward_states_and_output(ct, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+                    return HS.forward_states_and_output(ct, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
                                                         A["q"], A["eg"], A["t_aqk"], v=A["v"],
                                                         t=(A["t_t_hi"], A["t_t_lo"]), beta=A["beta"], **kw)
 
@@ -416,25 +418,25 @@ def main(argv=None):
                         line(label, lambda A, kw=kw: state_t(A, **kw), Ft)
                 for bv in [int(b) for b in args.blocks.split(",") if b and int(b) != ct.bv_mosaic]:
                     cbv = dataclasses.replace(ct, bv_mosaic=bv)
-                    if wanted(f"fwd state T-form bv{bv}") and HF.smem_bytes(cbv, bv) <= HF.SMEM_BYTES:
-                        line(f"fwd state T-form bv{bv}", lambda A, cbv=cbv: HF.forward_states_and_output(
+                    if wanted(f"fwd state T-form bv{bv}") and HP.smem_bytes(cbv, bv) <= HP.SMEM_BYTES:
+                        line(f"fwd state T-form bv{bv}", lambda A, cbv=cbv: HS.forward_states_and_output(
                             cbv, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"], A["q"], A["eg"], A["t_aqk"],
                             v=A["v"], t=(A["t_t_hi"], A["t_t_lo"]), beta=A["beta"]), Ft)
             cb, bargs = prep.kernel_args("bwd")
             Bk = dict(zip(names, bargs))
-            if cb.mosaic_bwd:
+            if prep.paths[1] == "hopper":
                 pad = cb.Tp - x["do"].shape[1]  # the kernels' time axis: T padded to whole chunks
                 Bk.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))),
                           dfin=jnp.zeros(Bk["h0"].shape, jnp.float32))
-                wy_bwd = lambda A: HB.wy_backward(cb, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"])
-                recompute_c = lambda c, A: HB.recompute_states(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+                wy_bwd = lambda A: HW.wy_backward(cb, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"])
+                recompute_c = lambda c, A: HS.recompute_states(c, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
                                                                A["fl"])
                 recompute = lambda A: recompute_c(cb, A)
-                reverse = lambda A: HB.reverse_states(cb, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"],
+                reverse = lambda A: HR.reverse_states(cb, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"],
                                                       A["ekd"], A["dec"], A["dfin"], A["h"], A["fl"])
 
                 def grads(c, A):
-                    return HB.chunk_grads(c, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"],
+                    return HG.chunk_grads(c, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"],
                                           A["h"], A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
 
                 Bk.update(jax.jit(wy_bwd)(Bk))  # w, u, dvl, t_hi, t_lo
@@ -448,12 +450,12 @@ def main(argv=None):
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A)),
                          ("bwd grads chain dA", lambda A: grads(dataclasses.replace(cb, grad_tp="chain"), A))]
                 cr1 = dataclasses.replace(cb, rev_prod=False)  # KernelConfig.reverse_producer=False (default True)
-                steps.append(("bwd reverse pass 1 WG", lambda A: HB.reverse_states(
+                steps.append(("bwd reverse pass 1 WG", lambda A: HR.reverse_states(
                     cr1, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                     A["fl"])))
                 for nc, D in ((1, 2), (1, 3), (2, 2)):  # KernelConfig.state_producer: the recompute warp-specialised
                     cw = dataclasses.replace(cb, state_prod=True, state_wgs=nc, state_slots=D)
-                    if HF.covers(cw) is None:
+                    if HP.fwd_covers(cw) is None:
                         steps.append((f"bwd recompute ws {nc}x{D}", lambda A, cw=cw: recompute_c(cw, A)))
                 for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
                     cm = dataclasses.replace(cb, grad_per_cta=m)
@@ -462,10 +464,10 @@ def main(argv=None):
                     sv = jax.jit(lambda A: wy_fwd(cb, A, save_t=True))(Bk)
                     Bk.update(aqk=sv["aqk"], sv_t_hi=sv["t_hi"], sv_t_lo=sv["t_lo"])
                     steps[1:1] = [
-                        ("bwd WY from saved", lambda A: HB.wy_from_saved(cb, A["k"], A["v"], A["do"], A["beta"],
+                        ("bwd WY from saved", lambda A: HW.wy_from_saved(cb, A["k"], A["v"], A["do"], A["beta"],
                                                                          A["eg"], A["aqk"], A["sv_t_hi"],
                                                                          A["sv_t_lo"])),
-                        ("bwd reverse, own dVl", lambda A: HB.reverse_states(  # KernelConfig.save_states
+                        ("bwd reverse, own dVl", lambda A: HR.reverse_states(  # KernelConfig.save_states
                             cb, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                             A["fl"], aqk=A["aqk"]))]
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
@@ -479,7 +481,7 @@ def main(argv=None):
                     print(f"    bwd grads own barriers: outputs equal to the automatic barriers': {same}", flush=True)
                 if wanted("bwd WY from saved own barriers") and cnbg is not None and "aqk" in Bk:
                     def saved_of(c):
-                        return lambda A: HB.wy_from_saved(c, A["k"], A["v"], A["do"], A["beta"], A["eg"], A["aqk"],
+                        return lambda A: HW.wy_from_saved(c, A["k"], A["v"], A["do"], A["beta"], A["eg"], A["aqk"],
                                                           A["sv_t_hi"], A["sv_t_lo"])
                     line("bwd WY from saved own barriers", saved_of(cnbg), Bk)
                     line("bwd WY from saved auto barriers", saved_of(cabg), Bk)
@@ -490,7 +492,7 @@ def main(argv=None):
                     own = "aqk" in Bk  # save_states: the reverse pass forms dVl itself
 
                     def rev_of(c):
-                        return lambda A: HB.reverse_states(c, A["q"], A["k"], A["w"], None if own else A["dvl"],
+                        return lambda A: HR.reverse_states(c, A["q"], A["k"], A["w"], None if own else A["dvl"],
                                                            A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                                                            A["fl"], aqk=A["aqk"] if own else None)
                     line("bwd reverse own barriers", rev_of(cnbg), Bk)
@@ -502,8 +504,8 @@ def main(argv=None):
                     print(f"    bwd reverse pass (warp-specialised): outputs equal to the one-warpgroup pass: {same}",
                           flush=True)
             else:
-                print("  backward not on the Hopper kernels:", HB.covers(cb) or "not an sm_90 GPU", flush=True)
-                if cf.mosaic_fwd and cf.K > 128:
+                print("  backward not on the Hopper kernels:", HP.bwd_covers(cb) or "not an sm_90 GPU", flush=True)
+                if prep.paths[0].startswith("hopper") and cf.K > 128:
                     # K = 256: the Triton backward's stages at its own chunk, and the Hopper reverse
                     # pass at K = 256 (single q, k, W tiles; built, not wired) on the Hopper forward's
                     # residuals at chunk 64 -- what a D = 256 Hopper backward would replace
@@ -523,11 +525,11 @@ def main(argv=None):
                                                  "bwd grads K256 [hopper blocks]")):
                         fa = (F["q"], F["k"], F["v"], F["beta"], F["gc"], F["gr"], F["eg"], F["ekd"], F["dec"],
                               F["h0"], F["fl"])
-                        _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True))(*fa)
+                        _, _, sv = jax.jit(lambda *a: V.forward(cf, *a, save_wy=True, save_states=True, path=prep.paths[0]))(*fa)
                         pad_f = cf.Tp - x["do"].shape[1]
                         R = dict(F, **sv, do=jnp.pad(x["do"], ((0, 0), (0, pad_f), (0, 0), (0, 0))),
                                  dfin=jnp.zeros(F["h0"].shape, jnp.float32))
-                        rev = lambda A: HB.reverse_states(cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"],
+                        rev = lambda A: HR.reverse_states(cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"],
                                                           A["dec"], A["dfin"], A["h"], A["fl"], aqk=A["aqk"])
                         if wanted("bwd reverse K256 [hopper]"):  # KernelConfig.wide_backward="hopper_xla"'s two stages
                             line("bwd reverse K256 [hopper]", rev, R)
@@ -539,16 +541,16 @@ def main(argv=None):
                                             A["h"], A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
                             if wanted("bwd grads K256 [xla]"):  # KernelConfig.wide_backward="hopper_xla"
                                 line("bwd grads K256 [xla]", lambda A: chunk_grads_xla(cf, *ga(A)), R)
-                            if wanted("bwd grads K256 [hopper blocks]") and hasattr(HB, "chunk_grads_blocks"):
+                            if wanted("bwd grads K256 [hopper blocks]") and hasattr(HG, "chunk_grads_blocks"):
                                 line("bwd grads K256 [hopper blocks]",  # wide_backward="hopper"
-                                     lambda A: HB.chunk_grads_blocks(cf, *ga(A)), R)
+                                     lambda A: HG.chunk_grads_blocks(cf, *ga(A)), R)
             whole = [("pallas", KC()), ("dense inv", KC(wy_inverse="dense")), ("wy compact", KC(wy_compact=True)), ("wy separate", KC(wy_compact=False)),
                      ("wy bf16x3", KC(wy_precision="bf16x3")),
                      ("wy bf16", KC(wy_precision="bf16")), ("wy bf16 compact", KC(wy_precision="bf16", wy_compact=True)),
                      ("wy bf16_blocks compact", KC(wy_precision="bf16_blocks", wy_compact=True)),
                      ("grads bf16x3", KC(grad_precision="bf16x3")), ("fwd form t", KC(fwd_form="t")), ("fwd form wu", KC(fwd_form="wu")),
                      *([("fwd form transition", KC(fwd_form="transition", state_producer=False))]
-                       if importlib.util.find_spec("gdn_jax.ops.pallas.hopper_transition") else []),
+                       if importlib.util.find_spec("gdn_jax.ops.pallas.hopper.transition") else []),
                      ("approx math", KC(approx_math=True)),
                      *([("wide hopper_xla", KC(wide_backward="hopper_xla")), ("wide hopper", KC(wide_backward="hopper"))]
                        if has("wide_backward") else []),

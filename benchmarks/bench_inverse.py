@@ -12,7 +12,7 @@ GB/s, its time over the HBM floor of those bytes, and its time over the T0 kerne
   (``diag``), 3-pass or 1-pass TF32 merges (``f32_dot``), a float32 or bfloat16 T0
   (``out_dtype``);
 * ``T0 XLA``: the same T0 from plain JAX (:func:`gdn_jax.ops.gatefree.gatefree_t0`, float32);
-* ours: the Hopper forward WY kernel (``hopper.wy_forward``: A, T = (I + A)^-1, W, U, Aqk), also
+* ours: the Hopper forward WY kernel (``hopper.wy.wy_forward``: A, T = (I + A)^-1, W, U, Aqk), also
   with ``save_t`` (the forward of a differentiated call also writes T) and in ``fwd_form="t"``
   (T and Aqk, no W, U: the closest to the T0 kernel's work), marked "<- default" where the default
   forward runs that form; and the Triton forward WY (``wy.wy_repr`` with q: W, U, Aqk) at its own
@@ -124,32 +124,34 @@ def stages(x, platform, interpret, quick=False, all_variants=False):
     out.append(("T0 XLA (plain JAX)", lambda k, b: gatefree_t0(k, b, chunk_size=C), (k, beta)))
     base = dict(platform="interpret") if interpret else {}
     try:  # ours, Hopper: the forward's WY kernel in each form
-        from gdn_jax.ops.pallas import hopper as HF
+        from gdn_jax.ops.pallas import paths as PT
+        from gdn_jax.ops.pallas.hopper import plan as HP, wy as HW
         from gdn_jax.ops.pallas import vjp as V
 
         prep = V.to_kernel_inputs(x["q"], k, x["v"], x["g"], beta, chunk_size=C, config=KernelConfig(**base))
-        cf, a = prep.kernel_args("fwd")
+        _, a = prep.kernel_args("fwd")
+        cf = prep.route[0].call
         q_, k_, v_, b_, gc, gr, eg = a[:7]
-        if not cf.mosaic_fwd:
-            log(f"  (no Hopper forward here: {HF.covers(cf) if platform == 'gpu' else 'not a GPU'})")
+        if not PT.FORWARD_BY_NAME[prep.route[0].path].hopper:
+            log(f"  (no Hopper forward here: {HP.fwd_covers(cf) if platform == 'gpu' else 'not a GPU'})")
         else:
             for form in ("wu", "t"):
                 c2 = dataclasses.replace(cf, fwd_form=form)
-                why = HF.covers(c2)
+                why = HP.fwd_covers(c2)
                 mark = " <- default" if cf.fwd_form == form else ""
                 if why is not None:
                     log(f"  ours hopper WY fwd_form={form}: does not take this shape ({why})")
                     continue
                 if form == "wu":
                     out.append((f"ours hopper WY (T,W,U,Aqk){mark}",
-                                lambda q, k, v, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, v, b, gc, eg),
+                                lambda q, k, v, b, gc, eg, c2=c2: HW.wy_forward(c2, q, k, v, b, gc, eg),
                                 (q_, k_, v_, b_, gc, eg)))
                     out.append((f"ours hopper WY +T save_wy{mark}",
-                                lambda q, k, v, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, v, b, gc, eg, save_t=True),
+                                lambda q, k, v, b, gc, eg, c2=c2: HW.wy_forward(c2, q, k, v, b, gc, eg, save_t=True),
                                 (q_, k_, v_, b_, gc, eg)))
                 else:
                     out.append((f"ours hopper WY T-form (T,Aqk){mark}",
-                                lambda q, k, b, gc, eg, c2=c2: HF.wy_forward(c2, q, k, None, b, gc, eg, t_form=True),
+                                lambda q, k, b, gc, eg, c2=c2: HW.wy_forward(c2, q, k, None, b, gc, eg, t_form=True),
                                 (q_, k_, b_, gc, eg)))
     except Exception as e:  # the module layout of an older / newer tree
         log(f"  ours hopper WY: skipped ({type(e).__name__}: {str(e)[:200]})")
@@ -174,21 +176,23 @@ def identity_on_device(x, platform, interpret):
     (``save_t``, or the T-form's T where "wu" does not take the shape; a bf16 hi + lo pair). A line
     of text (max |err|, RMS-relative error), or why it was skipped."""
     from gdn_jax.ops.gatefree import decay_mask
-    from gdn_jax.ops.pallas import hopper as HF
+    from gdn_jax.ops.pallas import paths as PT
+    from gdn_jax.ops.pallas.hopper import plan as HP, wy as HW
     from gdn_jax.ops.pallas import vjp as V
 
     base = dict(platform="interpret") if interpret else {}
     prep = V.to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=C, config=KernelConfig(**base))
-    cf, a = prep.kernel_args("fwd")
-    if not cf.mosaic_fwd:
+    _, a = prep.kernel_args("fwd")
+    cf = prep.route[0].call
+    if not PT.FORWARD_BY_NAME[prep.route[0].path].hopper:
         return "skipped: no Hopper forward here"
     q_, k_, v_, b_, gc, gr, eg = a[:7]
     cw = dataclasses.replace(cf, fwd_form="wu")
-    if HF.covers(cw) is None:
-        wy = jax.jit(lambda q, k, v, b, gc, eg: HF.wy_forward(cw, q, k, v, b, gc, eg, save_t=True))(q_, k_, v_, b_, gc, eg)
+    if HP.fwd_covers(cw) is None:
+        wy = jax.jit(lambda q, k, v, b, gc, eg: HW.wy_forward(cw, q, k, v, b, gc, eg, save_t=True))(q_, k_, v_, b_, gc, eg)
     else:
         ct = dataclasses.replace(cf, fwd_form="t")
-        wy = jax.jit(lambda q, k, b, gc, eg: HF.wy_forward(ct, q, k, None, b, gc, eg, t_form=True))(q_, k_, b_, gc, eg)
+        wy = jax.jit(lambda q, k, b, gc, eg: HW.wy_forward(ct, q, k, None, b, gc, eg, t_form=True))(q_, k_, b_, gc, eg)
     t = wy["t_hi"].astype(jnp.float32) + wy["t_lo"].astype(jnp.float32)  # [B*H, n, C, C]
     t0 = jax.jit(lambda k, b: gatefree_inverse(k, b, platform=platform))(x["k"], x["beta"])
     td = (t0 * decay_mask(x["g"], chunk_size=C)).reshape(t.shape)

@@ -1,5 +1,5 @@
 """Knockouts of a Hopper (Mosaic GPU) kernel: the kernel's source with parts removed or simplified
-(text edits of ``hopper.py`` / ``hopper_bwd.py``, exec'd as a sibling module), each variant timed
+(text edits of ``hopper/wy.py``, ``hopper/state_fwd.py`` / ``hopper/grads.py``, exec'd as a sibling module), each variant timed
 alone on real inputs (pipelined device ms) and its outputs compared with the unmodified kernel's
 (RMS relative). What a kernel spends its time on, without a profiler: e.g. the forward WY's
 inverse rounds, its W / U products, the bf16x3 terms of its products, or the gradient kernel's T
@@ -32,8 +32,8 @@ WY_EDITS = {
                           ("        while (1 << lg) < C:", "        while False:")],
     "no W / U": [("        if compact:  # W leaves through", "        if True:\n            pass\n        elif compact:  # W leaves through"),
                  ("        else:\n            write_w_u(tw, tu, k_s, v_s, q_s,", "        elif False:\n            write_w_u(tw, tu, k_s, v_s, q_s,")],
-    "W / U with T hi only": [("                (Xm,) = _mmas([((C, min(128, N)), pair, (xc, xc))], interp)",
-                              "                (Xm,) = _mmas([((C, min(128, N)), pair[0], xc)], interp)")],
+    "W / U with T hi only": [("                (Xm,) = mmas([((C, min(128, N)), pair, (xc, xc))], interp)",
+                              "                (Xm,) = mmas([((C, min(128, N)), pair[0], xc)], interp)")],
 }
 WY_EDITS["no rounds, no W / U"] = WY_EDITS["no inverse rounds"] + WY_EDITS["no W / U"]
 
@@ -44,10 +44,10 @@ GRAD_EDITS = {
                     "                             lambda mask: gamma(mask, gam_r[0]), interp, hp=call.grad_precision == \"bf16x3\",\n"
                     "                             direct=True, y=y, V=V)",
                     "                m = jnp.zeros((C, C), F32) if interp else plgpu.layout_cast(jnp.zeros((C, C), F32), WG)")],
-    # T^T dVn also feeds the direct dA and dX = -(T^T dVn) S^T (hopper_bwd._dx)
+    # T^T dVn also feeds the direct dA and dX = -(T^T dVn) S^T (hopper.grads._dx)
     "T^T dVn (so dX, dA) with T hi only": [
-        ("dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)",
-         "dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s),), (dvn_s,))], interp)")],
+        ("dkd, dvb = mmas([((C, K), vn_s, Transposed(dh_s)), ((C, V), (Transposed(th_s), Transposed(tl_s)), (dvn_s, dvn_s))], interp)",
+         "dkd, dvb = mmas([((C, K), vn_s, Transposed(dh_s)), ((C, V), (Transposed(th_s),), (dvn_s,))], interp)")],
 }
 # the two-warpgroup kernel's HBM traffic: its tile loads (and their waits) or its result stores
 # removed -- one chunk per CTA, one CTA per SM, so a chunk's loads do not overlap its compute
@@ -64,11 +64,11 @@ GRAD_EDITS.update({"no tile loads (garbage in)": _G_NO_LOADS, "no result stores"
 
 # the forward state pass ("wu" form, K <= 128), one chunk step = S -> s_s -> W S, Q S -> Vn -> vn_s,
 # vs_s -> Aqk Vn, K^T vs -> S': which part of the ~2 us per step is the chain, which the rest
-_NO_OUT = [("                ws, qs = _mmas([((C, bv), x_s, s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],\n"
+_NO_OUT = [("                ws, qs = mmas([((C, bv), x_s, s_s), ((C, bv), q_s if one_q else q_s.at[slot], s_s)],\n"
             "                               interp, between=prev)",
-            "                (ws,) = _mmas([((C, bv), x_s, s_s)], interp, between=prev)\n                qs = ws"),
-           ("            o, S = _mmas([(o0, a_s.at[slot], vn_s), (S * g_end, _T(k_s.at[slot]), vs_s)], interp)",
-            "            (S,) = _mmas([(S * g_end, _T(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
+            "                (ws,) = mmas([((C, bv), x_s, s_s)], interp, between=prev)\n                qs = ws"),
+           ("            o, S = mmas([(o0, a_s.at[slot], vn_s), (S * g_end, Transposed(k_s.at[slot]), vs_s)], interp)",
+            "            (S,) = mmas([(S * g_end, Transposed(k_s.at[slot]), vs_s)], interp)\n            o = o0")]
 _NO_O_STORE = [("            tile_out(o, o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])",
                 "            plgpu.wait_smem_to_gmem(0, wait_read_only=True)")]  # the store's wait stays
 _NO_WAIT = [("            wait_slot(slot)\n            if one_q:", "            if one_q:")]
@@ -130,7 +130,8 @@ def main(argv=None):
 
     import bench_pallas as bp
     from gdn_jax.ops import KernelConfig
-    from gdn_jax.ops.pallas import hopper as HF, hopper_bwd as HB, vjp as V
+    from gdn_jax.ops.pallas import vjp as V
+    from gdn_jax.ops.pallas.hopper import grads as HG, state_bwd as HR, state_fwd as HS, wy as HW
 
     shape = args.shape or ("1x128x1x64" if args.interpret else "4x4096x16x128")
     if "," in shape:
@@ -143,7 +144,7 @@ def main(argv=None):
     if args.kernel == "wy":
         call, kargs = prep.kernel_args("fwd")
         A = dict(zip(names, kargs))
-        module, edits, keys = HF, WY_EDITS, ("w", "u", "t_hi")
+        module, edits, keys = HW, WY_EDITS, ("w", "u", "t_hi")
 
         def run(M):
             return M.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], save_t=True)
@@ -153,8 +154,8 @@ def main(argv=None):
         if args.producer:
             STATE_EDITS_RUN = {k: v for k, v in STATE_EDITS.items() if k not in _PRODUCER_SKIP}
         A = dict(zip(names, kargs))
-        A.update(jax.jit(lambda A: HF.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"]))(A))
-        module, edits, keys = HF, (STATE_EDITS_RUN if args.producer else STATE_EDITS), ("o", "final")
+        A.update(jax.jit(lambda A: HW.wy_forward(call, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"]))(A))
+        module, edits, keys = HS, (STATE_EDITS_RUN if args.producer else STATE_EDITS), ("o", "final")
 
         def run(M):
             return M.forward_states_and_output(call, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
@@ -164,17 +165,17 @@ def main(argv=None):
         A = dict(zip(names, kargs))
         pad = call.Tp - x["do"].shape[1]
         A.update(do=jnp.pad(x["do"], ((0, 0), (0, pad), (0, 0), (0, 0))), dfin=jnp.zeros(A["h0"].shape, jnp.float32))
-        A.update(jax.jit(lambda A: HB.wy_backward(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"]))(A))
-        A.update(jax.jit(lambda A: HB.recompute_states(call, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
+        A.update(jax.jit(lambda A: HW.wy_backward(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"]))(A))
+        A.update(jax.jit(lambda A: HS.recompute_states(call, A["w"], A["u"], A["k"], A["ekd"], A["dec"], A["h0"],
                                                        A["fl"]))(A))
-        A.update(jax.jit(lambda A: HB.reverse_states(call, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"],
+        A.update(jax.jit(lambda A: HR.reverse_states(call, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"],
                                                      A["dec"], A["dfin"], A["h"], A["fl"]))(A))
-        module, edits, keys = HB, GRAD_EDITS, ("dq", "dk", "dv", "dbeta", "dgam")
+        module, edits, keys = HG, GRAD_EDITS, ("dq", "dk", "dv", "dbeta", "dgam")
 
         def run(M):
             return M.chunk_grads(call, A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"], A["h"],
                                  A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
-    on = call.mosaic_fwd if args.kernel in ("wy", "state") else call.mosaic_bwd
+    on = prep.paths[0].startswith("hopper") if args.kernel in ("wy", "state") else prep.paths[1] == "hopper"
     print(jax.__version__, jax.devices()[0].device_kind, shape, args.kernel, "on the Hopper kernels:", on, flush=True)
     if not on:
         return 1

@@ -48,8 +48,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops import pallas as P  # noqa: E402
-from gdn_jax.ops.pallas import hopper as HF  # noqa: E402
-from gdn_jax.ops.pallas import hopper_bwd as HB  # noqa: E402
+from gdn_jax.ops.pallas.config import from_flat_names  # noqa: E402
+from gdn_jax.ops.pallas.hopper import grads as HG, state_bwd as HR, state_fwd as HS, wy as HW  # noqa: E402
 from gdn_jax.ops.pallas.grads import chunk_grads  # noqa: E402
 from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
 from gdn_jax.ops.pallas.state_fwd import forward_states, forward_states_and_output, output  # noqa: E402
@@ -253,11 +253,11 @@ def kernel_breakdown(x, chunk, reps, config=KernelConfig()):
 def _fwd_steps(prep, reps):
     """Forward kernels at the forward chunking (each stage's inputs computed once, untimed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("fwd")
-    if cfg.mosaic_fwd:  # the Hopper (Mosaic GPU) forward
+    if prep.paths[0].startswith("hopper"):  # a Hopper (Mosaic GPU) forward path
         names = ["fwd WY (W, U, Aqk) [hopper]", "fwd state pass + output [hopper]"]
-        wy = jax.jit(lambda: HF.wy_forward(cfg, q, k, v, beta, gc, eg))()
-        fns = [lambda: HF.wy_forward(cfg, q, k, v, beta, gc, eg),
-               lambda: HF.forward_states_and_output(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info, q, eg, wy["aqk"])]
+        wy = jax.jit(lambda: HW.wy_forward(cfg, q, k, v, beta, gc, eg))()
+        fns = [lambda: HW.wy_forward(cfg, q, k, v, beta, gc, eg),
+               lambda: HS.forward_states_and_output(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info, q, eg, wy["aqk"])]
     elif cfg.fuse_output:
         names = ["fwd WY (W, U, Aqk)", "fwd state pass + output"]
         wy = jax.jit(lambda: wy_repr(cfg, k, v, beta, gc, gr, eg, q=q))()
@@ -277,17 +277,17 @@ def _bwd_steps(prep, do_l, reps, on_row=None):
     """Backward kernels at the backward chunking (``on_row(name, ms, mb, gbs)`` as each is timed)."""
     cfg, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, info) = prep.kernel_args("bwd")
     dfin = jnp.zeros(h0.shape, jnp.float32)
-    if cfg.mosaic_bwd:  # the Hopper (Mosaic GPU) backward
-        wy = jax.jit(lambda: HB.wy_backward(cfg, q, k, v, do_l, beta, gc, eg))()
-        st = jax.jit(lambda: HB.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info))()
-        rs = jax.jit(lambda: HB.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd, dec, dfin, st["h"],
+    if prep.paths[1] == "hopper":  # the Hopper (Mosaic GPU) backward
+        wy = jax.jit(lambda: HW.wy_backward(cfg, q, k, v, do_l, beta, gc, eg))()
+        st = jax.jit(lambda: HS.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info))()
+        rs = jax.jit(lambda: HR.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd, dec, dfin, st["h"],
                                                info))()
         steps = [
-            ("bwd WY (+dVl, T) [hopper]", lambda: HB.wy_backward(cfg, q, k, v, do_l, beta, gc, eg)),
-            ("bwd recompute h [hopper]", lambda: HB.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info)),
-            ("bwd reverse state pass [hopper]", lambda: HB.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd,
+            ("bwd WY (+dVl, T) [hopper]", lambda: HW.wy_backward(cfg, q, k, v, do_l, beta, gc, eg)),
+            ("bwd recompute h [hopper]", lambda: HS.recompute_states(cfg, wy["w"], wy["u"], k, ekd, dec, h0, info)),
+            ("bwd reverse state pass [hopper]", lambda: HR.reverse_states(cfg, q, k, wy["w"], wy["dvl"], do_l, eg, ekd,
                                                                          dec, dfin, st["h"], info)),
-            ("bwd local grads [hopper]", lambda: HB.chunk_grads(cfg, q, k, v, do_l, beta, gc, eg, ekd, st["h"], rs["dh"],
+            ("bwd local grads [hopper]", lambda: HG.chunk_grads(cfg, q, k, v, do_l, beta, gc, eg, ekd, st["h"], rs["dh"],
                                                                 st["vn"], rs["dvn"], wy["t_hi"], wy["t_lo"])),
         ]
         return _time_steps(cfg, steps, reps, on_row)
@@ -471,7 +471,7 @@ def main(argv=None):
                 def mk(kw=kw, c=c, explicit=explicit):
                     if explicit:  # an explicit chunk=... variant runs at that chunk, past the per-D caps
                         kw = dict(dict(fwd_chunk=c, bwd_chunk=c), **kw)
-                    f, fb = jax_fns("pallas", x, c, kernel_config=KernelConfig(**kw))
+                    f, fb = jax_fns("pallas", x, c, kernel_config=from_flat_names(**kw))
                     ov = jax.block_until_ready(f())
                     _, gv = jax.block_until_ready(fb())
                     if shape in numerics:  # the variant's own numerics against chunk, as for pallas

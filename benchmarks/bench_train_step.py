@@ -67,15 +67,14 @@ def main(argv=None):
     from flax import nnx
 
     from gdn_jax import training as T
-    from gdn_jax.cli import parse_overrides
+    from gdn_jax.cli import parse_kernel_config
     from gdn_jax.models import LM
-    from gdn_jax.ops import KernelConfig
     from gdn_jax.recall import RecallConfig, build, max_labels
 
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; L {args.seq_len}, pairs {args.num_kv_pairs}, "
           f"vocab {args.vocab_size}, batch {args.batch_size}, backend {args.backend}, env {args.env or '-'}", flush=True)
     kcs = [None] if not args.kernel_config else [
-        KernelConfig(**parse_overrides(KernelConfig, [x for x in grp.split(",") if x])) for grp in args.kernel_config.split(";")]
+        parse_kernel_config([x for x in grp.split(",") if x]) for grp in args.kernel_config.split(";")]
     if any(p < 1 for p in args.population):
         ap.error(f"--population takes sizes >= 1, got {args.population}")
     rows = []

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from conftest import TOL_GATE, TOL_GRAD, TOL_O, TOL_S, make_inputs, seed_of  # noqa: E402
 from reference import reference, reference_grads, rel_rms, to_f64  # noqa: E402
 
-from gdn_jax.cli import parse_overrides  # noqa: E402
+from gdn_jax.cli import parse_kernel_config  # noqa: E402
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops.pallas import backward_kernels, forward_kernels  # noqa: E402
 
@@ -130,10 +130,8 @@ def main(argv=None):
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
     configs = []
     for sp in specs:
-        kw = parse_overrides(KernelConfig, [x for x in sp.split(",") if x and x != "defaults"])
-        if not gpu:
-            kw.setdefault("platform", "interpret")
-        configs.append((sp or "defaults", KernelConfig(**kw)))
+        items = [x for x in sp.split(",") if x and x != "defaults"]
+        configs.append((sp or "defaults", parse_kernel_config(items, **({} if gpu else {"platform": "interpret"}))))
     cases = CASES[:3] if (args.quick or not gpu) else CASES
     if args.cases:
         cases = [c for c in CASES if any(w in c[0] for w in args.cases)]

@@ -1,59 +1,138 @@
-"""Dump ``str(jax.make_jaxpr(jax.value_and_grad(loss of the pallas op)))`` for the GPU and CPU
-interpret code paths, one file per case, to show that a change to the TPU kernels leaves them
-unchanged: run it on two trees and ``diff -r`` the folders.
+"""Dump ``str(jax.make_jaxpr(jax.value_and_grad(loss of the pallas op)))`` for every kernel path
+(GPU Triton, the Hopper paths with ``gpu_kernels="mosaic"`` forced, TPU, CPU interpret), one file
+per case, plus which kernels ran (``forward_kernels`` / ``backward_kernels``) in ``kernels.txt``:
+run it on two trees and ``diff -r`` the folders to show that a change leaves the kernels unchanged.
 
-Cases: platform "gpu" (Triton), "gpu" with ``gpu_kernels="mosaic"`` (and ``fwd_form="t"``), and
-"interpret"; float32 and bf16; dense, packed ``cu_seqlens``, grouped value heads, unfused forward
-(B 1, T 200, H 2, K = V = 128, chunk 64). Tracing only (CPU, seconds)::
+Cases (tracing only, CPU, about a minute):
 
-    PYTHONPATH=. python benchmarks/dump_gpu_jaxprs.py OUT_DIR
+* B 1, T 200, H 2, K = V = 128, chunk 64; float32 and bf16; dense, packed ``cu_seqlens``, grouped
+  value heads, unfused forward; platforms "gpu" (Triton), "gpu" with ``gpu_kernels="mosaic"``
+  (the W/U form, the T form), "tpu", "interpret";
+* the transition form (K = V = 64) and the wide backward (K = V = 256: "hopper" blocks,
+  "hopper_xla", "triton") on "gpu" with ``gpu_kernels="mosaic"``, bf16;
+* the five benchmark shapes of ``benchmarks/bench_pallas.py`` (bf16) on "gpu" (Triton default),
+  "gpu" with ``gpu_kernels="mosaic"`` and "tpu".
+
+With ``--values`` it also saves the interpret-mode outputs and gradients of a few small cases
+(Triton semantics and Mosaic GPU's interpreter) in ``values.npz``, to compare bit for bit::
+
+    PYTHONPATH=. python benchmarks/dump_gpu_jaxprs.py OUT_DIR [--values]
 """
 import os
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from gdn_jax.ops import KernelConfig, gated_delta_rule
+from gdn_jax.ops import pallas as P
 
 out = sys.argv[1]
+values = "--values" in sys.argv[2:]
 os.makedirs(out, exist_ok=True)
 F32, BF16 = jnp.float32, jnp.bfloat16
-cases = []
-for plat, extra in (("gpu", {}), ("gpu", {"gpu_kernels": "mosaic"}), ("gpu", {"gpu_kernels": "mosaic", "fwd_form": "t"}), ("interpret", {})):
+BENCH = [(4, 4096, 16, 128), (8, 2048, 16, 128), (1, 16384, 16, 128), (2, 8192, 16, 64), (2, 8192, 8, 256)]
+MOSAIC = {"gpu_kernels": "mosaic"}
+
+cases = []  # (name, config kwargs, dtype, form, (B, T, H, K))
+small = (1, 200, 2, 128)
+for plat, extra in (("gpu", {}), ("gpu", MOSAIC), ("gpu", dict(MOSAIC, fwd_form="t")), ("tpu", {}),
+                    ("interpret", {})):
     for dt in (F32, BF16):
         for form in ("plain", "packed", "gva", "unfused"):
-            cases.append((plat, extra, dt, form))
+            cases.append((plat, extra, dt, form, small))
+cases.append(("gpu", dict(MOSAIC, fwd_form="transition"), BF16, "plain", (1, 200, 2, 64)))
+cases.append(("gpu", dict(MOSAIC, fwd_form="transition"), BF16, "packed", (1, 200, 2, 64)))
+for wide in (None, "hopper_xla", "triton"):
+    extra = dict(MOSAIC, **({"wide_backward": wide} if wide else {}))
+    cases.append(("gpu", extra, BF16, "plain", (1, 200, 2, 256)))
+cases.append(("gpu", MOSAIC, BF16, "packed", (1, 200, 2, 256)))
+for shape in BENCH:
+    for plat, extra in (("gpu", {}), ("gpu", MOSAIC), ("tpu", {})):
+        cases.append((plat, extra, BF16, "bench", shape))
 
-def cfg(plat, extra, form):
+
+def make(plat, extra, form):
     kw = dict(platform=plat, **extra)
     if form == "unfused":
         kw.update(fuse_output=False, merge_state=False)
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         return KernelConfig(**kw)
-    except TypeError as e:
-        return None
 
-n = 0
-for plat, extra, dt, form in cases:
-    c = cfg(plat, extra, form)
-    if c is None:
-        continue
-    B, T, H, K, V = 1, 200, 2, 128, 128
+
+def inputs(dt, form, shape):
+    B, T, H, K = shape
+    V = K
     G = 2 if form == "gva" else 1
-    cu = jnp.asarray([0, 50, 120, 200], jnp.int32) if form == "packed" else None
+    cu = jnp.asarray([0, 50, 120, T], jnp.int32) if form == "packed" else None
     N = 3 if form == "packed" else B
-    q = jnp.ones((B, T, H, K), dt); k = q; v = jnp.ones((B, T, H * G, V), dt)
-    g = -jnp.ones((B, T, H * G), F32); b = jnp.ones((B, T, H * G), dt) * 0.5
-    s = jnp.zeros((N, H * G, K, V), F32)
+    key = jax.random.split(jax.random.PRNGKey(0), 5)
+    q = jax.random.normal(key[0], (B, T, H, K), F32).astype(dt)
+    k = jax.random.normal(key[1], (B, T, H, K), F32).astype(dt)
+    v = jax.random.normal(key[2], (B, T, H * G, V), F32).astype(dt)
+    g = -jax.nn.softplus(jax.random.normal(key[3], (B, T, H * G), F32))
+    b = jax.nn.sigmoid(jax.random.normal(key[4], (B, T, H * G), F32)).astype(dt)
+    s = jnp.zeros((N, H * G, K, V), F32) + 0.01
+    return (q, k, v, g, b, s), cu
+
+
+def loss_fn(c, cu):
     def loss(q, k, v, g, b, s):
         o, S = gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
-                                chunk_size=64, cu_seqlens=cu, kernel_config=c)
-        return jnp.sum(o.astype(F32)) + jnp.sum(S)
-    name = f"{plat}{'_'+'_'.join(f'{a}-{b}' for a, b in extra.items()) if extra else ''}_{jnp.dtype(dt).name}_{form}.txt"
+                                chunk_size=64, cu_seqlens=cu, kernel_config=c, use_qk_l2norm=True)
+        return jnp.sum(o.astype(F32) * jnp.cos(jnp.arange(o.shape[-1], dtype=F32))) + jnp.sum(S)
+    return loss
+
+
+def label(plat, extra, dt, form, shape):
+    ex = "_" + "_".join(f"{a}-{b}" for a, b in extra.items()) if extra else ""
+    sh = "" if shape == small else "_" + "x".join(map(str, shape))
+    return f"{plat}{ex}_{jnp.dtype(dt).name}_{form}{sh}"
+
+
+n = 0
+report = []
+for plat, extra, dt, form, shape in cases:
+    c = make(plat, extra, form)
+    name = label(plat, extra, dt, form, shape)
+    args, cu = inputs(dt, form, shape) if form != "bench" else (
+        tuple(jax.ShapeDtypeStruct(s, d) for s, d in (
+            (shape, dt), (shape, dt), (shape, dt), (shape[:3], F32), (shape[:3], dt), ((shape[0], shape[2], shape[3], shape[3]), F32))),
+        None)
     try:
-        txt = str(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, g, b, s))
+        txt = str(jax.make_jaxpr(jax.value_and_grad(loss_fn(c, cu), argnums=(0, 1, 2, 3, 4, 5)))(*args))
     except Exception as e:
         txt = f"ERROR {type(e).__name__}: {e}"
-    open(os.path.join(out, name), "w").write(txt)
+    open(os.path.join(out, name + ".txt"), "w").write(txt)
+    got = []
+    try:  # traced, so that the benchmark shapes need no arrays
+        jax.make_jaxpr(lambda q, k, v, g, b, s: got.extend(
+            fn(q, k, v, g, b, chunk_size=64, cu_seqlens=cu, kernel_config=c)
+            for fn in (P.forward_kernels, P.backward_kernels)) or 0)(*args)
+        report.append(f"{name}: fwd {tuple(got[0])[:2]} bwd {tuple(got[1])[:2]}")
+    except Exception as e:
+        report.append(f"{name}: ERROR {type(e).__name__}: {e}")
     n += 1
+open(os.path.join(out, "kernels.txt"), "w").write("\n".join(report) + "\n")
 print("dumped", n)
+
+if values:
+    res = {}
+    for plat, extra, dt, form, shape in (("interpret", {}, F32, "plain", (1, 128, 2, 32)),
+                                         ("interpret", {}, BF16, "packed", (1, 128, 2, 64)),
+                                         ("interpret", {"fuse_output": False}, F32, "gva", (1, 128, 2, 32)),
+                                         ("interpret", MOSAIC, BF16, "plain", (1, 128, 2, 64)),
+                                         ("interpret", dict(MOSAIC, fwd_form="t"), BF16, "plain", (1, 128, 2, 64)),
+                                         ("tpu_interpret", {}, F32, "plain", (1, 128, 2, 32))):
+        c = make(plat, extra, form)
+        args, cu = inputs(dt, form, shape)
+        val, grads = jax.jit(jax.value_and_grad(loss_fn(c, cu), argnums=(0, 1, 2, 3, 4, 5)))(*args)
+        name = label(plat, extra, dt, form, shape)
+        res[name + "/loss"] = np.asarray(val)
+        for i, x in enumerate(grads):
+            res[f"{name}/d{i}"] = np.asarray(x.astype(F32))
+        print("values", name, flush=True)
+    np.savez(os.path.join(out, "values.npz"), **res)

@@ -56,7 +56,7 @@ import typing
 from typing import Any, Dict, Iterator, Optional, Sequence, Type, TypeVar
 
 __all__ = ["CONVENTION", "ArgumentParser", "ListAction", "add_dataclass_arguments", "apply_overrides", "as_flags", "dataclass_from_args", "exit_on_error", "make_parser",
-           "parse_dataclass", "parse_overrides"]
+           "parse_dataclass", "parse_kernel_config", "parse_overrides"]
 
 T = TypeVar("T")
 _NONE = ("none", "None", "null")
@@ -469,6 +469,31 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
     """``cfg`` (a dataclass instance) with the ``field=value`` ``overrides`` applied
     (:func:`parse_overrides`), e.g. ``apply_overrides(RecallConfig(), ["steps=2000", "resume=true"])``."""
     return dataclasses.replace(cfg, **parse_overrides(type(cfg), overrides))
+
+
+def parse_kernel_config(overrides: Sequence[str], **fields) -> Any:
+    """A ``gdn_jax.ops.KernelConfig`` from ``name=value`` strings naming its top-level fields or the
+    fields of its groups by their own names (``platform=gpu``, ``mid_dtype=f32``, ``save_wy=false``,
+    ``state_slots=3``), each parsed by its field's type as :func:`parse_overrides` does; ``fields``:
+    top-level defaults (an override wins). The benchmarks' ``--configs`` command lines.
+
+    Raises:
+      ValueError: as :func:`parse_overrides` (an unknown name, a bad value).
+    """
+    from .ops.pallas.config import FLAT_NAMES, GROUP_CLASSES, KernelConfig
+
+    if isinstance(overrides, (str, bytes)):
+        raise TypeError(f"overrides must be a list of 'field=value' strings, got the string {overrides!r}")
+    by: Dict[str, list] = {}
+    for item in overrides:
+        name = item.split("=", 1)[0] if isinstance(item, str) else None
+        by.setdefault(FLAT_NAMES.get(name, "top"), []).append(item)
+    kw = dict(fields, **parse_overrides(KernelConfig, by.pop("top", [])))
+    groups = {g: GROUP_CLASSES[g](**parse_overrides(GROUP_CLASSES[g], items)) for g, items in by.items()}
+    if "hopper.variants" in groups:
+        hop = groups.get("hopper", GROUP_CLASSES["hopper"]())
+        groups["hopper"] = dataclasses.replace(hop, variants=groups.pop("hopper.variants"))
+    return KernelConfig(**kw, **groups)
 
 
 def as_flags(message: str, cls: Type) -> str:

@@ -1,10 +1,10 @@
 """Tests of the Hopper (Mosaic GPU) forward kernels of ``backend="pallas"`` without a GPU.
 
 * numerics: ``KernelConfig(platform="interpret", gpu_kernels="mosaic")`` runs the kernels of
-  ``gdn_jax/ops/pallas/hopper.py`` in Mosaic GPU's interpret mode (TMA slots, barriers and
+  ``gdn_jax/ops/pallas/hopper/`` (wy.py, state_fwd.py) in Mosaic GPU's interpret mode (TMA slots, barriers and
   indexing interpreted; the matmuls computed with jnp), compared with the float64 reference of
   ``tests/reference.py`` (o, final state and every gradient: the backward is the Triton path's);
-* dispatch: which calls the Hopper kernels take (``hopper.covers``) and that the others fall
+* dispatch: which calls the Hopper kernels take (``hopper.plan.fwd_covers``) and that the others fall
   back to the Triton kernels with the same numbers;
 * lowering: both kernels lowered for CUDA with ``jax.export(..., platforms=["cuda"])`` (Mosaic
   GPU's own lowering: TMA descriptors, wgmma, register layouts).
@@ -28,7 +28,7 @@ from conftest import (BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL
 from reference import reference, reference_grads
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
-from gdn_jax.ops.pallas import hopper
+from gdn_jax.ops.pallas import hopper, paths
 from gdn_jax.ops.pallas.config import resolve
 from gdn_jax.ops.pallas.vjp import to_kernel_inputs
 
@@ -66,7 +66,7 @@ def _check(x, got, *, cu_seqlens=None):
 def _mosaic_taken(x, config, chunk_size=64, cu_seqlens=None):
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size, config=config,
                             cu_seqlens=cu_seqlens)
-    return prep.calls[0].mosaic_fwd
+    return prep.paths[0].startswith("hopper")
 
 
 # (gates, B, T, H key heads, group, K, V, init): T not a multiple of the chunk, K != V, GVA,
@@ -138,11 +138,28 @@ def test_f16_inputs_bf16_operands():
 
 
 def _call(**kw):
+    """The forward's call as the path the table chooses prepares it (the Hopper paths set its value
+    block and form)."""
     base = dict(platform="interpret", C=64, n=4, BH=4, H=2, K=128, V=128, K0=128, V0=128, scale=0.1,
                 in_dt=BF16, packed=False, nseq=1, group=1)
     cfg = kw.pop("config", MOSAIC)
     base.update(kw)
-    return resolve(cfg, **base)
+    return paths.choose("fwd", resolve(cfg, **base)).call
+
+
+def _on_hopper(call):
+    """Whether the forward path the table chooses for ``call`` runs the Hopper kernels."""
+    return paths.FORWARD_BY_NAME[paths.choose("fwd", call).path].hopper
+
+
+def _fwd_reason(call):
+    """Why the Hopper forward does not take ``call`` (with the Hopper paths' value block and form)."""
+    return hopper.plan.fwd_covers(paths.hopper_call(call))
+
+
+def _on_hopper_bwd(call):
+    """Whether the backward path the table chooses for ``call`` (no forward given) is "hopper"."""
+    return paths.choose("bwd", call).path == "hopper"
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -159,40 +176,40 @@ def _call(**kw):
 ])
 def test_coverage_reasons(kw, reason):
     call = _call(**kw)
-    assert not call.mosaic_fwd
-    assert reason in hopper.covers(call)
+    assert not _on_hopper(call)
+    assert reason in _fwd_reason(call)
 
 
 def test_default_block():
     # 64 where that gives >= 64 CTAs; halved on a GPU for few (batch x head) rows; interpret keeps 64
-    assert hopper.default_block(64, 128) == 64 and hopper.default_block(128, 128) == 64
-    assert hopper.default_block(16, 128) == 32 and hopper.default_block(32, 64) == 32
-    assert hopper.default_block(2, 64) == 16 and hopper.default_block(4, 32) == 16
-    assert hopper.default_block(2, 64, "interpret") == 64
+    assert hopper.plan.default_block(64, 128) == 64 and hopper.plan.default_block(128, 128) == 64
+    assert hopper.plan.default_block(16, 128) == 32 and hopper.plan.default_block(32, 64) == 32
+    assert hopper.plan.default_block(2, 64) == 16 and hopper.plan.default_block(4, 32) == 16
+    assert hopper.plan.default_block(2, 64, "interpret") == 64
     assert _call(platform="gpu", config=dataclasses.replace(MOSAIC, platform="gpu"), BH=16, H=16).bv_mosaic == 32
 
 
 def test_dispatch():
-    assert _call().mosaic_fwd
-    assert _call(group=2, BH=4, H=2).mosaic_fwd
+    assert _on_hopper(_call())
+    assert _on_hopper(_call(group=2, BH=4, H=2))
     assert _call(config=dataclasses.replace(MOSAIC, bv_state=32)).bv_mosaic == 32
-    assert not _call(config=KernelConfig(platform="interpret")).mosaic_fwd  # None: Hopper GPUs only
-    assert not _call(config=KernelConfig(platform="interpret", gpu_kernels="triton")).mosaic_fwd
-    assert not _call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")).mosaic_fwd
+    assert not _on_hopper(_call(config=KernelConfig(platform="interpret")))  # None: Hopper GPUs only
+    assert not _on_hopper(_call(config=KernelConfig(platform="interpret", gpu_kernels="triton")))
+    assert not _on_hopper(_call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")))
     with pytest.raises(ValueError, match="gpu_kernels"):
         KernelConfig(gpu_kernels="cuda")
     with pytest.raises(ValueError, match="f32_inputs"):
         KernelConfig(f32_inputs="tf32")
-    with pytest.raises(ValueError, match="KernelConfig.wy_inverse must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.wy_inverse must be one of"):
         KernelConfig(wy_inverse="Blocked")
     for bad in (None, 1, "yes"):
-        with pytest.raises(TypeError, match="KernelConfig.wy_compact must be True or False"):
+        with pytest.raises(TypeError, match="HopperTuning.wy_compact must be True or False"):
             KernelConfig(wy_compact=bad)
-    with pytest.raises(TypeError, match="KernelConfig.wy_inverse must be one of"):
+    with pytest.raises(TypeError, match="HopperTuning.wy_inverse must be one of"):
         KernelConfig(wy_inverse=np.array([1, 2]))
-    with pytest.raises(ValueError, match="KernelConfig.wy_precision must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.wy_precision must be one of"):
         KernelConfig(wy_precision="tf32")
-    with pytest.raises(ValueError, match="KernelConfig.grad_precision must be one of"):
+    with pytest.raises(ValueError, match="HopperTuning.grad_precision must be one of"):
         KernelConfig(grad_precision="fp8")
 
 
@@ -229,7 +246,7 @@ def test_cuda_lowering_export(K, V, group, bv, packed):
     sds += [jax.ShapeDtypeStruct((B, T, H * group), F32), jax.ShapeDtypeStruct((B, T, H * group), BF16)]
     call = to_kernel_inputs(*[jnp.zeros(s.shape, s.dtype) for s in sds], chunk_size=64, config=cfg,
                             cu_seqlens=cu).calls[0]
-    assert call.mosaic_fwd and call.bv_mosaic == bv and call.group == group
+    assert _on_hopper(call) and call.bv_mosaic == bv and call.group == group
 
     def fwd(q, k, v, g, b):
         return gated_delta_rule(q, k, v, g, b, output_final_state=True, backend="pallas", chunk_size=64,
@@ -245,10 +262,15 @@ def test_forward_kernels_reports_the_path():
 
     x = make_inputs(seed_of("hopper-fk"), 1, 70, 2, 128, 128, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    assert forward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
-    assert forward_kernels(*args, kernel_config=KernelConfig(platform="interpret")) == ("interpret", None)
-    name, why = forward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert forward_kernels(*args, kernel_config=MOSAIC)[:3] == ("hopper", None, "hopper_wu")
+    assert forward_kernels(*args, kernel_config=KernelConfig(platform="interpret"))[:3] == ("interpret", None, "fused")
+    rep = forward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    name, why = rep[:2]
     assert name == "interpret" and "chunk 32" in why
+    # the path table's report: every other entry and why it does not run, in the table's order
+    assert rep.path == "fused" and [n for n, _ in rep.not_taken] == ["hopper_t", "hopper_transition", "hopper_wu",
+                                                                     "unfused"]
+    assert "chunk 32" in dict(rep.not_taken)["hopper_wu"] and "comes first" in dict(rep.not_taken)["unfused"]
     y = [a.astype(F16) for a in args]
     assert "float16" in forward_kernels(*y, kernel_config=MOSAIC)[1]
 
@@ -260,11 +282,11 @@ def test_default_on_hopper(monkeypatch):
 
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     gpu = dict(platform="gpu", config=KernelConfig())
-    assert _call(**gpu).mosaic_fwd
-    assert _call(packed=True, nseq=3, **gpu).mosaic_fwd
-    assert not _call(in_dt=F16, **gpu).mosaic_fwd
+    assert _on_hopper(_call(**gpu))
+    assert _on_hopper(_call(packed=True, nseq=3, **gpu))
+    assert not _on_hopper(_call(in_dt=F16, **gpu))
     monkeypatch.setattr(plat, "is_hopper", lambda: False)
-    assert not _call(**gpu).mosaic_fwd
+    assert not _on_hopper(_call(**gpu))
 
 
 @pytest.mark.parametrize("K,V,save_wy", [(64, 64, False), (128, 64, True)])
@@ -274,14 +296,14 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
     bf16x3 products, so o, the final state and every gradient agree to float32 rounding
     (rel_rms <= 1e-5; measured 0 here) -- in the forward's WY and, with ``save_wy=False``, the
     backward's; and against float64 within the suite's tolerances."""
-    from gdn_jax.ops.pallas import hopper as HP
+    from gdn_jax.ops.pallas.hopper import plan as HP, wy as HW
 
     x = make_inputs(seed_of("hopper-blocked", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
     dense = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse="dense")
     ref = _run(x, dense)
     calls = []
-    real = HP._blocked_rounds
-    monkeypatch.setattr(HP, "_blocked_rounds", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = HW._blocked_rounds
+    monkeypatch.setattr(HW, "_blocked_rounds", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = _run(x, dataclasses.replace(dense, wy_inverse="blocked"))
     assert len(calls) == (1 if save_wy else 2)  # the forward's WY (and the backward's without save_wy)
     o, S, gr = got
@@ -394,7 +416,7 @@ def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
     and leaving through K's / v's tiles gives the separate layout's values bit for bit (the same
     products) -- with and without the saved T (``save_wy``), both inverses, grouped value heads; and
     the compact layout did run (its shared-memory budget is the smaller one)."""
-    from gdn_jax.ops.pallas import hopper as HP
+    from gdn_jax.ops.pallas.hopper import plan as HP, wy as HW
 
     x = make_inputs(seed_of("hopper-compact", inverse, group), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
                     init=True)
@@ -406,7 +428,7 @@ def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
     ref = _run(x, base)
     seen = []
     real = HP.wy_compact
-    monkeypatch.setattr(HP, "wy_compact", lambda call: seen.append(real(call)) or real(call))
+    monkeypatch.setattr(HW, "wy_compact", lambda call: seen.append(real(call)) or real(call))
     got = _run(x, dataclasses.replace(base, wy_compact=True))
     assert any(seen) and not HP.wy_compact(_call(config=base))
     for a, b in [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]:
@@ -430,7 +452,7 @@ def test_compact_wy_lowers_for_cuda(save_wy):
 def _two_wg_case(K, V, group, cu):
     """The two-warpgroup gradient kernel against the one-warpgroup kernel and float64 (the body of
     :func:`test_two_warpgroup_gradient_kernel`)."""
-    from gdn_jax.ops.pallas import hopper_bwd as HB
+    from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP
 
     N = None if cu is None else len(cu) - 1
     x = make_inputs(seed_of("hopper-2wg", K, V, group), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True,
@@ -442,12 +464,12 @@ def _two_wg_case(K, V, group, cu):
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
     one = _run(x, dataclasses.replace(MOSAIC, grad_warpgroups=1), cu_seqlens=cu_j)
     calls = []
-    real = HB._chunk_grads_2wg
-    HB._chunk_grads_2wg = lambda *a: calls.append(1) or real(*a)
+    real = HG._chunk_grads_2wg
+    HG._chunk_grads_2wg = lambda *a: calls.append(1) or real(*a)
     try:
         two = _run(x, dataclasses.replace(MOSAIC, grad_warpgroups=2), cu_seqlens=cu_j)
     finally:
-        HB._chunk_grads_2wg = real
+        HG._chunk_grads_2wg = real
     assert calls, "the two-warpgroup kernel did not run"
     assert np.array_equal(np.asarray(two[0], np.float32), np.asarray(one[0], np.float32))
     for n in one[2]:
@@ -469,18 +491,18 @@ def test_two_warpgroup_gradient_kernel(K, V, group, cu):
 
 def test_two_warpgroup_gradient_kernel_config():
     """grad_warpgroups: 1 or 2 (bad values name the field); its shared memory fits at K = V = 128."""
-    from gdn_jax.ops.pallas import hopper_bwd as HB
+    from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP
 
-    with pytest.raises(ValueError, match="KernelConfig.grad_warpgroups must be 1 or 2"):
+    with pytest.raises(ValueError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
         KernelConfig(grad_warpgroups=3)
-    with pytest.raises(TypeError, match="KernelConfig.grad_warpgroups must be 1 or 2"):
+    with pytest.raises(TypeError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
         KernelConfig(grad_warpgroups=True)
     x = make_inputs(seed_of("hopper-2wg-cov"), 1, 64, 1, 128, 128, dtype=BF16)
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
                             config=dataclasses.replace(MOSAIC, grad_warpgroups=2))
     call = prep.calls[1]
-    assert call.grad_wgs == 2 and call.mosaic_bwd
-    assert HB.grads_smem_bytes(call) <= HB.SMEM_BYTES
+    assert call.grad_wgs == 2 and _on_hopper_bwd(call)
+    assert HP.grads_smem_bytes(call) <= HP.SMEM_BYTES
 
 
 @pytest.mark.parametrize("wgs", [1, 2])
@@ -545,7 +567,7 @@ def test_fwd_form_t_lowers_for_cuda(grad):
 @pytest.mark.parametrize("packed,form", [(False, None), (True, None), (True, "wu")])
 def test_fwd_form_t_k256(packed, form):
     """K = V = 256 on the Hopper forward (``fwd_form="t"``, the default there, or "wu": the state
-    pass keeps one q tile -- and in "wu" one W tile --, :func:`hopper.single_q`, and the default
+    pass keeps one q tile -- and in "wu" one W tile --, :func:`hopper.plan.single_q`, and the default
     value block halves to fit shared memory): o and the final state against float64, T not a
     multiple of the chunk, with an initial state, with and without ``cu_seqlens``; the backward is
     the platform's (the Hopper backward takes K <= 128)."""
@@ -556,8 +578,8 @@ def test_fwd_form_t_k256(packed, form):
     cfg = dataclasses.replace(MOSAIC, fwd_form=form)  # None: "t" where K > 128
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg, cu_seqlens=cu)
     cf, cb = prep.calls
-    assert cf.mosaic_fwd and hopper.single_q(cf) and cf.bv_mosaic == 32 and not cb.mosaic_bwd
-    assert hopper.smem_bytes(cf, 32) <= hopper.SMEM_BYTES < hopper.smem_bytes(cf, 64)
+    assert _on_hopper(cf) and hopper.plan.single_q(cf) and cf.bv_mosaic == 32 and not _on_hopper_bwd(cb)
+    assert hopper.plan.smem_bytes(cf, 32) <= hopper.plan.SMEM_BYTES < hopper.plan.smem_bytes(cf, 64)
     assert cf.fwd_form == (form or "t")
     o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
                             output_final_state=True, backend="pallas", chunk_size=64, kernel_config=cfg,
@@ -590,7 +612,7 @@ def test_approx_math_lowers_for_cuda():
 def test_auto_barriers_lowers_for_cuda():
     """``KernelConfig.auto_barriers``: the WY kernels, the state pass, the reverse pass and the
     two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their own
-    barriers (hopper._sync) lower for CUDA, and the option reaches exactly those kernels: the
+    barriers (hopper.common.sync_own_barriers) lower for CUDA, and the option reaches exactly those kernels: the
     lowered modules of False that differ from True's are all four by default (the backward is the
     reverse pass and the gradient kernel), with ``save_wy=False`` also the backward's WY kernel,
     with ``save_states=False`` also the recompute and the backward's WY from the saved T, with
@@ -651,15 +673,15 @@ def test_scheduling_options_checked():
 
 
 def test_k256_block_and_reason():
-    """At K = V = 256 the default value block halves until the state pass fits (``hopper.block_for``:
+    """At K = V = 256 the default value block halves until the state pass fits (``hopper.plan.block_for``:
     32), and an explicit ``bv_state=64`` falls back to Triton with a reason that names the shared
     memory it needs and a block that fits."""
     k256 = dict(K=256, V=256, K0=256, V0=256)
     call = _call(**k256)
-    assert call.mosaic_fwd and call.bv_mosaic == hopper.block_for(call) == 32
-    assert hopper.default_block(4, 256, "interpret") == 64
+    assert _on_hopper(call) and call.bv_mosaic == hopper.plan.block_for(call) == 32
+    assert hopper.plan.default_block(4, 256, "interpret") == 64
     bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
-    assert not bad.mosaic_fwd and "bv_state=32 fits" in hopper.covers(bad)
+    assert not _on_hopper(bad) and "bv_state=32 fits" in _fwd_reason(bad)
 
 
 @pytest.mark.parametrize("K,V,form", [(256, 128, "wu"), (128, 256, "t")])
@@ -695,13 +717,13 @@ def test_state_producer_kernel(nc, D, form, packed):
                             config=dataclasses.replace(MOSAIC, fwd_form=form))
     cf, fargs = prep.kernel_args("fwd")
     A = dict(zip(("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl"), fargs))
-    assert cf.mosaic_fwd and not hopper.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
+    assert _on_hopper(cf) and not hopper.plan.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
     cw = dataclasses.replace(cf, state_prod=True, state_wgs=nc, state_slots=D, bv_mosaic=64 if (nc, D) == (1, 2) else 32)
-    assert hopper.producer(cw) and hopper.covers(cw) is None
+    assert hopper.plan.producer(cw) and hopper.plan.fwd_covers(cw) is None
     base = dataclasses.replace(cw, state_prod=False)
     tf = form == "t"
-    wy = hopper.wy_forward(cf, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], t_form=tf, with_w=tf)
-    wy_wu = hopper.wy_forward(dataclasses.replace(cf, fwd_form="wu"), A["q"], A["k"], A["v"], A["beta"], A["gc"],
+    wy = hopper.wy.wy_forward(cf, A["q"], A["k"], A["v"], A["beta"], A["gc"], A["eg"], t_form=tf, with_w=tf)
+    wy_wu = hopper.wy.wy_forward(dataclasses.replace(cf, fwd_form="wu"), A["q"], A["k"], A["v"], A["beta"], A["gc"],
                               A["eg"]) if tf else None
 
     def run(c, rec=False):
@@ -709,12 +731,12 @@ def test_state_producer_kernel(nc, D, form, packed):
         kw = {} if rec else dict(save_states=True)
         if tf and not rec:
             kw.update(v=A["v"], t=(wy["t_hi"], wy["t_lo"]), beta=A["beta"])
-            return hopper.forward_states_and_output(c, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
+            return hopper.state_fwd.forward_states_and_output(c, None, None, A["k"], A["ekd"], A["dec"], A["h0"], A["fl"],
                                                     *q_args, **kw)
         if rec and tf:  # the backward's recompute takes W and U (the backward's WY) in either form
             c = dataclasses.replace(c, fwd_form="wu")
         w_u = wy_wu if rec and tf else wy
-        return jax.jit(lambda w, u, *a: hopper.forward_states_and_output(c, w, u, *a, **kw))(
+        return jax.jit(lambda w, u, *a: hopper.state_fwd.forward_states_and_output(c, w, u, *a, **kw))(
             w_u["w"], w_u["u"], A["k"], A["ekd"], A["dec"], A["h0"], A["fl"], *q_args)
 
     for rec in (False, True):
@@ -741,19 +763,19 @@ def test_state_producer_checked():
         KernelConfig(state_producer=1)
     gpu = KernelConfig(platform="gpu", gpu_kernels="mosaic", state_producer=True)
     call = _call(platform="gpu", config=gpu)
-    assert call.mosaic_fwd and hopper.producer(call)
+    assert _on_hopper(call) and hopper.plan.producer(call)
     bad = _call(platform="gpu", V=64, V0=64, config=dataclasses.replace(gpu, state_warpgroups=2, bv_state=64))
-    assert not bad.mosaic_fwd and "state_warpgroups=2" in hopper.covers(bad)
-    assert not hopper.producer(_call(platform="gpu", K=256, V=256, K0=256, V0=256, config=gpu))
-    assert not hopper.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
+    assert not _on_hopper(bad) and "state_warpgroups=2" in _fwd_reason(bad)
+    assert not hopper.plan.producer(_call(platform="gpu", K=256, V=256, K0=256, V0=256, config=gpu))
+    assert not hopper.plan.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
     c = dataclasses.replace(call, state_wgs=2, state_slots=3, bv_mosaic=64)
-    assert hopper.block_for(c) == 16 and hopper.smem_bytes(c, 32) > hopper.SMEM_BYTES
+    assert hopper.plan.block_for(c) == 16 and hopper.plan.smem_bytes(c, 32) > hopper.plan.SMEM_BYTES
     # two warpgroups at V = 64: the default block halves until two blocks tile V (gpu: 64 -> 32)
     two = _call(platform="gpu", BH=64, H=16, K=64, V=64, K0=64, V0=64,
                 config=dataclasses.replace(gpu, state_warpgroups=2))
-    assert two.mosaic_fwd and two.bv_mosaic == 32, (two.bv_mosaic, hopper.covers(two))
+    assert _on_hopper(two) and two.bv_mosaic == 32, (two.bv_mosaic, _fwd_reason(two))
     four = _call(platform="gpu", config=dataclasses.replace(gpu, state_slots=4))
-    assert not four.mosaic_fwd and "fewer fit" in hopper.covers(four)
+    assert not _on_hopper(four) and "fewer fit" in _fwd_reason(four)
 
 
 @pytest.mark.parametrize("form", ["wu", "t"])
@@ -771,7 +793,7 @@ def test_state_two_warpgroups_lower_for_cuda(form):
 
 @pytest.mark.parametrize("save_states,group,packed", [(True, 1, False), (False, 2, True)])
 def test_fwd_form_transition(save_states, group, packed):
-    """``KernelConfig(fwd_form="transition")`` at K = V = 64 (gdn_jax.ops.pallas.hopper_transition):
+    """``KernelConfig(fwd_form="transition")`` at K = V = 64 (gdn_jax.ops.pallas.hopper.transition):
     the state chain as S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W, the outputs one step late,
     three TMA slots. Strong gates with an initial state and ``save_states``, then grouped value heads
     with ``cu_seqlens`` (an empty and a length-1 sequence). It takes effect (o differs from "wu"'s),
@@ -806,14 +828,14 @@ def test_fwd_form_transition_covers_and_lowers():
 
 @pytest.mark.parametrize("H,form,want", [(64, None, "t"), (8, None, "wu"), (64, "wu", "wu")])
 def test_fwd_form_default_at_k128(H, form, want):
-    """``fwd_form`` None at K = 128 takes "t" with >= 128 state-pass CTAs (config.t_form_default:
+    """``fwd_form`` None at K = 128 takes "t" with >= 128 state-pass CTAs (hopper.plan.t_form_default:
     H 64 x V / 64 = 128 here), "wu" with fewer; an explicit "wu" is kept."""
     from gdn_jax.ops.pallas import to_kernel_inputs
-    from gdn_jax.ops.pallas.config import T_FORM_MIN_CTAS, t_form_default
+    from gdn_jax.ops.pallas.hopper.plan import T_FORM_MIN_CTAS, t_form_default
 
     x = jnp.zeros((1, 64, H, 128), jnp.bfloat16)
     gz = jnp.zeros((1, 64, H), jnp.float32)
     cfg = dataclasses.replace(MOSAIC, fwd_form=form)
     cf = to_kernel_inputs(x, x, x, gz, gz, chunk_size=64, config=cfg).calls[0]
-    assert cf.mosaic_fwd and cf.fwd_form == want
+    assert _on_hopper(cf) and cf.fwd_form == want
     assert t_form_default(cf) == (cf.BH * (cf.V // cf.bv_mosaic) >= T_FORM_MIN_CTAS)

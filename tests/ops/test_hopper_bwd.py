@@ -1,4 +1,4 @@
-"""Tests of the Hopper (Mosaic GPU) backward kernels (``gdn_jax/ops/pallas/hopper_bwd.py``) without
+"""Tests of the Hopper (Mosaic GPU) backward kernels (``gdn_jax/ops/pallas/hopper/``: wy.py, state_bwd.py, grads.py) without
 a GPU: each stage in Mosaic GPU's interpret mode against the Triton stage it replaces (same inputs,
 chunk 64), the whole backward against the float64 reference (through ``tests/ops/test_hopper.py``'s
 cases, which run it: ``gpu_kernels="mosaic"`` takes both directions), coverage, and the CUDA lowering
@@ -24,7 +24,7 @@ from conftest import (BF16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, c
 from reference import reference, reference_grads
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
-from gdn_jax.ops.pallas import hopper_bwd as HB
+from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP, state_bwd as HR, state_fwd as HS, wy as HW
 from gdn_jax.ops.pallas.grads import chunk_grads
 from gdn_jax.ops.pallas.state_bwd import reverse_states
 from gdn_jax.ops.pallas.state_fwd import forward_states
@@ -49,7 +49,7 @@ def test_stages_match_triton_stages(K, V, cu):
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, initial_state=x["S0"],
                             cu_seqlens=cu_j, config=dataclasses.replace(MOSAIC, save_t=True))
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags) = prep.kernel_args("bwd")
-    assert call.mosaic_bwd and call.C == 64
+    assert prep.paths[1] == "hopper" and call.C == 64
     do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape), BF16)  # in the kernels' time layout
     dfin = jnp.asarray(np.random.default_rng(0).standard_normal(h0.shape), F32)
 
@@ -60,15 +60,15 @@ def test_stages_match_triton_stages(K, V, cu):
     ref.update(chunk_grads(call, q, k, v, do, beta, gc, gr, eg, ekd, ref["h"], ref["dh"], ref["vn"], ref["dvn"],
                            ref["t"]))
 
-    wy = HB.wy_backward(call, q, k, v, do, beta, gc, eg)
+    wy = HW.wy_backward(call, q, k, v, do, beta, gc, eg)
     got = dict(w=wy["w"], u=wy["u"], dvl=wy["dvl"], t=wy["t_hi"].astype(F32) + wy["t_lo"].astype(F32))
     # each later stage reads the Triton stages' inputs, so that errors do not compound
-    got.update(HB.recompute_states(call, ref["w"], ref["u"], k, ekd, dec, h0, flags))
-    rs = HB.reverse_states(call, q, k, ref["w"], ref["dvl"], do, eg, ekd, dec, dfin, ref["h"], flags)
+    got.update(HS.recompute_states(call, ref["w"], ref["u"], k, ekd, dec, h0, flags))
+    rs = HR.reverse_states(call, q, k, ref["w"], ref["dvl"], do, eg, ekd, dec, dfin, ref["h"], flags)
     got.update(dh=rs["dh"], dvn=rs["dvn"], dh0=rs["dh0"], de_gam_last=rs["de_gam_last"])
     th = ref["t"].astype(BF16)
     tl = (ref["t"] - th.astype(F32)).astype(BF16)
-    got.update(HB.chunk_grads(call, q, k, v, do, beta, gc, eg, ekd, ref["h"], ref["dh"], ref["vn"], ref["dvn"], th,
+    got.update(HG.chunk_grads(call, q, k, v, do, beta, gc, eg, ekd, ref["h"], ref["dh"], ref["vn"], ref["dvn"], th,
                               tl))
     errs = {n: _rel(got[n], ref[n]) for n in got}
     if cu is not None:  # chunks that belong to no sequence: neither path defines their h / Vn
@@ -96,18 +96,18 @@ def _reverse_inputs(K, V, cu, config=MOSAIC):
 
 @pytest.mark.parametrize("K,V,cu", [(256, 256, None), (256, 128, (0, 70, 71, 200))])
 def test_reverse_pass_k256_matches_triton(K, V, cu):
-    """The Hopper reverse pass at K = 256 (q, k, W in one tile each, ``hopper_bwd.reverse_single_tiles``;
+    """The Hopper reverse pass at K = 256 (q, k, W in one tile each, ``hopper.plan.reverse_single_tiles``;
     203 KB of shared memory at value block 32) against the Triton reverse pass on the same inputs
     (interpret mode, chunk 64): dh, dVn, d h0 within 5e-3 (measured <= 2.4e-3), d e^{gamma_C} within 1e-2
     of sum(h_n * dh_n) from the Triton pass's stored (bf16) dh_n. The Hopper backward does not take
     K = 256 yet (its gradient kernel stops at 128): this stage is built and tested on its own."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(K, V, cu)
-    assert call.C == 64 and HB.reverse_single_tiles(call) and HB.reverse_smem_bytes(call, 32, True) <= HB.SMEM_BYTES
-    assert HB.reverse_block(call) == 32
+    assert call.C == 64 and HP.reverse_single_tiles(call) and HP.reverse_smem_bytes(call, 32, True) <= HP.SMEM_BYTES
+    assert HP.reverse_block(call) == 32
     ref = dict(wy_repr(call, k, v, beta, gc, gr, eg, q=q, do=do))
     ref.update(forward_states(call, ref["w"], ref["u"], k, ekd, dec, h0, flags))
     ref.update(reverse_states(call, q, k, ref["w"], ref["dvl"], do, eg, ekd, dec, dfin, flags))
-    rs = HB.reverse_states(call, q, k, ref["w"], ref["dvl"], do, eg, ekd, dec, dfin, ref["h"], flags)
+    rs = HR.reverse_states(call, q, k, ref["w"], ref["dvl"], do, eg, ekd, dec, dfin, ref["h"], flags)
     errs = {n: _rel(rs[n], ref[n]) for n in ("dh", "dvn", "dh0")}
     hd = np.asarray(ref["h"], np.float64) * np.asarray(ref["dh"], np.float64)
     errs["de_gam_last"] = _rel(rs["de_gam_last"][..., 0, 0], hd.sum((2, 3)))
@@ -122,12 +122,12 @@ def test_reverse_pass_k256_lowers_for_cuda():
     """The K = 256 reverse pass (single q, k, W tiles, own dVl from Aqk) lowers for CUDA."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(
         256, 256, None, KernelConfig(platform="gpu", gpu_kernels="mosaic", bwd_chunk=64, bv_state=32))
-    assert call.C == 64 and HB.reverse_block(call, True) == 32
+    assert call.C == 64 and HP.reverse_block(call, True) == 32
     n = call.n
     w = jax.ShapeDtypeStruct((call.BH, call.Tp, call.K), BF16)
     aqk = jax.ShapeDtypeStruct((call.BH, n, call.C, call.C), BF16)
     h = jax.ShapeDtypeStruct((call.BH, n, call.K, call.V), BF16)
-    fn = jax.jit(lambda q, k, w, do, eg, ekd, dec, dfin, h, aqk: HB.reverse_states(
+    fn = jax.jit(lambda q, k, w, do, eg, ekd, dec, dfin, h, aqk: HR.reverse_states(
         call, q, k, w, None, do, eg, ekd, dec, dfin, h, flags, aqk=aqk))
     text = jax.export.export(fn, platforms=["cuda"])(q, k, w, do, eg, ekd, dec, dfin, h, aqk).mlir_module()
     assert text.count("custom_call @mosaic_gpu") == 1
@@ -142,11 +142,11 @@ def test_reverse_producer_bit_equal(K, V, cu, own):
     ``KernelConfig.state_producer``); it lowers for CUDA inside value_and_grad."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(K, V, cu)
     assert not call.rev_prod  # interpret mode: off inside the op
-    wy = HB.wy_backward(call, q, k, v, do, beta, gc, eg)
-    h = HB.recompute_states(call, wy["w"], wy["u"], k, ekd, dec, h0, flags)["h"]
+    wy = HW.wy_backward(call, q, k, v, do, beta, gc, eg)
+    h = HS.recompute_states(call, wy["w"], wy["u"], k, ekd, dec, h0, flags)["h"]
     aqk = jnp.asarray(np.random.default_rng(2).standard_normal((call.BH, call.n, call.C, call.C)) * 0.1, BF16)
     dvl, a = (None, aqk) if own else (wy["dvl"], None)
-    got, ref = (jax.jit(lambda *x, c=c: HB.reverse_states(c, *x, aqk=a))(q, k, wy["w"], dvl, do, eg, ekd, dec, dfin,
+    got, ref = (jax.jit(lambda *x, c=c: HR.reverse_states(c, *x, aqk=a))(q, k, wy["w"], dvl, do, eg, ekd, dec, dfin,
                                                                          h, flags)
                 for c in (dataclasses.replace(call, rev_prod=True), call))
     assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n]), np.asarray(ref[n])) for n in ref)
@@ -161,19 +161,22 @@ def test_backward_coverage():
     """Which backward calls the Hopper kernels take, and why not."""
     x = make_inputs(seed_of("hopper-bwd-cov"), 1, 70, 2, 128, 128, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    calls = to_kernel_inputs(*args, chunk_size=64, config=MOSAIC).calls
-    assert calls[1].mosaic_bwd and calls[0].mosaic_fwd
-    c32 = to_kernel_inputs(*args, chunk_size=32, config=MOSAIC).calls[1]
-    assert not c32.mosaic_bwd and "backward kernel chunk 32" in HB.covers(c32)
-    f16 = to_kernel_inputs(*(a.astype(jnp.float16) for a in args), chunk_size=64, config=MOSAIC).calls[1]
-    assert not f16.mosaic_bwd and "float16" in HB.covers(f16)
+    assert to_kernel_inputs(*args, chunk_size=64, config=MOSAIC).paths == ("hopper_wu", "hopper")
+    c32 = to_kernel_inputs(*args, chunk_size=32, config=MOSAIC)
+    assert c32.paths[1] == "portable" and "backward kernel chunk 32" in HP.bwd_covers(c32.calls[1])
+    f16 = to_kernel_inputs(*(a.astype(jnp.float16) for a in args), chunk_size=64, config=MOSAIC)
+    assert f16.paths[1] == "portable" and "float16" in HP.bwd_covers(f16.calls[1])
     tri = to_kernel_inputs(*args, chunk_size=64, config=KernelConfig(platform="interpret", gpu_kernels="triton"))
-    assert not tri.calls[1].mosaic_bwd
+    assert tri.paths == ("fused", "portable")
     from gdn_jax.ops.pallas import backward_kernels
 
-    assert backward_kernels(*args, kernel_config=MOSAIC) == ("hopper", None)
-    name, why = backward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    assert backward_kernels(*args, kernel_config=MOSAIC)[:3] == ("hopper", None, "hopper")
+    rep = backward_kernels(*args, chunk_size=32, kernel_config=MOSAIC)
+    name, why = rep[:2]
     assert name == "interpret" and "backward kernel chunk 32" in why and "bwd_chunk" in why
+    # the path table's report: every entry before the one that runs, and why not
+    assert rep.path == "portable" and [n for n, _ in rep.not_taken] == ["hopper", "hopper_blocks", "hopper_xla"]
+    assert "backward kernel chunk 32" in dict(rep.not_taken)["hopper"]
 
 
 def test_gpu_backward_chunk_on_hopper(monkeypatch):
@@ -225,15 +228,15 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
     from gdn_jax.ops.pallas.vjp import saves_wy
 
     recompute = dataclasses.replace(MOSAIC, save_wy=False)
-    assert saves_wy(prep.calls) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
-                                                                   config=recompute).calls)
-    assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    assert saves_wy(prep.route) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
+                                                                   config=recompute).route)
+    assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
     ref = grads(recompute)
 
     def no_second_wy(*a, **kw):
         raise AssertionError("save_wy: the backward must not recompute the WY representation")
 
-    monkeypatch.setattr(HB, "wy_backward", no_second_wy)
+    monkeypatch.setattr(HW, "wy_backward", no_second_wy)
     for a, b in zip(grads(dataclasses.replace(MOSAIC, save_wy=True)), ref):
         assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
 
@@ -276,10 +279,10 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
     from gdn_jax.ops.pallas.vjp import saves_states
 
     keep = dataclasses.replace(MOSAIC, save_states=True)
-    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).calls)
-    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).calls)  # the default
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).route)
+    assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
     recompute = dataclasses.replace(MOSAIC, save_states=False)
-    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).calls)
+    assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).route)
 
     def must_not_run(*a, **kw):
         raise AssertionError("save_states: the backward must not run this stage")
@@ -287,10 +290,10 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
     for save_wy in (True, False):
         o_ref, _, ref = run(dataclasses.replace(recompute, save_wy=save_wy))
         with monkeypatch.context() as m:
-            m.setattr(HB, "recompute_states", must_not_run)
+            m.setattr(HS, "recompute_states", must_not_run)
             if save_wy:
-                m.setattr(HB, "wy_from_saved", must_not_run)
-                m.setattr(HB, "wy_backward", must_not_run)
+                m.setattr(HW, "wy_from_saved", must_not_run)
+                m.setattr(HW, "wy_backward", must_not_run)
             o, S, got = run(dataclasses.replace(keep, save_wy=save_wy))
         assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
         for a, b in zip(got, ref):
@@ -312,8 +315,8 @@ def test_save_states_ignored_off_hopper():
     x = make_inputs(seed_of("hopper-save-states-triton"), 1, 64, 1, 64, 64, dtype=BF16)
     cfg = KernelConfig(platform="interpret", gpu_kernels="triton", save_states=True)
     assert not saves_states(to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
-                                             config=cfg).calls)
-    with pytest.raises(TypeError, match="KernelConfig.save_states"):
+                                             config=cfg).route)
+    with pytest.raises(TypeError, match="HopperTuning.save_states"):
         KernelConfig(save_states="yes")
 
 
@@ -383,10 +386,9 @@ def test_undifferentiated_call_writes_no_residuals(monkeypatch):
     save_wy / save_states (both on by default): wy_forward(save_t=False) and
     forward_states_and_output(save_states=False); under jax.grad they are written. Traced for CUDA
     (jax.export), nothing runs."""
-    from gdn_jax.ops.pallas import hopper as HF
 
     seen = []
-    wy, st = HF.wy_forward, HF.forward_states_and_output
+    wy, st = HW.wy_forward, HS.forward_states_and_output
 
     def wy_rec(*a, save_t=False, **kw):
         seen.append(("save_t", save_t))
@@ -396,8 +398,8 @@ def test_undifferentiated_call_writes_no_residuals(monkeypatch):
         seen.append(("save_states", save_states))
         return st(*a, save_states=save_states, **kw)
 
-    monkeypatch.setattr(HF, "wy_forward", wy_rec)
-    monkeypatch.setattr(HF, "forward_states_and_output", st_rec)
+    monkeypatch.setattr(HW, "wy_forward", wy_rec)
+    monkeypatch.setattr(HS, "forward_states_and_output", st_rec)
     B, T, H, D = 1, 128, 2, 128
     sds = [jax.ShapeDtypeStruct((B, T, H, D), BF16)] * 3
     sds += [jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), BF16)]
@@ -479,7 +481,7 @@ def test_grads_where_vn_cancels(wgs):
     dbeta within 7e-2, dk, dv within 2e-2 and dg within 1e-2 of float64. Measured 2026-12-03 over four draws: dbeta
     2.4-5.8e-2 (both kernels; the Triton kernels 3.8-5.6e-2), dk 1.3-1.4e-2, dv 1.3e-2 -- the bf16
     intermediates set that level (float32 ones give ~2e-3). Before dX = T^T dW was formed as
-    -(T^T dVn) S^T (:func:`gdn_jax.ops.pallas.hopper_bwd._dx`), the two-warpgroup kernel rounded dW
+    -(T^T dVn) S^T (:func:`gdn_jax.ops.pallas.hopper.grads._dx`), the two-warpgroup kernel rounded dW
     to a single bf16 operand: dbeta 1.1-1.8e-1 on the same draws."""
     ins, S0, do, dS = _cancelling_inputs(seed_of("hopper-cancel", wgs), D=128)
     cfg = dataclasses.replace(MOSAIC, grad_warpgroups=wgs)
@@ -503,7 +505,7 @@ def test_wide_backward(cu, group, wide, form):
     """``KernelConfig(wide_backward="hopper_xla" | "hopper")`` at K = V = 256: the backward runs at the
     forward's chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the
     local gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) or from the Hopper gradient kernel
-    on 128 x 128 key / value blocks, summed (``hopper_bwd.chunk_grads_blocks``) -- and every gradient
+    on 128 x 128 key / value blocks, summed (``hopper.grads.chunk_grads_blocks``) -- and every gradient
     is within the suite's tolerances of float64 (T not a multiple of the chunk, an initial state,
     strong gates; with ``cu_seqlens`` holding a length-1 sequence; with two value heads per key head;
     the default (None: "hopper") after the forward's "wu" form, whose residuals are the same arrays).
@@ -524,10 +526,11 @@ def test_wide_backward(cu, group, wide, form):
         x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
     cfg = dataclasses.replace(MOSAIC, wide_backward=wide, fwd_form=form)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    cf, cb = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu).calls
-    assert cf.mosaic_fwd and cb.mixed_bwd and not cb.mosaic_bwd and cb.C == cf.C == 64 and cb.group == group
-    assert cb.wide_grads == ("xla" if wide == "hopper_xla" else "hopper") and cf.fwd_form == (form or "t")
-    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg) == (
+    prep = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu)
+    cf, cb = prep.calls
+    assert prep.paths == ("hopper_" + (form or "t"), "hopper_xla" if wide == "hopper_xla" else "hopper_blocks")
+    assert cb.C == cf.C == 64 and cb.group == group and cf.fwd_form == (form or "t")
+    assert backward_kernels(*args, cu_seqlens=cu, kernel_config=cfg)[:2] == (
         "hopper+xla" if wide == "hopper_xla" else "hopper-blocks", None)
     _check(x, _run(x, cfg, cu_seqlens=cu), cu_seqlens=cu)
 
@@ -542,24 +545,25 @@ def test_wide_backward_dispatch(monkeypatch):
 
     x = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 256, 256, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    cb = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw)).calls[1]
-    assert cb(wide_backward="hopper_xla").mixed_bwd and cb(wide_backward="hopper_xla").wide_grads == "xla"
-    assert cb(wide_backward="hopper").wide_grads == "hopper"
-    assert cb(wide_backward="hopper", grad_warpgroups=1).wide_grads == "xla"  # the blocks need the 2-WG kernel
+    prep = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw))
+    cb = lambda **kw: prep(**kw).calls[1]
+    path = lambda **kw: prep(**kw).paths[1]
+    assert path(wide_backward="hopper_xla") == "hopper_xla"
+    assert path(wide_backward="hopper") == "hopper_blocks"
+    assert path(wide_backward="hopper", grad_warpgroups=1) == "hopper_xla"  # the blocks need the 2-WG kernel
     # and the direct dA: the chain's (I + A)^T needs the whole A, not a key block's (dk 2.7e-2 otherwise)
-    assert cb(wide_backward="hopper", grad_t_phase="chain").wide_grads == "xla"
-    from gdn_jax.ops.pallas import hopper_bwd
+    assert path(wide_backward="hopper", grad_t_phase="chain") == "hopper_xla"
 
-    sub = hopper_bwd.block_call(cb(wide_backward="hopper"))
+    sub = HP.block_call(cb(wide_backward="hopper"))
     assert (sub.K, sub.V, sub.grad_blocks, sub.BH) == (128, 128, (2, 2), 4)
-    assert cb().mixed_bwd and cb().wide_grads == "hopper"  # None: "hopper"
+    assert path() == "hopper_blocks"  # None: "hopper"
     for kw in (dict(wide_backward="triton"), dict(wide_backward="hopper_xla", save_states=False),
                dict(wide_backward="hopper_xla", save_wy=False), dict(wide_backward="hopper_xla", gpu_kernels="triton")):
-        assert not cb(**kw).mixed_bwd, kw
+        assert path(**kw) == "portable", kw
     x128 = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 128, 128, dtype=BF16)
-    c128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
-                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).calls[1]
-    assert c128.mosaic_bwd and not c128.mixed_bwd
+    p128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
+                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).paths[1]
+    assert p128 == "hopper"
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla"), "gpu", "bwd", 64, 256, BF16) == 64
     assert kernel_chunk(KernelConfig(wide_backward="hopper_xla", save_states=False), "gpu", "bwd", 64, 256, BF16) == 32
@@ -588,6 +592,7 @@ def test_wide_backward_hopper_asymmetric(K, V):
 
     x = make_inputs(seed_of("wide-asym", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
     cfg = dataclasses.replace(MOSAIC, wide_backward="hopper")
-    cb = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg).calls[1]
-    assert cb.mixed_bwd and cb.wide_grads == "hopper" and HB.block_call(cb).grad_blocks == (K // 128, V // 128)
+    prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg)
+    cb = prep.calls[1]
+    assert prep.paths[1] == "hopper_blocks" and HP.block_call(cb).grad_blocks == (K // 128, V // 128)
     _check(x, _run(x, cfg))

@@ -493,7 +493,7 @@ def test_gpu_kernel_chunk_policy():
                                     (dict(bwd_chunk=24), ValueError)])
 def test_bad_kernel_config_rejected_when_made(kw, err):
     """Bad kernel settings fail when the KernelConfig is made, naming the field."""
-    with pytest.raises(err, match=f"KernelConfig.{next(iter(kw))}"):
+    with pytest.raises(err, match=rf"\.{next(iter(kw))} must"):
         KernelConfig(**kw)
 
 
@@ -604,7 +604,7 @@ def test_block_messages_name_the_value_given():
     g, b = jnp.zeros((1, 64, 2)), jnp.ones((1, 64, 2))
     for fn in (P.forward_kernels, P.backward_kernels):
         cfg = KernelConfig(platform="interpret", gpu_kernels="mosaic", bv_state=256)
-        assert fn(x, x, x, g, b, kernel_config=cfg) == ("interpret", "value block 256 with V=64 "
+        assert fn(x, x, x, g, b, kernel_config=cfg)[:2] == ("interpret", "value block 256 with V=64 "
                                                          "(needs 16, 32 or 64 dividing V)")
     v48 = jnp.zeros((1, 64, 2, 48), BF16)
     with pytest.raises(ValueError, match=r"bv_grad=24 must divide the head dim 64 \(V=48 zero-padded"):

@@ -4,19 +4,23 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
 ``gdn_jax/ops/chunk.py`` for the math in plain JAX). Modules, one per stage:
 
 * :mod:`.config`: :class:`KernelConfig` (the options, a frozen value passed as
-  ``gated_delta_rule(..., kernel_config=...)``) and :func:`~.config.resolve`, the one place
-  that turns it into the settings of a call (:class:`~.config.KernelCall`);
+  ``gated_delta_rule(..., kernel_config=...)``: platform and chunks at the top, then the groups
+  :class:`~.config.Precision`, :class:`~.tuning.TritonTuning` (beside the portable kernels) and
+  :class:`~.hopper.tuning.HopperTuning` (beside the Hopper kernels)) and :func:`~.config.resolve`,
+  the one place that turns it into the settings of a call (:class:`~.config.KernelCall`);
 * :mod:`.call`: :class:`~.call.KernelCall`, the record every kernel reads;
-* :mod:`.hopper_plan`: which calls the Hopper kernels take, their shared memory and value blocks
-  (plain Python, no kernel);
 * :mod:`.platform`: GPU (Triton) / TPU (Mosaic) / interpret rules of a ``pallas_call``;
 * :mod:`.wy`: the intra-chunk WY / UT representation (A, T = (I + A)^-1, W, U; Aqk or dVl);
 * :mod:`.state_fwd`: the forward state pass (fused with the output) and the output kernel;
 * :mod:`.state_bwd`: the backward state passes (reverse dS pass; merged with the recompute);
 * :mod:`.grads`: the per-chunk gradient kernel (dq, dk, dv, dbeta, gate terms);
-* :mod:`.hopper`, :mod:`.hopper_bwd`: the forward's two stages and the backward's four as Mosaic
-  GPU kernels for sm_90 (TMA, wgmma), chosen by ``KernelConfig.gpu_kernels`` (default: on
+* :mod:`.hopper`: a package of Mosaic GPU kernels for sm_90 (TMA, wgmma) split by the same stage
+  names (``wy``, ``state_fwd``, ``state_bwd``, ``transition``, ``grads``; shared helpers in
+  ``common``, and ``plan``: which calls they take, their shared memory and value blocks, plain
+  Python, no kernel), chosen by ``KernelConfig.gpu_kernels`` (default: on
   Hopper GPUs, for the calls they cover);
+* :mod:`.paths`: the table of kernel paths (which kernels run each direction, tried in a stated
+  order, each entry with ``covers(call)`` and ``run``);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
 * :mod:`.partition`: the kernels' sharding rules (``custom_partitioning``): under ``jit`` on
   inputs split along the batch and / or the heads each device runs its own block, nothing is
@@ -31,11 +35,11 @@ Declined with a reason: per-key-channel g, per-value-channel beta, float64.
 Precision: the kernels read q, k, v, dO in the input dtype and accumulate in float32. With
 bf16 inputs and max(K, V) >= 64 (``config.BF16_MID_MIN_DIM``) the intermediates written to HBM
 (W, U, Vn, h_n, dVl, dVn, dh_n) are bf16 and the state / output dots take bf16 operands (rel.
-rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(u_dtype="f32",
-state_dot="f32", out_dot="f32")`` gives 2.6e-3). float32 inputs keep everything float32 (on
-GPU as 1-pass TF32 dots by default, like XLA's; ``gpu_f32_*="tf32x3"`` for ~float32 accuracy;
-``f32_inputs="bf16"`` for the 16-bit path; float16 inputs run float16 kernels, or with
-``f16_inputs="bf16"`` the bf16 path, Hopper kernels included). The in-chunk triangular inverse is float32 (Triton)
+rms of o vs the float32 chunk backend 3.8e-3 at D = 128; ``KernelConfig(precision=Precision(
+u_dtype="f32", state_dot="f32", out_dot="f32"))`` gives 2.6e-3). float32 inputs keep everything
+float32 (on GPU as 1-pass TF32 dots by default, like XLA's; ``Precision(gpu_f32_*="tf32x3")`` for
+~float32 accuracy; ``Precision(f32_inputs="bf16")`` for the 16-bit path; float16 inputs run float16
+kernels, or with ``Precision(f16_inputs="bf16")`` the bf16 path, Hopper kernels included). The in-chunk triangular inverse is float32 (Triton)
 or bf16x3 (the Hopper kernels) in every case.
 
 Platforms: see :mod:`.platform`. The TPU variant is checked by interpretation and by lowering
@@ -45,18 +49,22 @@ depend on T (``benchmarks/vmem_budget.py``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 import jax.numpy as jnp
 
 from .._common import GateForms
 from .._vma import match_vma
-from . import hopper_plan
-from .config import BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, auto_mid_dtype, check_type
+from . import paths
+from .hopper import plan as hopper_plan
+from .config import (BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCall, KernelConfig, Precision, auto_mid_dtype,
+                     check_type)
+from .hopper.tuning import HopperTuning
+from .tuning import TritonTuning
 from .platform import PLATFORMS, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
-__all__ = ["KernelConfig", "KernelCall", "KernelInputs", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
+__all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
            "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 
@@ -90,14 +98,32 @@ def check_supported(forms: GateForms, *, chunk_size: int, K: int, V: int, dtype)
         raise NotImplementedError(f"backend='pallas' {reason}; backend='auto' picks one that takes the call")
 
 
+class KernelsReport(NamedTuple):
+    """What :func:`forward_kernels` / :func:`backward_kernels` report for a call.
+
+    ``kernels``: "hopper" (the Mosaic GPU kernels of :mod:`.hopper`), for the backward also
+    "hopper-blocks" / "hopper+xla" (K or V above 128: the Hopper reverse pass with the local
+    gradients from the Hopper gradient kernel on 128 x 128 blocks / as XLA matmuls), else the
+    platform's ("triton" on GPU, "tpu", "interpret", "tpu_interpret"); ``reason``: where the
+    Hopper kernels were asked for (``gpu_kernels`` "mosaic", or None on an sm_90 GPU) and do not
+    run, why not (:func:`.hopper.plan.fwd_covers` / :func:`.hopper.plan.bwd_covers`), else None;
+    ``path``: the :mod:`.paths` entry that runs; ``not_taken``: ((entry, why not), ...) for every
+    other entry of the table, in its order."""
+
+    kernels: str
+    reason: Optional[str]
+    path: str
+    not_taken: Tuple[Tuple[str, str], ...]
+
+
 def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
-                    kernel_config: Optional[KernelConfig] = None):
+                    kernel_config: Optional[KernelConfig] = None) -> KernelsReport:
     """Which forward kernels ``gated_delta_rule(..., backend="pallas")`` runs for these arrays
-    (shapes and dtypes are what count): ``("hopper", None)`` for the Mosaic GPU kernels of
-    :mod:`.hopper`, else ``(platform kernels, reason)`` with the platform's kernels ("triton" on
-    GPU, "tpu", "interpret", "tpu_interpret") and why the Hopper kernels do not take the call
-    (:func:`.hopper_plan.fwd_covers`; None where they were not asked for: ``gpu_kernels`` "triton", or a
-    non-Hopper device under the default).
+    (shapes and dtypes are what count): a :class:`KernelsReport` -- the entry of
+    :data:`.paths.FORWARD` that runs and why the others do not; ``[:2]`` is ``("hopper", None)``
+    for the Mosaic GPU kernels, else ``(platform kernels, why the Hopper kernels do not take the
+    call)`` (None where they were not asked for: ``gpu_kernels`` "triton", or a non-Hopper device
+    under the default).
 
     Raises: as ``gated_delta_rule(..., backend="pallas")``: TypeError / ValueError for arguments
     that do not fit its layout (the message names the argument and the expected shape), or a
@@ -107,12 +133,9 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
 
 
 def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
-                     kernel_config: Optional[KernelConfig] = None):
-    """:func:`forward_kernels` for the backward: ``("hopper", None)`` for the Mosaic GPU kernels of
-    :mod:`.hopper_bwd`, ``("hopper+xla", None)`` / ``("hopper-blocks", None)`` for K > 128 with
-    ``KernelConfig.wide_backward`` "hopper_xla" / "hopper" (the Mosaic GPU reverse pass and the local
-    gradients as XLA matmuls / from the Hopper gradient kernel on 128-column blocks), else ``(platform kernels,
-    reason)`` (:func:`.hopper_bwd.covers`).
+                     kernel_config: Optional[KernelConfig] = None) -> KernelsReport:
+    """:func:`forward_kernels` for the backward (the entries of :data:`.paths.BACKWARD`):
+    ``kernels`` "hopper", "hopper-blocks", "hopper+xla" or the platform's.
 
     Raises: as :func:`forward_kernels`."""
     return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
@@ -125,16 +148,17 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
     check_type(kernel_config)
     check_supported(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     cfg = KernelConfig() if kernel_config is None else kernel_config
-    calls = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).calls
-    call = calls[0] if direction == "fwd" else calls[1]
-    if call.mosaic_fwd if direction == "fwd" else call.mosaic_bwd:
-        return "hopper", None
-    if direction == "bwd" and call.mixed_bwd:
-        return ("hopper-blocks" if call.wide_grads == "hopper" else "hopper+xla"), None
-    name = "triton" if call.platform == "gpu" else call.platform
-    asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
-    covers = hopper_plan.fwd_covers if direction == "fwd" else hopper_plan.bwd_covers
-    return name, (covers(call) if asked else None)
+    route = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).route
+    chosen = route[0] if direction == "fwd" else route[1]
+    table = paths.FORWARD_BY_NAME if direction == "fwd" else paths.BACKWARD_BY_NAME
+    name = paths.kernels_name(chosen)
+    reason = None
+    if not table[chosen.path].hopper:
+        call = chosen.call
+        asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
+        covers = hopper_plan.fwd_covers if direction == "fwd" else hopper_plan.bwd_covers
+        reason = covers(paths.hopper_call(call) if call.hopper else call) if asked else None
+    return KernelsReport(name, reason, chosen.path, chosen.not_taken)
 
 
 def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,
@@ -157,6 +181,6 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
     # made varying outside it; that cast's transpose sums its gradient over the axes)
     args = list(prep.args)
     args[:6] = [match_vma(a, *args[:6]) for a in args[:6]]
-    o, fin = chunk_gated_delta_rule(prep.calls, *args)
+    o, fin = chunk_gated_delta_rule(prep.route, *args)
     o, fin = prep.finish(o, fin)
     return o, fin, prep.valid

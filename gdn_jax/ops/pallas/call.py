@@ -1,10 +1,10 @@
 """The settings of one direction of one ``backend="pallas"`` call (:class:`KernelCall`): a plain
-record that the kernels, the planning module (:mod:`.hopper_plan`) and :mod:`.config` (which
+record that the kernels, the planning module (:mod:`.hopper.plan`) and :mod:`.config` (which
 builds it) all read; it imports nothing of theirs."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,35 +44,33 @@ class KernelCall:
     fuse_output: bool
     save_t: bool
     merge_state: bool
-    mosaic_fwd: bool = False  # the forward runs the Hopper (Mosaic GPU) kernels
-    mosaic_bwd: bool = False  # the backward runs the Hopper (Mosaic GPU) kernels
-    bv_mosaic: int = 64  # value block of the Hopper state pass
-    save_wy: bool = True  # KernelConfig.save_wy (used where both directions run the Hopper kernels)
-    wy_inverse: str = "blocked"  # KernelConfig.wy_inverse (the Hopper WY kernels)
-    wy_precision: str = "bf16"  # KernelConfig.wy_precision (the Hopper WY kernels' doubling rounds)
-    grad_precision: str = "bf16"  # KernelConfig.grad_precision (the Hopper gradient kernels' T phase)
-    grad_tp: str = "direct"  # KernelConfig.grad_t_phase
-    fwd_form: str = "wu"  # KernelConfig.fwd_form (the Hopper forward: W, U or T to the state pass)
-    approx_math: bool = False  # KernelConfig.approx_math (the Hopper kernels' exp)
-    own_barriers: Tuple[str, ...] = ()  # KernelConfig.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
-    wy_per_cta: int = 1  # KernelConfig.wy_chunks_per_cta (the Hopper forward WY kernel)
-    late_o: bool = False  # KernelConfig.late_o_store (the Hopper forward state pass)
-    state_prod: bool = False  # KernelConfig.state_producer (the Hopper state passes)
-    state_wgs: int = 1  # KernelConfig.state_warpgroups (compute warpgroups of a state pass CTA)
-    state_slots: int = 2  # KernelConfig.state_slots (TMA slots of the state passes)
-    rev_prod: bool = False  # KernelConfig.reverse_producer (the Hopper reverse pass)
-    wy_compact: bool = True  # KernelConfig.wy_compact (the Hopper forward WY kernel)
-    grad_wgs: int = 2  # KernelConfig.grad_warpgroups (the Hopper gradient kernel)
-    grad_per_cta: int = 1  # KernelConfig.grad_chunks_per_cta (the Hopper gradient kernel)
-    save_states: bool = False  # KernelConfig.save_states (used where both directions run the Hopper kernels)
-    # KernelConfig.wide_backward="hopper_xla" took this (backward) call: the Hopper reverse pass and
-    # XLA local gradients on the forward's saved residuals (set by resolve / to_kernel_inputs only)
-    mixed_bwd: bool = False
-    # KernelConfig.wide_backward="hopper": the local gradients of a K > 128 call from the Hopper gradient
+    hopper: bool = False  # KernelConfig.gpu_kernels: the Hopper (Mosaic GPU) kernels are asked for on this platform
+    bv_given: Optional[int] = None  # TritonTuning.bv_state as given (the Hopper state pass's block; None: plan.block_for)
+    bv_mosaic: int = 64  # value block of the Hopper state pass (set by the Hopper paths: paths.hopper_call)
+    save_wy: bool = True  # HopperTuning.save_wy (used where both directions run the Hopper kernels)
+    wy_inverse: str = "blocked"  # HopperTuning.wy_inverse (the Hopper WY kernels)
+    wy_precision: str = "bf16"  # HopperTuning.wy_precision (the Hopper WY kernels' doubling rounds)
+    grad_precision: str = "bf16"  # HopperTuning.grad_precision (the Hopper gradient kernels' T phase)
+    grad_tp: str = "direct"  # HopperTuning.grad_t_phase
+    fwd_form: str = "wu"  # HopperTuning.fwd_form (the Hopper forward: W, U or T to the state pass)
+    fwd_form_auto: bool = False  # HopperTuning.fwd_form None: the Hopper paths pick the form (plan.t_form_default)
+    wide_backward: Optional[str] = None  # HopperTuning.wide_backward (the Hopper backward at K or V above 128)
+    approx_math: bool = False  # HopperTuning.approx_math (the Hopper kernels' exp)
+    own_barriers: Tuple[str, ...] = ()  # HopperTuning.auto_barriers: the Hopper kernels (OWN_BARRIER_KERNELS) without Pallas' barriers
+    wy_per_cta: int = 1  # HopperVariants.wy_chunks_per_cta (the Hopper forward WY kernel)
+    late_o: bool = False  # HopperTuning.late_o_store (the Hopper forward state pass)
+    state_prod: bool = False  # HopperTuning.state_producer (the Hopper state passes)
+    state_wgs: int = 1  # HopperVariants.state_warpgroups (compute warpgroups of a state pass CTA)
+    state_slots: int = 2  # HopperVariants.state_slots (TMA slots of the state passes)
+    rev_prod: bool = False  # HopperTuning.reverse_producer (the Hopper reverse pass)
+    wy_compact: bool = True  # HopperTuning.wy_compact (the Hopper forward WY kernel)
+    grad_wgs: int = 2  # HopperTuning.grad_warpgroups (the Hopper gradient kernel)
+    grad_per_cta: int = 1  # HopperVariants.grad_chunks_per_cta (the Hopper gradient kernel)
+    save_states: bool = False  # HopperTuning.save_states (used where both directions run the Hopper kernels)
+    # the path "hopper_blocks" (paths.py): the local gradients of a K > 128 call from the Hopper gradient
     # kernel on (key block, value block) tiles; set on the sub-call that kernel runs: its K, V are one
-    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper_bwd.chunk_grads_blocks)
+    # block, its bh axis has grad_blocks[0] * grad_blocks[1] virtual heads per head (hopper.grads.chunk_grads_blocks)
     grad_blocks: Tuple[int, int] = (1, 1)
-    wide_grads: str = "xla"  # KernelConfig.wide_backward of a mixed_bwd call: "xla" or "hopper"
 
     @property
     def Tp(self) -> int:

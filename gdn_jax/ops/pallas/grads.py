@@ -60,7 +60,7 @@ def _ddec(S, dS):
 def _wy_backward(call: KernelCall, T, A, Gs, strict, dT, dW, k, e_gam, dA=None, dX=None):
     """Through W = T X (X = beta K e^gamma), T = (I + A)^-1, A = strict((beta K) K^T * Gamma),
     for the K columns ``k``: returns (M = dA * A, dKK = dA * Gamma, d(beta K), dX). ``dA`` given
-    (``KernelConfig.grad_t_phase="direct"``): dT is not used; ``dX`` given (= T^T dW, formed by the
+    (``HopperTuning.grad_t_phase="direct"``): dT is not used; ``dX`` given (= T^T dW, formed by the
     caller as -(T^T dVn) S^T): dW is not used."""
     if dX is None:
         dX = _t.mm(call, T, dW, ta=True, dt=F32)
@@ -110,7 +110,7 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
     A = _t.mm(call, kb, k, tb=True) * Gs
     T = t_ref[...] if t_ref is not None else _t.inv_unit_lower(call, A)
 
-    # KernelConfig.grad_t_phase="direct" here only with float32 intermediates: the chain reads v, X
+    # HopperTuning.grad_t_phase="direct" here only with float32 intermediates: the chain reads v, X
     # and h, the direct form the stored Vn, whose bf16 rounding is relative to |U| + |W S|, not to
     # |Vn| -- where Vn cancels (the state already predicts v) dbeta came out 1.2-2x less accurate
     # (found in a review: repeated keys, bf16 intermediates). The K-split kernel's chain already
@@ -120,7 +120,7 @@ def _grad_kernel(call: KernelCall, *, q_ref, k_ref, v_ref, do_ref, beta_ref, gam
     def more(sl, S, dS, vn, dvn, v, add):  # everything else that runs over V
         add("ddec", _ddec(S, dS))
         dvb = _t.mm(call, T, dvn, ta=True, dt=F32)
-        if direct:  # KernelConfig.grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), since (I + A)^T T^T = I
+        if direct:  # HopperTuning.grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), since (I + A)^T T^T = I
             add("dAd", _t.mm(call, dvb, vn, tb=True, dt=F32))
             # and dX = T^T dW = -(T^T dVn) S^T from the same T^T dVn (no dW, no T^T dW product)
             add("dX", -_t.mm(call, dvb, S, tb=True, dt=F32))
@@ -187,7 +187,7 @@ def _grad_kernel_ksplit(call: KernelCall, *, q_ref, k_ref, q_cols_ref, k_cols_re
     dk = acc["dKd"] * e_gam_end_ref[...]
 
     kbs = ks * beta
-    if call.grad_tp == "direct":  # KernelConfig.grad_t_phase: dA = -strict(T^T dvn Vn^T), since (I + A)^T T^T = I
+    if call.grad_tp == "direct":  # HopperTuning.grad_t_phase: dA = -strict(T^T dvn Vn^T), since (I + A)^T T^T = I
         dA = -_t.mm(call, T, acc["dVV"], ta=True, dt=F32, role="inv") * strict
         M, dKK, dkb, dX = _wy_backward(call, T, A, Gs, strict, None, acc["dW"], ks, e_gam, dA=dA)
     else:

@@ -1,6 +1,6 @@
 """The backward's local gradients as batched XLA matmuls (no Pallas): the gradient stage of the
-Hopper backward at head dim 256 (``KernelConfig.wide_backward="hopper_xla"``), where the Mosaic
-GPU gradient kernel (:func:`gdn_jax.ops.pallas.hopper_bwd.chunk_grads`, K <= 128) does not fit in
+Hopper backward at head dim 256 (``HopperTuning.wide_backward="hopper_xla"``), where the Mosaic
+GPU gradient kernel (:func:`gdn_jax.ops.pallas.hopper.grads.chunk_grads`, K <= 128) does not fit in
 shared memory. The same arithmetic as that kernel's direct form (``grad_t_phase="direct"``), per
 chunk and head (q scaled, S = h_n the state entering the chunk, dS = dh_n the gradient of the
 state leaving it, T = (I + A)^-1 from the forward's saved hi / lo pair)::
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import KernelCall
-from .hopper import _split  # float32 -> (hi, lo) bf16 pair
+from .hopper.common import split_hi_lo  # float32 -> (hi, lo) bf16 pair
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -39,18 +39,18 @@ def _mm(eq, a, b):
     if a32 and b32:
         raise ValueError("_mm: at most one float32 operand")
     if a32:
-        hi, lo = _split(a)
+        hi, lo = split_hi_lo(a)
         return (jnp.einsum(eq, hi, b, preferred_element_type=F32)
                 + jnp.einsum(eq, lo, b, preferred_element_type=F32))
     if b32:
-        hi, lo = _split(b)
+        hi, lo = split_hi_lo(b)
         return (jnp.einsum(eq, a, hi, preferred_element_type=F32)
                 + jnp.einsum(eq, a, lo, preferred_element_type=F32))
     return jnp.einsum(eq, a, b, preferred_element_type=F32)
 
 
 def chunk_grads_xla(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
-    """The local gradients of every chunk (the XLA twin of :func:`gdn_jax.ops.pallas.hopper_bwd.chunk_grads`).
+    """The local gradients of every chunk (the XLA twin of :func:`gdn_jax.ops.pallas.hopper.grads.chunk_grads`).
 
     Args: q, k [B, T, Hk, K] and v, dO [B, T, H, V] (token layout, 16-bit); beta, gamma, e^gamma,
       e^{gamma_C - gamma} columns [BH, T, 1] f32; h, dh [BH, n, K, V] (the state entering each chunk
@@ -102,7 +102,7 @@ def chunk_grads_xla(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, 
     dv = dvb * beta_c
     dbeta = jnp.sum(dvb * vc.astype(F32), -1, keepdims=True)
     # [dO; (T^T dVn) hi; lo] against S: dQg = dO S^T and dX = T^T dW = -(T^T dVn) S^T in one product
-    G2 = ein("bnscv,bnkv->bnsck", jnp.stack([doc, *_split(dvb)], axis=2), S)
+    G2 = ein("bnscv,bnkv->bnsck", jnp.stack([doc, *split_hi_lo(dvb)], axis=2), S)
     dQg, dX = G2[:, :, 0], -(G2[:, :, 1] + G2[:, :, 2])
     dKd = ein("bncv,bnkv->bnck", vn_c, dS)
 

@@ -24,7 +24,7 @@ from . import state_tpu
 from . import tiles as _t
 from .config import KernelCall
 from .layout import run, sds
-from .state_fwd import _flags_input, forward_state_loop, state_specs
+from .state_fwd import flags_input, forward_state_loop, state_specs
 
 F32 = _t.F32
 
@@ -74,7 +74,7 @@ def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_l
     sp = state_specs(call, bv)
     inputs = dict(q=(q, sp["tok_k"]), k=(k, sp["tok_k"]), w=(w, sp["hm_k"]), dvl=(dvl, sp["hm_v"]),
                   do=(do, sp["tok_v"]), e_gam=(e_gam, sp["col"]), e_gam_end=(e_gam_end, sp["col"]),
-                  e_gam_last=(e_gam_last, sp["last"]), dfinal=(dfinal, sp["state"]), flags=_flags_input(call, flags))
+                  e_gam_last=(e_gam_last, sp["last"]), dfinal=(dfinal, sp["state"]), flags=flags_input(call, flags))
     outputs = dict(dh=(sds((BH, n, K, V), call.mid_dt), sp["chunk_states"]),
                    dvn=(sds((BH, Tp, V), call.mid_dt), sp["hm_v"]),
                    dh0=(sds(dfinal.shape, F32), sp["state"]))
@@ -113,7 +113,7 @@ def merged_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, q, dvl, 
     inputs = dict(w=(w, sp["hm_k"]), u=(u, sp["hm_v"]), k=(k, sp["tok_k"]), e_gam_end=(e_gam_end, sp["col"]),
                   e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), q=(q, sp["tok_k"]),
                   dvl=(dvl, sp["hm_v"]), do=(do, sp["tok_v"]), e_gam=(e_gam, sp["col"]),
-                  dfinal=(dfinal, sp["state"]), flags=_flags_input(call, flags))
+                  dfinal=(dfinal, sp["state"]), flags=flags_input(call, flags))
     outputs = dict(vn=(sds((BH, Tp, V), call.mid_dt), sp["hm_v"]),
                    h=(sds((BH, n, K, V), call.mid_dt), sp["chunk_states"]),
                    dh=(sds((BH, n, K, V), call.mid_dt), sp["chunk_states"]),

@@ -87,7 +87,7 @@ def state_specs(call: KernelCall, bv):
     )
 
 
-def _flags_input(call: KernelCall, flags):
+def flags_input(call: KernelCall, flags):
     return (flags, _plat.smem_spec(call.platform, flags.shape)) if call.packed else None
 
 
@@ -101,7 +101,7 @@ def forward_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
     BH, K, V, n, Tp = call.BH, call.K, call.V, call.n, call.Tp
     sp = state_specs(call, bv)
     inputs = dict(w=(w, sp["hm_k"]), u=(u, sp["hm_v"]), k=(k, sp["tok_k"]), e_gam_end=(e_gam_end, sp["col"]),
-                  e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), flags=_flags_input(call, flags))
+                  e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), flags=flags_input(call, flags))
     outputs = dict(vn=(sds((BH, Tp, V), call.mid_dt), sp["hm_v"]),
                    h=(sds((BH, n, K, V), call.mid_dt), sp["chunk_states"]),
                    final=(sds(h0.shape, F32), sp["state"]))
@@ -121,7 +121,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     inputs = dict(w=(w, sp["hm_k"]), u=(u, sp["hm_v"]), k=(k, sp["tok_k"]), e_gam_end=(e_gam_end, sp["col"]),
                   e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), q=(q, sp["tok_k"]),
                   e_gam=(e_gam, sp["col"]), aqk=(aqk, pl.BlockSpec((None, n, C, C), lambda b, j: (b, 0, 0, 0))),
-                  flags=_flags_input(call, flags))
+                  flags=flags_input(call, flags))
     outputs = dict(o=(token_shape(call, V, call.in_dt), token_spec(call, Tp, bv, lambda b, j: (b, 0, j))),
                    final=(sds(h0.shape, F32), sp["state"]))
     return run(call, functools.partial(forward_state_loop, call), name="gdn_fwd_h_o", grid=(BH, V // bv),

@@ -15,23 +15,15 @@ heads, merged into the kernels' layout there (:func:`_merge`), so that under ``j
 inputs every device runs its own rows and heads. The forward and the backward each
 run at their own chunk (:func:`gdn_jax.ops.pallas.config.kernel_chunk`). The residuals are the
 inputs, O(T (K + V)) per head, and where both directions run the Hopper kernels at one chunking
-also what ``KernelConfig.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
-``KernelConfig.save_states`` (h_n, Vn and, with save_wy, W; on by default: the per-chunk states
+also what ``HopperTuning.save_wy`` (Aqk, T: 24 KB per chunk and head at C = 64, on by default) and
+``HopperTuning.save_states`` (h_n, Vn and, with save_wy, W; on by default: the per-chunk states
 h_n alone, n K V per head, are 134 MB in bf16 at B4 T4096 H16 D128) keep; the backward recomputes
 the rest. A call that is not differentiated runs the forward without these residual writes.
 
-* forward: :func:`~.wy.wy_repr` (W, U, Aqk) -> :func:`~.state_fwd.forward_states_and_output`
-  (o and the final state); unfused: wy_repr (W, U) -> forward_states (Vn, h_n) -> output; on
-  Hopper (``KernelCall.mosaic_fwd``) the Mosaic GPU twins :func:`~.hopper.wy_forward` ->
-  :func:`~.hopper.forward_states_and_output`.
-* backward: wy_repr (W, U, dVl = Aqk^T dO, T) -> the two state passes (forward recompute: Vn,
-  h_n; reverse: dh_n, dVn, d h0), merged in one launch or apart -> :func:`~.grads.chunk_grads`;
-  on Hopper (``KernelCall.mosaic_bwd``) the Mosaic GPU twins of :mod:`~.hopper_bwd`:
-  wy_backward -> recompute_states -> reverse_states (+ d e^{gamma_C}) -> chunk_grads (with
-  ``KernelConfig.save_wy`` the forward's Aqk and T replace the WY's inverse; with
-  ``KernelConfig.save_states`` the forward's h_n and Vn replace recompute_states, and with both
-  there is no WY stage: the forward's W is kept too and reverse_states forms dVl = Aqk^T dO from
-  the saved Aqk).
+* the kernels of each direction: the first entry of the table of kernel paths (:mod:`.paths`)
+  that covers the call, chosen once per call in :func:`to_kernel_inputs` (on the whole call, before
+  any sharding) and passed to the ``custom_vjp`` as a static argument; :func:`forward` /
+  :func:`backward` run the chosen entry.
 """
 from __future__ import annotations
 
@@ -45,15 +37,10 @@ import numpy as np
 
 from .. import packing as _packing
 from .._common import prepare
-from . import hopper, hopper_bwd, hopper_transition
 from . import platform as _plat
-from .config import KernelCall, KernelConfig, kernel_chunk, resolve
-from .grads import chunk_grads
-from .grads_xla import chunk_grads_xla
 from . import partition as _partition
-from .state_bwd import merged_states, reverse_states
-from .state_fwd import forward_states, forward_states_and_output, output
-from .wy import wy_repr
+from . import paths as _paths
+from .config import KernelCall, KernelConfig, kernel_chunk, resolve
 
 F32 = jnp.float32
 
@@ -78,44 +65,19 @@ def gate_terms(call: KernelCall, beta_hm, g_hm):
 
 
 def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy=False,
-            save_states=False):
+            save_states=False, path=None):
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
-    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. With ``save_wy`` and / or
-    ``save_states`` (Hopper forward only) a third result, the residuals the Hopper backward reuses:
-    a dict with the WY products ``aqk, t_hi, t_lo`` (``save_wy``), the states entering each
-    chunk ``h`` with ``vn`` (``save_states``) and ``w`` (both)."""
-    if (save_wy or save_states) and not call.mosaic_fwd:
-        raise ValueError("forward(save_wy=True / save_states=True) needs the Hopper forward (KernelCall.mosaic_fwd)")
-    saved = {}
-    if call.mosaic_fwd and call.fwd_form == "t":  # Hopper, the state pass forms Vn from T and v
-        wy = hopper.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
-        out = hopper.forward_states_and_output(call, None, None, k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
-                                               wy["aqk"], save_states=save_states, v=v,
-                                               t=(wy["t_hi"], wy["t_lo"]), beta=beta)
-    elif call.mosaic_fwd:  # Hopper: both forward stages in Mosaic GPU (hopper.covers took the call)
-        wy = hopper.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
-        # fwd_form "transition": the state pass with one wgmma group per chunk on its chain
-        state_pass = (hopper_transition.forward_states_transition if call.fwd_form == "transition"
-                      else hopper.forward_states_and_output)
-        out = state_pass(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam, wy["aqk"],
-                         save_states=save_states)
-    if call.mosaic_fwd:
-        o, fin = out["o"], out["final"]
-        if save_wy:
-            saved.update(aqk=wy["aqk"], t_hi=wy["t_hi"], t_lo=wy["t_lo"])
-        if save_states:
-            saved.update(h=out["h"], vn=out["vn"])
-            if save_wy:  # with the saved Aqk and T the backward has no WY stage: it needs W from here
-                saved["w"] = wy["w"]
-    elif call.fuse_output:
-        wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
-        out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam,
-                                        wy["aqk"])
-        o, fin = out["o"], out["final"]
-    else:
-        wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam)
-        st = forward_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
-        o, fin = output(call, q, k, gam, gam_row, e_gam, st["h"], st["vn"])["o"], st["final"]
+    ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. ``path``: the :data:`.paths.FORWARD`
+    entry to run, with ``call`` as that entry prepared it (:class:`.paths.Chosen`); None: the
+    table's choice for ``call``. With ``save_wy`` and / or ``save_states`` (Hopper paths only) a
+    third result, the residuals the Hopper backward reuses: a dict with the WY products ``aqk,
+    t_hi, t_lo`` (``save_wy``), the states entering each chunk ``h`` with ``vn``
+    (``save_states``) and ``w`` (both)."""
+    if path is None:
+        chosen = _paths.choose("fwd", call)
+        call, path = chosen.call, chosen.path
+    o, fin, saved = _paths.FORWARD_BY_NAME[path].run(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last,
+                                                    h0, flags, save_wy, save_states)
     if call.packed:
         fin = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], fin, h0)
     if save_wy or save_states:
@@ -123,84 +85,35 @@ def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_g
     return o, fin
 
 
-def _hopper_both(calls) -> bool:
-    cf, cb = calls
-    return bool(cf.mosaic_fwd and (cb.mosaic_bwd or cb.mixed_bwd) and cf.C == cb.C and cf.n == cb.n)
+def saves_wy(route) -> bool:
+    """Whether the forward keeps its WY products for the backward (``HopperTuning.save_wy``): both
+    directions of ``route`` (the forward's and the backward's :class:`.paths.Chosen`) on Hopper
+    paths at the same chunking."""
+    return bool(route[1].call.save_wy and _paths.hopper_both(*route))
 
 
-def saves_wy(calls) -> bool:
-    """Whether the forward keeps its WY products for the backward (``KernelConfig.save_wy``): both
-    directions on the Hopper kernels at the same chunking."""
-    return bool(calls[1].save_wy and _hopper_both(calls))
-
-
-def saves_states(calls) -> bool:
+def saves_states(route) -> bool:
     """Whether the forward keeps the states entering each chunk and Vn for the backward
-    (``KernelConfig.save_states``): both directions on the Hopper kernels at the same chunking."""
-    return bool(calls[1].save_states and _hopper_both(calls))
+    (``HopperTuning.save_states``): both directions of ``route`` on Hopper paths at the same
+    chunking."""
+    return bool(route[1].call.save_states and _paths.hopper_both(*route))
 
 
-def backward(call: KernelCall, inputs, cts, saved=None):
+def backward(call: KernelCall, inputs, cts, saved=None, path=None):
     """The backward kernels of one chunking. ``inputs``: the arguments of :func:`forward`;
     ``cts``: (do, d final state); ``saved``: the forward's residual dict (:func:`forward` with
-    ``save_wy`` / ``save_states``: :func:`saves_wy`, :func:`saves_states`) or None. Returns the
-    cotangents of every input of :func:`forward` (None for the flags)."""
-    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
+    ``save_wy`` / ``save_states``: :func:`saves_wy`, :func:`saves_states`) or None; ``path``: the
+    :data:`.paths.BACKWARD` entry (None: the table's choice for ``call`` without a forward, so never
+    one that needs the forward's residuals). Returns the cotangents of every input of
+    :func:`forward` (None for the flags)."""
+    if path is None:
+        chosen = _paths.choose("bwd", call)
+        call, path = chosen.call, chosen.path
     do, dfin = cts
     do = do.astype(call.in_dt)
     dfin = dfin.astype(F32)
-    if call.mosaic_bwd:  # Hopper: every backward stage in Mosaic GPU (hopper_bwd.covers took the call)
-        return _hopper_backward(call, inputs, do, dfin, saved or {})
-    if call.mixed_bwd:  # K > 128 on Hopper (KernelConfig.wide_backward="hopper_xla")
-        return _mixed_backward(call, inputs, do, dfin, saved)
-    if saved:
-        raise ValueError("backward(saved=...) needs the Hopper backward (KernelCall.mosaic_bwd)")
-    wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q, do=do)
-    if call.merge_state:
-        st = merged_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, q, wy["dvl"], do, e_gam, dfin, flags)
-    else:
-        st = dict(forward_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags))
-        st.update(reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, flags))
-    gr = chunk_grads(call, q, k, v, do, beta, gam, gam_row, e_gam, e_gam_end, st["h"], st["dh"], st["vn"], st["dvn"],
-                     wy.get("t"))
-    return _cotangents(call, gr, st["dh0"], gr["de_gam_last"], flags, dfin)
-
-
-def _hopper_backward(call: KernelCall, inputs, do, dfin, saved):
-    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
-    if "aqk" not in saved:
-        wy = hopper_bwd.wy_backward(call, q, k, v, do, beta, gam, e_gam)
-    elif "w" in saved:  # the forward's Aqk, T, W and states: no WY stage (the reverse pass forms dVl)
-        wy = dict(w=saved["w"], dvl=None, t_hi=saved["t_hi"], t_lo=saved["t_lo"])
-    else:  # the forward's Aqk and T: no second inverse
-        t_hi, t_lo = saved["t_hi"], saved["t_lo"]
-        wy = dict(hopper_bwd.wy_from_saved(call, k, v, do, beta, e_gam, saved["aqk"], t_hi, t_lo), t_hi=t_hi,
-                  t_lo=t_lo)
-    if "h" in saved:  # the forward's states and Vn: no forward recompute
-        st = dict(h=saved["h"], vn=saved["vn"])
-    else:
-        st = hopper_bwd.recompute_states(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)
-    rs = hopper_bwd.reverse_states(call, q, k, wy["w"], wy["dvl"], do, e_gam, e_gam_end, e_gam_last, dfin, st["h"],
-                                   flags, aqk=saved["aqk"] if wy["dvl"] is None else None)
-    gr = hopper_bwd.chunk_grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, st["h"], rs["dh"], st["vn"],
-                                rs["dvn"], wy["t_hi"], wy["t_lo"])
-    return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
-
-
-def _mixed_backward(call: KernelCall, inputs, do, dfin, saved):
-    """K > 128 on Hopper: the Mosaic GPU reverse pass (dVl = Aqk^T dO formed in it) and the local
-    gradients as XLA matmuls (:func:`.grads_xla.chunk_grads_xla`) or from the Hopper gradient kernel
-    on 128-column blocks (:func:`.hopper_bwd.chunk_grads_blocks`, ``wide_backward="hopper"``), both on
-    the forward's saved Aqk, T, W, h_n and Vn."""
-    q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags = inputs
-    if not saved or not {"aqk", "t_hi", "t_lo", "w", "h", "vn"} <= set(saved):
-        raise ValueError("backward: KernelCall.mixed_bwd needs the forward's residuals (save_wy and save_states)")
-    rs = hopper_bwd.reverse_states(call, q, k, saved["w"], None, do, e_gam, e_gam_end, e_gam_last, dfin, saved["h"],
-                                   flags, aqk=saved["aqk"])
-    grads = hopper_bwd.chunk_grads_blocks if call.wide_grads == "hopper" else chunk_grads_xla
-    gr = grads(call, q, k, v, do, beta, gam, e_gam, e_gam_end, saved["h"], rs["dh"], saved["vn"], rs["dvn"],
-               saved["t_hi"], saved["t_lo"])
-    return _cotangents(call, gr, rs["dh0"], rs["de_gam_last"], flags, dfin)
+    gr, dh0, de_gam_last = _paths.BACKWARD_BY_NAME[path].run(call, inputs, do, dfin, saved)
+    return _cotangents(call, gr, dh0, de_gam_last, inputs[-1], dfin)
 
 
 def _cotangents(call: KernelCall, gr, dh0, de_gam_last, flags, dfin):
@@ -264,11 +177,12 @@ def _split_tok(call: KernelCall, x, B: int):
 def _forward_block(static, q, k, v, beta, g, h0, flags):
     """The forward kernels on one block of batch rows and heads (split layout in and out):
     o, final state [B,H,nseq,K,V] and the residuals named by :func:`saved_names`."""
-    call, save, keep = static
+    chosen, save, keep = static
     B, H = beta.shape[:2]
-    call = _local(call, B, H)
+    call = _local(chosen.call, B, H)
     q, k, v, beta, g, h0 = _merge(call, q, k, v, beta, g, h0)
-    out = forward(call, q, k, v, *gate_terms(call, beta, g), h0, flags, save_wy=save, save_states=keep)
+    out = forward(call, q, k, v, *gate_terms(call, beta, g), h0, flags, save_wy=save, save_states=keep,
+                  path=chosen.path)
     saved = out[2] if (save or keep) else {}
     return (_split_tok(call, out[0], B), _split(out[1], B, H)) + tuple(_split(saved[n], B, H)
                                                                        for n in saved_names(save, keep))
@@ -276,62 +190,65 @@ def _forward_block(static, q, k, v, beta, g, h0, flags):
 
 def _backward_block(static, q, k, v, beta, g, h0, flags, do, dfin, *saved):
     """The backward kernels on one block of batch rows and heads (split layout in and out):
-    dq, dk, dv, dbeta, dg, d h0. ``static``: (backward KernelCall, the names of ``saved``)."""
-    call, names = static
+    dq, dk, dv, dbeta, dg, d h0. ``static``: (the backward's :class:`.paths.Chosen`, the names of
+    ``saved``)."""
+    chosen, names = static
     B, H = beta.shape[:2]
-    call = _local(call, B, H)
+    call = _local(chosen.call, B, H)
     q, k, v, beta, g, h0 = _merge(call, q, k, v, beta, g, h0)
     if call.layout == "hm":
         do = do.reshape(B * H, *do.shape[2:])
     dfin = dfin.reshape(B * H, *dfin.shape[2:])
     res = {n: x.reshape(B * H, *x.shape[2:]) for n, x in zip(names, saved)} or None
     terms, terms_vjp = jax.vjp(lambda b, g: gate_terms(call, b, g), beta, g)
-    dq, dk, dv, *dterms, dh0, _ = backward(call, (q, k, v, *terms, h0, flags), (do, dfin), saved=res)
+    dq, dk, dv, *dterms, dh0, _ = backward(call, (q, k, v, *terms, h0, flags), (do, dfin), saved=res,
+                                           path=chosen.path)
     dbeta, dg = terms_vjp(tuple(dterms))
     return (_split_tok(call, dq, B), _split_tok(call, dk, B), _split_tok(call, dv, B), _split(dbeta, B, H),
             _split(dg, B, H), _split(dh0, B, H))
 
 
-def _run_forward(calls, q, k, v, beta, g, h0, flags, save=False, keep=False):
-    cf = calls[0]
+def _run_forward(route, q, k, v, beta, g, h0, flags, save=False, keep=False):
+    cf = route[0].call
     qk, vo = _TOK[cf.layout]
     n = len(saved_names(save, keep))
-    outs = _partition.run_sharded(_forward_block, (cf, save, keep), (q, k, v, beta, g, h0, flags),
+    outs = _partition.run_sharded(_forward_block, (route[0], save, keep), (q, k, v, beta, g, h0, flags),
                        (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group,
                        interpreted=_plat.interpreted(cf.platform))
     return outs[0], outs[1], dict(zip(saved_names(save, keep), outs[2:]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunk_gated_delta_rule(calls, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
+def chunk_gated_delta_rule(route, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
     """The chunked gated delta rule in Pallas kernels: ``(o, final_state f32 [B,H,nseq,K,V])``.
 
-    ``calls`` = (forward :class:`KernelCall`, backward KernelCall), each with its own chunk; the
+    ``route`` = the forward's and the backward's :class:`.paths.Chosen` (the kernel path of each
+    direction and the :class:`KernelCall` it reads), each with its own chunk; the
     arrays in the split layout of :func:`to_kernel_inputs` (q, k, v as the kernels read them,
     head-major on TPU as [B,H,Tp,D]; beta and g [B,H,Tp] f32; h0 [B,H,nseq,K,V] f32);
     ``flags_*`` the per-chunk flags of each chunking. The kernels run through
     :func:`.partition.run_sharded`: under ``jit`` on sharded inputs each device runs its own batch
     rows and heads. The residuals are the inputs (the backward recomputes the rest) and, on the
-    Hopper kernels, with ``KernelConfig.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
-    ``KernelConfig.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
+    Hopper kernels, with ``HopperTuning.save_wy`` (:func:`saves_wy`) the forward's Aqk and T, with
+    ``HopperTuning.save_states`` (:func:`saves_states`) the states entering each chunk and Vn (and,
     with both, W). Undifferentiated, the forward writes no residuals."""
-    o, fin, _ = _run_forward(calls, q, k, v, beta, g, h0, flags_fwd)
+    o, fin, _ = _run_forward(route, q, k, v, beta, g, h0, flags_fwd)
     return o, fin
 
 
-def _fwd(calls, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
-    save, keep = saves_wy(calls), saves_states(calls)
-    o, fin, saved = _run_forward(calls, q, k, v, beta, g, h0, flags_fwd, save, keep)
+def _fwd(route, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
+    save, keep = saves_wy(route), saves_states(route)
+    o, fin, saved = _run_forward(route, q, k, v, beta, g, h0, flags_fwd, save, keep)
     return (o, fin), (q, k, v, beta, g, h0, flags_fwd, flags_bwd, saved)
 
 
-def _bwd(calls, res, cts):
+def _bwd(route, res, cts):
     q, k, v, beta, g, h0, flags_fwd, flags_bwd, saved = res
-    cb = calls[1]
+    cb = route[1].call
     qk, vo = _TOK[cb.layout]
     names = tuple(sorted(saved))
     do, dfin = cts
-    grads = _partition.run_sharded(_backward_block, (cb, names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
+    grads = _partition.run_sharded(_backward_block, (route[1], names), (q, k, v, beta, g, h0, flags_bwd, do, dfin,
                                                        *(saved[n] for n in names)),
                         (qk, qk, vo, "bv.", "bv.", "bv*", ".", vo, "bv*") + ("bv*",) * len(names),
                         (qk, qk, vo, "bv.", "bv.", "bv*"), group=cb.group, interpreted=_plat.interpreted(cb.platform))
@@ -371,16 +288,28 @@ def _static_scale(scale, K):
 
 @dataclasses.dataclass
 class KernelInputs:
-    """Kernel-ready inputs of one call: ``calls`` (the forward's and backward's
-    :class:`KernelCall`), ``args`` of :func:`chunk_gated_delta_rule` in its split layout (q, k, v;
-    beta and g [B,H,Tp]; h0 [B,H,nseq,K,V]; the flags of each chunking), ``valid`` (False for a malformed traced
+    """Kernel-ready inputs of one call: ``route`` (the forward's and backward's
+    :class:`.paths.Chosen`: the kernel path of each direction and the :class:`KernelCall` its kernels
+    read), ``args`` of :func:`chunk_gated_delta_rule` in its split layout (q, k, v; beta and g
+    [B,H,Tp]; h0 [B,H,nseq,K,V]; the flags of each chunking), ``valid`` (False for a malformed traced
     ``cu_seqlens``) and ``finish(o, final)`` mapping its outputs back to [B, T, H, V] /
-    [B | N, H, K, V]. :meth:`kernel_args` gives the arrays in the kernels' own layout."""
+    [B | N, H, K, V]. :meth:`kernel_args` gives the arrays in the kernels' own layout; ``calls``
+    and ``paths`` the two calls and the two path names."""
 
-    calls: tuple
+    route: tuple
     args: tuple
     valid: jax.Array
     finish: Callable
+
+    @property
+    def calls(self) -> tuple:
+        """(forward :class:`KernelCall`, backward KernelCall), as the chosen paths' kernels read them."""
+        return tuple(c.call for c in self.route)
+
+    @property
+    def paths(self) -> tuple:
+        """(forward path, backward path): the names of the :mod:`.paths` entries that run."""
+        return tuple(c.path for c in self.route)
 
     def kernel_args(self, direction="fwd"):
         """``(call, inputs of forward/backward)`` of the forward or backward chunking (to time or
@@ -394,7 +323,8 @@ class KernelInputs:
 def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
                      chunk_size=64, config: KernelConfig = KernelConfig()) -> KernelInputs:
     """Plain-JAX preparation (differentiable): normalisation, head-dim padding, the time layout,
-    head-major per-token scalars and the two directions' :class:`KernelCall`."""
+    head-major per-token scalars, the two directions' :class:`KernelCall` and their kernel paths
+    (:func:`.paths.choose_both`)."""
     p = config.platform or _plat.default_platform()
     if p == "gpu":
         _plat.silence_triton_deprecation_at_lowering()
@@ -402,9 +332,9 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     H, V0 = v.shape[2], v.shape[-1]  # value heads (grouped value heads: H = group * Hk)
     G = H // Hk
     in_dt = out_dt = _in_dtype(q, k, v)
-    if (in_dt == jnp.dtype(F32) and config.f32_inputs == "bf16") or (
-            in_dt == jnp.dtype(jnp.float16) and config.f16_inputs == "bf16"):
-        in_dt = jnp.dtype(jnp.bfloat16)  # KernelConfig.f32_inputs / f16_inputs: the kernels read bf16 operands
+    if (in_dt == jnp.dtype(F32) and config.precision.f32_inputs == "bf16") or (
+            in_dt == jnp.dtype(jnp.float16) and config.precision.f16_inputs == "bf16"):
+        in_dt = jnp.dtype(jnp.bfloat16)  # Precision.f32_inputs / f16_inputs: the kernels read bf16 operands
     Cb = kernel_chunk(config, p, "bwd", chunk_size, max(K0, V0), in_dt)
     Cf = kernel_chunk(config, p, "fwd", chunk_size, max(K0, V0), in_dt)
     C = max(Cf, Cb)  # the time layout is built for the larger chunk (powers of two: the smaller divides it)
@@ -462,7 +392,5 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
             fin = fin[:, :, :K0, :V0]
         return o, fin
 
-    cf, cb = mk(Cf), mk(Cb)
-    if cb.mixed_bwd and not (cf.mosaic_fwd and cf.C == cb.C):  # needs the Hopper forward's residuals at its chunk
-        cb = dataclasses.replace(cb, mixed_bwd=False)
-    return KernelInputs((cf, cb), (q, k, v, beta_bh, g_bh, h0, flags_f, flags_b), valid, finish)
+    route = _paths.choose_both(mk(Cf), mk(Cb))
+    return KernelInputs(route, (q, k, v, beta_bh, g_bh, h0, flags_f, flags_b), valid, finish)

@@ -1,28 +1,19 @@
-"""Hopper (sm_90) backward kernels through Pallas' Mosaic GPU backend: the twins of the Triton
-backward's stages at a kernel chunk of C = 64 (one warpgroup per CTA, wgmma with float32
-accumulators, operands in swizzled shared memory by TMA). With S = h_n the state entering chunk n
-and dS = dh_n the gradient of the state leaving it (notation of :mod:`gdn_jax.ops.pallas.grads`):
+"""The Hopper (sm_90, Mosaic GPU) gradient kernel of the backward: the twin of
+:func:`gdn_jax.ops.pallas.grads.chunk_grads` at a kernel chunk of C = 64. With S = h_n the state
+entering chunk n and dS = dh_n the gradient of the state leaving it:
 
-* :func:`wy_backward` (one CTA per chunk): W, U and dVl = Aqk^T dO, and T = (I + A)^-1 as a bf16
-  (hi, lo) pair for the gradient kernel (the same bf16x3 inverse as :func:`.hopper.wy_forward`).
-* :func:`recompute_states` (:func:`.hopper.forward_states_and_output` in its recompute mode):
-  h_n and Vn per chunk.
-* :func:`reverse_states` (one CTA per head and ``bv`` value channels, dS [K, bv] float32 in
-  registers, the chunks walked backwards with the previous chunk's tiles arriving by TMA)::
-
-      dh_n = dS;   dVn = dVl + e^{gamma_C - gamma} * (K dS)
-      dS  <- e^{gamma_C} dS + Q^T (e^gamma scale * dO) - W^T dVn
-
-  and d e^{gamma_C} = sum(h_n * dS) (float32 dS), d initial_state.
 * :func:`chunk_grads` (one CTA per chunk): every local gradient, ordered to keep at most two
   [C, K] float32 accumulators live and the masks / decay matrices recomputed per phase; dA =
   -strict((T^T dVn) Vn^T) by default (``grad_t_phase="chain"``: dT = (dVn Vn^T)(I + A)^T, over V
-  only, see :func:`.grads._grad_kernel_ksplit`, then T^T dT T^T); dX = T^T dW formed as
+  only, see :func:`gdn_jax.ops.pallas.grads._grad_kernel_ksplit`, then T^T dT T^T); dX = T^T dW formed as
   -(T^T dVn) S^T (:func:`_dx`); products with T and T^T dVn as bf16x3 or bf16x2 (hi, lo pairs),
   the T phase's last products per ``grad_precision``, the rest bf16 with float32 accumulation, as
   the Triton kernel's intermediates.
 
-Interpret mode (CPU) runs the same bodies with ``jnp`` matmuls (see :mod:`.hopper`).
+* :func:`chunk_grads_blocks`: K > 128 (``wide_backward="hopper"``): the same kernel on
+  (key block, value block) tiles of h_n and dh_n, summed.
+
+Interpret mode: see :mod:`.common`.
 """
 from __future__ import annotations
 
@@ -31,18 +22,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._vma import varying_kernel
-from .config import KernelCall
-from .hopper import (F32, BF16, _T, _i32, _iota, _kernel_kw, _load, _sync, _mmas, _plgpu, _slot_flags, _smem, _split, _terms,
-                     _wait_slot, chunk_last_row, scaled_t, tile_in, tile_out, write_w_u)
-from .hopper_plan import (SMEM_BYTES, block_call, grads_smem_bytes, reverse_block, reverse_single_tiles,  # noqa: F401
-                          reverse_smem_bytes)
-from .hopper_plan import bwd_covers as covers  # noqa: F401  (the planning module's; re-exported)
-
-
-def _zeros(shape, interp):
-    z = jnp.zeros(shape, F32)
-    return z if interp else _plgpu().layout_cast(z, _plgpu().Layout.WGMMA)
+from ..._vma import varying_kernel
+from ..call import KernelCall
+from .common import (BF16, F32, Transposed, hi_lo_terms, i32, iota, kernel_kw, load_tile, mmas, plgpu_api, smem, split_hi_lo, sync_own_barriers, zero_acc)
+from .plan import block_call
 
 
 def _grad_gates(call: KernelCall, beta, gam, e_gam, e_gam_end):
@@ -57,21 +40,21 @@ def _grad_sources(call: KernelCall, bh, c, q_ref, k_ref, v_ref, do_ref, g_ref, h
     """(batch, value head, the chunk's token rows, the eleven GMEM sources of the gradient kernels'
     TMA copies in their SMEM order: q, k, v, dO, gates, h, dh, Vn, dVn, T hi, T lo) of CTA (bh, c)."""
     H, G, C = call.H, call.group, call.C
-    b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
+    b, hh = lax.div(bh, i32(H)), lax.rem(bh, i32(H))
     rows = pl.ds(c * C, C)
     nk, nv = call.grad_blocks
     if (nk, nv) != (1, 1):  # chunk_grads_blocks: virtual head hh = (head, key block, value block)
         K, V = call.K, call.V
-        head = lax.div(hh, _i32(nk * nv))
-        kb, vb = lax.rem(lax.div(hh, _i32(nv)), _i32(nk)), lax.rem(hh, _i32(nv))
-        bhr = b * _i32(H // (nk * nv)) + head  # the real batch x head row of the per-head arrays
-        hk = lax.div(head, _i32(G)) if G > 1 else head
+        head = lax.div(hh, i32(nk * nv))
+        kb, vb = lax.rem(lax.div(hh, i32(nv)), i32(nk)), lax.rem(hh, i32(nv))
+        bhr = b * i32(H // (nk * nv)) + head  # the real batch x head row of the per-head arrays
+        hk = lax.div(head, i32(G)) if G > 1 else head
         ks, vs = pl.ds(kb * K, K), pl.ds(vb * V, V)
         srcs = (q_ref.at[b, rows, hk, ks], k_ref.at[b, rows, hk, ks], v_ref.at[b, rows, head, vs],
                 do_ref.at[b, rows, head, vs], g_ref.at[bhr, c], h_ref.at[bhr, c, ks, vs], dh_ref.at[bhr, c, ks, vs],
                 vn_ref.at[bhr, rows, vs], dvn_ref.at[bhr, rows, vs], th_ref.at[bhr, c], tl_ref.at[bhr, c])
         return b, hh, rows, srcs
-    hk = lax.div(hh, _i32(G)) if G > 1 else hh
+    hk = lax.div(hh, i32(G)) if G > 1 else hh
     srcs = (q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, hh], do_ref.at[b, rows, hh],
             g_ref.at[bh, c], h_ref.at[bh, c], dh_ref.at[bh, c], vn_ref.at[bh, rows], dvn_ref.at[bh, rows],
             th_ref.at[bh, c], tl_ref.at[bh, c])
@@ -87,16 +70,16 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
     gate gradients). ``x_hi`` / ``x_lo``: two [C, C] bf16 scratch tiles; ``masks()`` and
     ``gamma(mask)`` are the kernel's (strict, inclusive, diagonal) masks and masked decay matrix;
     ``hp``: the three C x C x C products as bf16x3 (else one bf16 wgmma each, T as its hi part:
-    ``KernelConfig.grad_precision="bf16"``).
+    ``HopperTuning.grad_precision="bf16"``).
 
-    ``direct`` (``KernelConfig.grad_t_phase="direct"``): since T (I + A) = I, (I + A)^T T^T = I and
+    ``direct`` (``HopperTuning.grad_t_phase="direct"``): since T (I + A) = I, (I + A)^T T^T = I and
     dA = -strict(T^T (dVn Vn^T) (I + A)^T T^T) = -strict((T^T dVn) Vn^T): two products instead of
     three chained ones, Y = T^T dVn [C, V] (T's hi / lo pair against dVn; ``y``, when the caller
     has it already, skips it) and Y Vn^T (Y as a bf16 hi / lo pair; with ``hp`` False T's and Y's hi
     parts alone); ``x_hi`` is not used. The identity holds for the T that the forward used to the
     accuracy of its inverse (~1.7e-4 with the default bf16 rounds), below the kernels' bf16
     rounding."""
-    plgpu = _plgpu()
+    plgpu = plgpu_api()
     bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
     def finish(dar, a, gs):  # dA = -strict(dar); M = dA * A, dKK = dA * Gamma (and beta dKK) to SMEM
@@ -109,34 +92,34 @@ def _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, 
         return da * a
 
     if direct:
-        kk_spec = ((C, C), k_s, _T(k_s))
-        dar_spec = lambda yh, yl: ((C, C), (yh, yl) if hp else (yh,), (_T(vn_s), _T(vn_s)) if hp else (_T(vn_s),))
+        kk_spec = ((C, C), k_s, Transposed(k_s))
+        dar_spec = lambda yh, yl: ((C, C), (yh, yl) if hp else (yh,), (Transposed(vn_s), Transposed(vn_s)) if hp else (Transposed(vn_s),))
         if y is None:
-            kk, y = _mmas([kk_spec, ((C, V), (_T(th_s), _T(tl_s)) if hp else (_T(th_s),),
+            kk, y = mmas([kk_spec, ((C, V), (Transposed(th_s), Transposed(tl_s)) if hp else (Transposed(th_s),),
                                      (dvn_s, dvn_s) if hp else (dvn_s,))], interp)
-            (dar,) = _mmas([dar_spec(*_split(y, hp))], interp)
+            (dar,) = mmas([dar_spec(*split_hi_lo(y, hp))], interp)
         else:  # K K^T and Y Vn^T in one round (y: float32, or its (hi, lo) pair)
-            kk, dar = _mmas([kk_spec, dar_spec(*(y if isinstance(y, tuple) else _split(y, hp)))], interp)
+            kk, dar = mmas([kk_spec, dar_spec(*(y if isinstance(y, tuple) else split_hi_lo(y, hp)))], interp)
         strict, _, _ = masks()
         gs = gamma(strict)
         return finish(dar, kk * bc_r(beta_r, (C, C)) * gs, gs)
-    kk, p = _mmas([((C, C), k_s, _T(k_s)), ((C, C), dvn_s, _T(vn_s))], interp)
+    kk, p = mmas([((C, C), k_s, Transposed(k_s)), ((C, C), dvn_s, Transposed(vn_s))], interp)
     strict, _, diag = masks()
     gs = gamma(strict)
     a = kk * bc_r(beta_r, (C, C)) * gs
-    ia_hi, ia_lo = _split(a + jnp.where(diag, 1.0, 0.0), hp)
+    ia_hi, ia_lo = split_hi_lo(a + jnp.where(diag, 1.0, 0.0), hp)
     x_hi[...] = ia_hi
     if hp:
         x_lo[...] = ia_lo
     plgpu.commit_smem()
-    (dt,) = _mmas([((C, C), *_terms(_split(p, hp), (_T(x_hi), _T(x_lo)), hp))], interp)
-    dth, dtl = _split(dt, hp)
+    (dt,) = mmas([((C, C), *hi_lo_terms(split_hi_lo(p, hp), (Transposed(x_hi), Transposed(x_lo)), hp))], interp)
+    dth, dtl = split_hi_lo(dt, hp)
     x_hi[...] = dth  # the wgmma above has completed: its operands are free
     if hp:
         x_lo[...] = dtl
     plgpu.commit_smem()
-    (r,) = _mmas([((C, C), *_terms((_T(th_s), _T(tl_s)), (x_hi, x_lo), hp))], interp)
-    (ra,) = _mmas([((C, C), *_terms(_split(r, hp), (_T(th_s), _T(tl_s)), hp))], interp)
+    (r,) = mmas([((C, C), *hi_lo_terms((Transposed(th_s), Transposed(tl_s)), (x_hi, x_lo), hp))], interp)
+    (ra,) = mmas([((C, C), *hi_lo_terms(split_hi_lo(r, hp), (Transposed(th_s), Transposed(tl_s)), hp))], interp)
     return finish(ra, a, gs)
 
 
@@ -149,8 +132,8 @@ def _dx(y, h_s, C, K, interp):
     state predicting v) the two-warpgroup kernel's single-bf16 dW made dbeta 2-7x less accurate
     (K = V = 128, four draws: 1.1-1.8e-1 against 2.4-5.8e-2 vs float64). ``y`` may be given as
     its (hi, lo) pair already (the two-warpgroup kernel splits it once, before its T phase)."""
-    yh, yl = y if isinstance(y, tuple) else _split(y)
-    (dx,) = _mmas([((C, K), (yh, yl), (_T(h_s), _T(h_s)))], interp)
+    yh, yl = y if isinstance(y, tuple) else split_hi_lo(y)
+    (dx,) = mmas([((C, K), (yh, yl), (Transposed(h_s), Transposed(h_s)))], interp)
     return -dx
 
 
@@ -166,7 +149,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
     """
     if call.grad_wgs == 2:
         return _chunk_grads_2wg(call, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo)
-    plgpu = _plgpu()
+    plgpu = plgpu_api()
     interp = call.platform == "interpret"
     C, K, V, BH, H, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.n, call.Tp
     B = BH // H
@@ -186,7 +169,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         for i, (src, dst) in enumerate(zip(srcs, dsts)):
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
         wait = lambda *ix: [plgpu.barrier_wait(bars.at[i]) for i in ix]
-        ld = lambda ref, lay=WG: _load(ref, lay, interp)
+        ld = lambda ref, lay=WG: load_tile(ref, lay, interp)
         bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
         wait(0, 1, 3, 4, 5, 7)
         beta_r, gam_r, eg_r, ee_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3, 4))
@@ -194,7 +177,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         # masks and decay matrices are recomputed in each phase rather than kept live: each is a
         # [C, C] register tile, and the phases' accumulators need the registers
         def masks():
-            i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+            i_, j_ = iota((C, C), 0, interp), iota((C, C), 1, interp)
             return i_ > j_, i_ >= j_, i_ == j_
 
         def gamma(m):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m, exponent masked first
@@ -202,7 +185,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             return jnp.where(m, jnp.exp(jnp.where(m, dgm, 0.0)), 0.0)
 
         # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
-        dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))], interp)
+        dqg, dAqk, qk = mmas([((C, K), do_s, Transposed(h_s)), ((C, C), do_s, Transposed(vn_s)), ((C, C), q_s, Transposed(k_s))], interp)
         strict, incl, _ = masks()
         gi = gamma(incl)
         m_q = jnp.where(strict, dAqk * qk * gi * scale, 0.0)
@@ -214,10 +197,10 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         def q_phase(dqk_s):
             dqk_s[...] = dqk.astype(BF16)
             plgpu.commit_smem()
-            return _mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (_zeros((C, K), interp), _T(dqk_s), q_s)],
+            return mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (zero_acc((C, K), interp), Transposed(dqk_s), q_s)],
                          interp)
 
-        dq, dk = pl.run_scoped(q_phase, _smem((C, C), BF16))
+        dq, dk = pl.run_scoped(q_phase, smem((C, C), BF16))
         q_s[...] = (dq * scale).astype(q_s.dtype)  # q_s is free: dq leaves through it
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows, hh])
@@ -226,7 +209,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
         wait(6, 8, 9, 10, 2)
         # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v) (issued with step 2's)
-        dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
+        dkd, dvb = mmas([((C, K), vn_s, Transposed(dh_s)), ((C, V), (Transposed(th_s), Transposed(tl_s)), (dvn_s, dvn_s))], interp)
         de_end = jnp.sum(dkd * ld(k_s).astype(F32), axis=1)
         dk = dk + dkd * bc_r(ee_r, (C, K))
         dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
@@ -241,19 +224,19 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
             def t_phase(x_hi, x_lo):
                 m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks, gamma, interp,
                              hp=call.grad_precision == "bf16x3", direct=call.grad_tp == "direct", y=dvb, V=V)
-                (dk2,) = _mmas([(dk, _T(x_lo), k_s)], interp)
+                (dk2,) = mmas([(dk, Transposed(x_lo), k_s)], interp)
                 return jnp.sum(m, axis=1), jnp.sum(m, axis=0), dk2
 
-            dg, cg, dk2 = pl.run_scoped(t_phase, _smem((C, C), BF16), _smem((C, C), BF16))
+            dg, cg, dk2 = pl.run_scoped(t_phase, smem((C, C), BF16), smem((C, C), BF16))
 
             # 5. Vn = U - W S, W = T X (X = beta e^gamma K): dX = T^T dW with dW = -dVn S^T, formed as
             #    -(T^T dVn) S^T from dv's T^T dVn (see _dx); d(beta K) = dX e^gamma + dKK K
             dx = _dx(dvb, h_s, C, K, interp)
             deg = jnp.sum(dx * ld(k_s).astype(F32), axis=1) * beta_r
-            (dkb,) = _mmas([(dx * bc_r(eg_r, (C, K)), dkk_s, k_s)], interp)
+            (dkb,) = mmas([(dx * bc_r(eg_r, (C, K)), dkk_s, k_s)], interp)
             return dg, cg, dk2, deg, dkb
 
-        dg, cg, dk, deg, dkb = pl.run_scoped(tw_phases, _smem((C, C), BF16))
+        dg, cg, dk, deg, dkb = pl.run_scoped(tw_phases, smem((C, C), BF16))
         dgam = dgam + dg
         cgam = cgam + cg
         de_gam = de_gam + deg
@@ -272,15 +255,14 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
         plgpu.copy_smem_to_gmem(sc_s, sc_ref.at[bh, c])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt),
-               plgpu.SMEM((5, C), F32), _smem((K, V), BF16), _smem((K, V), BF16), _smem((C, V), BF16),
-               _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((5, C), F32),
+    scratch = [smem((C, K), in_dt), smem((C, K), in_dt), smem((C, V), in_dt), smem((C, V), in_dt),
+               plgpu.SMEM((5, C), F32), smem((K, V), BF16), smem((K, V), BF16), smem((C, V), BF16),
+               smem((C, V), BF16), smem((C, C), BF16), smem((C, C), BF16), plgpu.SMEM((5, C), F32),
                plgpu.Barrier(num_barriers=11)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, 5, C), F32))
-    kw = _kernel_kw(call)
-    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
-                        scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
+    kw = kernel_kw(call)
+    fn = varying_kernel(plgpu.kernel, body, out_type=out_type, scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
     dq, dk, dv, sc = fn(q, k, v, do, gates, h.astype(BF16), dh.astype(BF16), vn.astype(BF16), dvn.astype(BF16),
                         t_hi, t_lo)
     col = lambda r: sc[:, :, r].reshape(BH, Tp, 1)
@@ -289,7 +271,7 @@ def chunk_grads(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, d
 
 
 def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
-    """:func:`chunk_grads` with two warpgroups per CTA (``KernelConfig.grad_warpgroups=2``): the
+    """:func:`chunk_grads` with two warpgroups per CTA (``HopperTuning.grad_warpgroups=2``): the
     same gradients, the work split so that the two wgmma chains run side by side and meet once.
 
     * warpgroup 0: the Q path (dq; dk, d gamma, d e^gamma terms), with ``grad_t_phase="chain"``
@@ -306,7 +288,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
     come out as seven (nine with the T phase in warpgroup 1) partial rows, summed here.
     Shared memory: :func:`grads_smem_bytes` (219 KB at K = V = 128). Interpret mode runs the two
     warpgroups' work in turn in one thread (see the comment at the end of the body)."""
-    plgpu = _plgpu()
+    plgpu = plgpu_api()
     interp = call.platform == "interpret"
     C, K, V, BH, H, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.n, call.Tp
     B = BH // H
@@ -330,7 +312,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
              q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s, sc_s, dkk_s, x_hi, x_lo, dw_s,
              bars, dk_bar, *sync):
         bh = lax.axis_index("bh")
-        c0 = lax.axis_index("c") * _i32(per_cta) if pf else lax.axis_index("c")
+        c0 = lax.axis_index("c") * i32(per_cta) if pf else lax.axis_index("c")
         dsts = (q_s, k_s, v_s, do_s, g_s, h_s, dh_s, vn_s, dvn_s, th_s, tl_s)
         # the persistent kernel's two in-CTA barriers: h_s free (both warpgroups done with it) and
         # warpgroup 1 done with Vn, dVn and T (after its T phase); with tp1: dKK in x_hi / x_lo
@@ -364,13 +346,13 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 if not (interp and i in waited):
                     plgpu.barrier_wait(bars.at[i])
                     waited.add(i)
-        ld = lambda ref, lay=WG: _load(ref, lay, interp)
+        ld = lambda ref, lay=WG: load_tile(ref, lay, interp)
         bc_r = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])  # a per-row vector across columns
         store_wait = (lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)) if pf else (
             lambda: plgpu.wait_smem_to_gmem(0))
 
         def masks():
-            i_, j_ = _iota((C, C), 0, interp), _iota((C, C), 1, interp)
+            i_, j_ = iota((C, C), 0, interp), iota((C, C), 1, interp)
             return i_ > j_, i_ >= j_, i_ == j_
 
         def gamma(m_, gam_r):  # Gamma_ij = exp(gamma_i - gamma_j) on the mask m_, exponent masked first
@@ -382,7 +364,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             wait(0, 1, 3, 4, 5, 7)
             beta_r, gam_r, eg_r = (ld(g_s.at[r], ROW) for r in (0, 1, 3))
             # 1. the Q path: O = (Q e^gamma scale) S + Aqk Vn, Aqk = scale tril(Q K^T * Gamma)
-            dqg, dAqk, qk = _mmas([((C, K), do_s, _T(h_s)), ((C, C), do_s, _T(vn_s)), ((C, C), q_s, _T(k_s))],
+            dqg, dAqk, qk = mmas([((C, K), do_s, Transposed(h_s)), ((C, C), do_s, Transposed(vn_s)), ((C, C), q_s, Transposed(k_s))],
                                   interp)
             if pf:  # dO is free; h_s once warpgroup 1 is done with it too
                 if not interp:
@@ -397,7 +379,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             de_gam = jnp.sum(dqg * ld(q_s).astype(F32), axis=1) * scale
             dkk_s[...] = dqk.astype(BF16)  # dkk_s holds dQK here, dKK in the T phase
             plgpu.commit_smem()
-            dq, dk = _mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (_zeros((C, K), interp), _T(dkk_s), q_s)],
+            dq, dk = mmas([(dqg * bc_r(eg_r, (C, K)), dqk.astype(BF16), k_s), (zero_acc((C, K), interp), Transposed(dkk_s), q_s)],
                            interp)
             q_s[...] = (dq * scale).astype(q_s.dtype)  # q_s is free: dq leaves through it
             plgpu.commit_smem()
@@ -406,7 +388,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             if tp1:  # dKK (x_hi) and beta dKK (x_lo) from warpgroup 1's T phase
                 if not interp:
                     plgpu.barrier_wait(dkk_bar)
-                dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), x_hi, k_s)], interp)
+                dk, dkb = mmas([(dk, Transposed(x_lo), k_s), (zero_acc((C, K), interp), x_hi, k_s)], interp)
                 if pf and not interp:
                     plgpu.barrier_arrive(x_free)
                 m = None
@@ -417,7 +399,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 m = _t_phase(C, k_s, vn_s, dvn_s, th_s, tl_s, x_hi, x_lo, dkk_s, beta_r, masks,
                              lambda mask: gamma(mask, gam_r), interp, hp=call.grad_precision == "bf16x3", V=V)
                 # dk += (beta dKK)^T K (the A path), and beta * dKK K (the W path's dKK term)
-                dk, dkb = _mmas([(dk, _T(x_lo), k_s), (_zeros((C, K), interp), dkk_s, k_s)], interp)
+                dk, dkb = mmas([(dk, Transposed(x_lo), k_s), (zero_acc((C, K), interp), dkk_s, k_s)], interp)
             if pf:  # q (dq has left), Vn, dVn and T (once warpgroup 1 is done with them) are free
                 if not interp:
                     plgpu.barrier_wait(t_free)
@@ -451,7 +433,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                 wait(6, 7, 8, 9, 10)
             # 2. S' = e^{gamma_C} S + (K e^{gamma_C - gamma})^T Vn: dK += (Vn dS^T) e^{gamma_C - gamma}
             # 3. U = T (beta V): dv = beta * (T^T dVn), dbeta += rowsum(T^T dVn * v)
-            dkd, dvb = _mmas([((C, K), vn_s, _T(dh_s)), ((C, V), (_T(th_s), _T(tl_s)), (dvn_s, dvn_s))], interp)
+            dkd, dvb = mmas([((C, K), vn_s, Transposed(dh_s)), ((C, V), (Transposed(th_s), Transposed(tl_s)), (dvn_s, dvn_s))], interp)
             prefetch(nxt, c, (6,))  # dh is free
             if pf:
                 wait(1, 2, 4)
@@ -466,13 +448,13 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             dk1 = dkd * bc_r(ee_r, (C, K))
             dbeta = jnp.sum(dvb * ld(v_s).astype(F32), axis=1)
             if call.grad_blocks[0] > 1:  # chunk_grads_blocks: this term once per value block (key block 0)
-                kb = lax.rem(lax.div(hh, _i32(call.grad_blocks[1])), _i32(call.grad_blocks[0]))
+                kb = lax.rem(lax.div(hh, i32(call.grad_blocks[1])), i32(call.grad_blocks[0]))
                 dbeta = dbeta * jnp.where(kb == 0, 1.0, 0.0).astype(F32)
-            _sync(call, "grads")  # every thread has read v before dv overwrites it (the same layout: insurance)
+            sync_own_barriers(call, "grads")  # every thread has read v before dv overwrites it (the same layout: insurance)
             v_s[...] = (dvb * bc_r(beta_r, (C, V))).astype(v_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, rows, hh])
-            y = _split(dvb)
+            y = split_hi_lo(dvb)
             if tp1:
                 # 4. the T phase, grad_t_phase="direct": dA = -strict((T^T dVn) Vn^T), M = dA * A,
                 #    dKK = dA * Gamma into x_hi, beta dKK into x_lo, then dkk_bar
@@ -520,7 +502,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
                     pl.when(c < n)(lambda: wg_fn(c, nxt))
                     return carry
 
-                lax.fori_loop(_i32(0), _i32(per_cta), step, _i32(0))
+                lax.fori_loop(i32(0), i32(per_cta), step, i32(0))
                 plgpu.wait_smem_to_gmem(0)
             return loop
 
@@ -549,10 +531,10 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
             pl.when(wg == 0)(chunk(wg0))
             pl.when(wg == 1)(chunk(wg1))
 
-    scratch = [_smem((C, K), in_dt), _smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt),
-               plgpu.SMEM((5, C), F32), _smem((K, V), BF16), _smem((K, V), BF16), _smem((C, V), BF16),
-               _smem((C, V), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.SMEM((NSC, C), F32),
-               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, K), BF16),
+    scratch = [smem((C, K), in_dt), smem((C, K), in_dt), smem((C, V), in_dt), smem((C, V), in_dt),
+               plgpu.SMEM((5, C), F32), smem((K, V), BF16), smem((K, V), BF16), smem((C, V), BF16),
+               smem((C, V), BF16), smem((C, C), BF16), smem((C, C), BF16), plgpu.SMEM((NSC, C), F32),
+               smem((C, C), BF16), smem((C, C), BF16), smem((C, C), BF16), smem((C, K), BF16),
                plgpu.Barrier(num_barriers=11), plgpu.Barrier(num_arrivals=1)]
     if tp1:  # dkk_bar (and, persistent kernel, x_free)
         scratch += [plgpu.Barrier(num_arrivals=1)] * (2 if pf else 1)
@@ -560,7 +542,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
         scratch += [plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1)]
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), in_dt), jax.ShapeDtypeStruct((B, Tp, H, K), in_dt),
                 jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct((BH, n, NSC, C), F32))
-    kw = _kernel_kw(call, "grads")  # KernelConfig.auto_barriers (see hopper._sync)
+    kw = kernel_kw(call, "grads")  # HopperTuning.auto_barriers (see hopper.common.sync_own_barriers)
     threads = {} if interp else dict(num_threads=2, thread_name="wg")
     grid = (BH, pl.cdiv(n, per_cta)) if pf else (BH, n)
     fn = varying_kernel(plgpu.kernel, body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("bh", "c"),
@@ -575,7 +557,7 @@ def _chunk_grads_2wg(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end,
 
 
 def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_end, h, dh, vn, dvn, t_hi, t_lo):
-    """:func:`chunk_grads` for K > 128 (``KernelConfig.wide_backward="hopper"``): the two-warpgroup
+    """:func:`chunk_grads` for K > 128 (``HopperTuning.wide_backward="hopper"``): the two-warpgroup
     gradient kernel on every (key block, value block) pair of 128 columns (:func:`block_call`: q, k
     and h_n, dh_n rows of its key block, v, dO, Vn, dVn and h_n, dh_n columns of its value block, all
     by TMA from the whole arrays), and the blocks' outputs summed. Exact by linearity: every local
@@ -604,258 +586,3 @@ def chunk_grads_blocks(call: KernelCall, q, k, v, do, beta, gam, e_gam, e_gam_en
     per_head = lambda x: x.reshape((call.BH, nk * nv) + x.shape[1:]).sum(1)
     return dict(dq=tokens(out["dq"], True), dk=tokens(out["dk"], True), dv=tokens(out["dv"], False),
                 **{name: per_head(out[name]) for name in ("dbeta", "dgam", "dgam_row", "de_gam", "de_gam_end")})
-
-
-def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
-    """The backward's WY stage from the forward's saved Aqk and T (``KernelConfig.save_wy``): one
-    CTA per (batch x value head, chunk)::
-
-        W = T diag(beta e^gamma) K,  U = T diag(beta) V   bf16x2 (T = t_hi + t_lo in registers, the
-                                                          scales on its columns: hopper.write_w_u)
-        dVl = Aqk^T dO                               Aqk transposed in SMEM
-
-    No K K^T / Q K^T and no inverse (the dependent chain of :func:`wy_backward`). Arguments: k, v,
-    dO in the token layout; beta, e^gamma [BH, T, 1] f32; ``aqk``, ``t_hi``, ``t_lo`` [BH, n, C, C]
-    bf16 from :func:`gdn_jax.ops.pallas.hopper.wy_forward` (``save_t=True``). Returns ``w``, ``u``,
-    ``dvl`` as :func:`wy_backward` ([BH, Tp, *]: T padded to whole chunks; T is the caller's)."""
-    plgpu = _plgpu()
-    interp = call.platform == "interpret"
-    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
-    in_dt = jnp.dtype(call.in_dt)
-    rs = lambda x: x.reshape(BH, n, C)
-    gates = jnp.stack([rs(beta), rs(beta) * rs(e_gam)], axis=2).astype(F32)
-    WG = plgpu.Layout.WGMMA
-    COL = WG.reduce(0)
-
-    def body(k_ref, v_ref, do_ref, g_ref, a_ref, th_ref, tl_ref, w_ref, u_ref, dvl_ref,
-             k_s, v_s, do_s, g_s, a_s, th_s, tl_s, bars):
-        bh, c = lax.axis_index("bh"), lax.axis_index("c")
-        b, h = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-        hk = lax.div(h, _i32(G)) if G > 1 else h
-        rows = pl.ds(c * C, C)
-        srcs = (k_ref.at[b, rows, hk], v_ref.at[b, rows, h], do_ref.at[b, rows, h], g_ref.at[bh, c],
-                a_ref.at[bh, c], th_ref.at[bh, c], tl_ref.at[bh, c])
-        for i, (src, dst) in enumerate(zip(srcs, (k_s, v_s, do_s, g_s, a_s, th_s, tl_s))):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-        for i in (3, 4, 2):  # gates, Aqk, dO: dVl first (its operands arrive first)
-            plgpu.barrier_wait(bars.at[i])
-        (dvl,) = _mmas([((C, V), _T(a_s), do_s)], interp)
-        for i in (0, 1, 5, 6):
-            plgpu.barrier_wait(bars.at[i])
-        do_s[...] = dvl.astype(do_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
-        # T = t_hi + t_lo in registers, the scales on its columns: the same operands as the forward's
-        # (H200 4x4096x16x128: 0.140-0.153 ms, row-scaled K / V tiles 0.145-0.146: the same)
-        t = _load(th_s, WG, interp).astype(F32) + _load(tl_s, WG, interp).astype(F32)
-        write_w_u(scaled_t(t, _load(g_s.at[1], COL, interp), C), scaled_t(t, _load(g_s.at[0], COL, interp), C),
-                  k_s, v_s, k_s, w_ref.at[bh, rows], u_ref.at[bh, rows], C, K, V, interp)
-
-    scratch = [_smem((C, K), in_dt), _smem((C, V), in_dt), _smem((C, V), in_dt), plgpu.SMEM((2, C), F32),
-               _smem((C, C), BF16), _smem((C, C), BF16), _smem((C, C), BF16), plgpu.Barrier(num_barriers=7)]
-    out_type = (jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt),
-                jax.ShapeDtypeStruct((BH, Tp, V), in_dt))
-    # KernelConfig.auto_barriers: one of the "wy" kernels (no thread load of a tile it overwrites:
-    # dVl and W / U land in tiles that only a completed wgmma has read, as in the forward WY)
-    kw = _kernel_kw(call, "wy")
-    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
-                        scratch_types=scratch, grid=(BH, n), grid_names=("bh", "c"), **kw)
-    w, u, dvl = fn(k, v, do, gates, aqk.astype(BF16), t_hi, t_lo)
-    return dict(w=w, u=u, dvl=dvl)
-
-
-def wy_backward(call: KernelCall, q, k, v, do, beta, gam, e_gam):
-    """The backward's WY stage on Hopper: :func:`.hopper.wy_forward` with dO. Returns ``w``, ``u``,
-    ``dvl`` = Aqk^T dO [BH, T, *] and T = ``t_hi`` + ``t_lo`` [BH, n, C, C] (bf16)."""
-    from .hopper import wy_forward
-
-    return wy_forward(call, q, k, v, beta, gam, e_gam, do=do)
-
-
-def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
-    """The backward's forward recompute on Hopper: ``h`` [BH, n, K, V] (the state entering each
-    chunk) and ``vn`` [BH, T, V], bf16 (:func:`.hopper.forward_states_and_output` without q)."""
-    from .hopper import forward_states_and_output
-
-    return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
-
-
-def reverse_states(call: KernelCall, q, k, w, dvl, do, e_gam, e_gam_end, e_gam_last, dfinal, h, flags, aqk=None):
-    """The reverse state pass on Hopper (the twin of :func:`gdn_jax.ops.pallas.state_bwd.reverse_states`
-    plus d e^{gamma_C}): grid (B*H, V / bv), dS [K, bv] float32 in registers, the chunks from the
-    last, the previous chunk's q, k, W, dVl, dO and gates arriving by TMA while this one runs (h_n,
-    which only feeds d e^{gamma_C}, in one buffer loaded at the start of its step). With
-    ``KernelConfig.reverse_producer`` at K <= 128 a second, producer warpgroup issues the slots'
-    copies and the consumer releases each slot after its step's last wgmma (h_n is still copied by
-    the consumer). At K > 128
-    (:func:`reverse_single_tiles`) q, k and W have one tile each, refilled as soon as this chunk's
-    wgmmas have read them.
-    With ``cu_seqlens`` dS restarts from ``dfinal[seq]`` at a sequence's last chunk and
-    ``dh0[seq]`` is written after its first.
-
-    With ``aqk`` (the forward's [BH, n, C, C] bf16 Aqk, ``KernelConfig.save_states`` with
-    ``save_wy``) and ``dvl=None`` the kernel forms dVl = Aqk^T dO itself (one more wgmma per chunk,
-    off the dS chain, issued with K dS): no dVl round trip through HBM and no WY stage in the
-    backward.
-
-    Returns ``dh`` [BH, n, K, V], ``dvn`` [BH, T, V] (bf16), ``dh0`` (``dfinal``'s shape, f32) and
-    ``de_gam_last`` [BH, n, 1, 1] f32 (sum(h_n * dS) over the value blocks)."""
-    if (aqk is None) == (dvl is None):
-        raise ValueError("reverse_states: pass exactly one of dvl and aqk")
-    own_dvl = aqk is not None
-    one = reverse_single_tiles(call)
-    prod = call.rev_prod and not one  # KernelConfig.reverse_producer (K <= 128)
-    plgpu = _plgpu()
-    interp = call.platform == "interpret"
-    C, K, V, BH, H, G, n, Tp = call.C, call.K, call.V, call.BH, call.H, call.group, call.n, call.Tp
-    bv = reverse_block(call, own_dvl)
-    nvb = V // bv
-    in_dt = jnp.dtype(call.in_dt)
-    last_row = chunk_last_row(call, e_gam_last, flags)
-    gates = jnp.stack([e_gam.reshape(BH, n, C) * call.scale, e_gam_end.reshape(BH, n, C), last_row],
-                      axis=2).astype(F32)
-    WG = plgpu.Layout.WGMMA
-
-    def body(q_ref, k_ref, w_ref, dvl_ref, do_ref, g_ref, df_ref, h_ref, dh_ref, dvn_ref, dh0_ref, dd_ref,
-             q_s, k_s, w_s, dvl_s, do_s, g_s, hs_s, ds_s, dvn_s, ndvn_s, dos_s, f_s, dd_s, bars, f_bar, h_bar,
-             *extra):
-        single_bars, free = (extra, None) if not prod else ((), extra[0])
-        bh = lax.axis_index("bh")
-        vb = lax.axis_index("vb")
-        vsl = pl.ds(vb * bv, bv)
-        b, hh = lax.div(bh, _i32(H)), lax.rem(bh, _i32(H))
-        hk = lax.div(hh, _i32(G)) if G > 1 else hh
-        # the K-wide tiles: one per TMA slot, or (single tiles) one each with a barrier of its own
-        tile = (lambda ref, slot: ref) if one else (lambda ref, slot: ref.at[slot])
-
-        def kw_sources(i):
-            rows = pl.ds(i * C, C)
-            return q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], w_ref.at[bh, rows]
-
-        def fetch(i, slot):
-            rows = pl.ds(i * C, C)
-            srcs = (dvl_ref.at[bh, i] if own_dvl else dvl_ref.at[bh, rows, vsl],  # Aqk or dVl
-                    do_ref.at[b, rows, hh, vsl], g_ref.at[bh, i])
-            dsts = (dvl_s, do_s, g_s)
-            if not one:
-                srcs, dsts = kw_sources(i) + srcs, (q_s, k_s, w_s) + dsts
-            for src, dst, bar in zip(srcs, dsts, bars):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
-
-        def fetch_single(i, which):  # single tiles: 0 = q, 1 = k, 2 = W
-            srcs = kw_sources(i)
-            for x in which:
-                plgpu.copy_gmem_to_smem(srcs[x], (q_s, k_s, w_s)[x], single_bars[x])
-
-        load_state = lambda seq: tile_in(df_ref.at[bh, seq, :, vsl], f_s, f_bar, interp)
-        store_state = lambda dS, seq: tile_out(dS, f_s, dh0_ref.at[bh, seq, :, vsl])
-
-        def consume():
-            if not prod:  # (with the producer warpgroup, it fetches every chunk)
-                fetch(n - 1, 0)
-            if one:
-                fetch_single(n - 1, (0, 1, 2))
-            dS0 = _zeros((K, bv), interp) if call.packed else load_state(0)
-
-            def step(jj, dS):
-                i = n - 1 - jj
-                slot = lax.rem(jj, _i32(2))
-                # h_n only feeds d e^{gamma_C} (off the dS chain): one buffer, waited for when needed
-                plgpu.copy_gmem_to_smem(h_ref.at[bh, i, :, vsl], hs_s, h_bar)
-
-                if not prod:
-                    pl.when(i > 0)(lambda: fetch(i - 1, 1 - slot))
-
-                _wait_slot(bars, slot)
-                if one:
-                    plgpu.barrier_wait(single_bars[1])  # k (q and W are waited for before the last wgmma)
-                if call.packed:
-                    seq, first, last = _slot_flags(g_s, slot)
-                    dS = lax.cond(last, lambda: load_state(seq), lambda: dS)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # ds_s, dvn_s, dd_s may feed last chunk's stores
-                ds_s[...] = dS.astype(BF16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(ds_s, dh_ref.at[bh, i, :, vsl])
-                if own_dvl:  # dVl = Aqk^T dO with K dS (dvl_s holds this chunk's Aqk)
-                    kd, dvl = _mmas([((C, bv), tile(k_s, slot), ds_s), ((C, bv), _T(dvl_s.at[slot]), do_s.at[slot])],
-                                    interp)
-                else:
-                    (kd,) = _mmas([((C, bv), tile(k_s, slot), ds_s)], interp)
-                    dvl = _load(dvl_s.at[slot], WG, interp).astype(F32)
-                if one:  # K dS has read k: the previous chunk's lands during the rest of this step
-                    pl.when(i > 0)(lambda: fetch_single(i - 1, (1,)))
-                row = WG.reduce(1)
-                e_end = _load(g_s.at[slot, 1], row, interp)
-                e_o = _load(g_s.at[slot, 0], row, interp)
-                # the slot's last gate read before the commit below (see hopper.forward_states_and_output)
-                g_end = g_s[slot, 2, 0]
-                dvn = dvl + kd * lax.broadcast_in_dim(e_end, kd.shape, [0])
-                dvn_s[...] = dvn.astype(BF16)
-                ndvn_s[...] = (-dvn).astype(BF16)
-                dos_s[...] = (_load(do_s.at[slot], WG, interp).astype(F32)
-                              * lax.broadcast_in_dim(e_o, kd.shape, [0])).astype(BF16)
-                plgpu.barrier_wait(h_bar)
-                dd_s[...] = jnp.sum(_load(hs_s, WG, interp).astype(F32) * dS, axis=1)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dvn_s, dvn_ref.at[bh, pl.ds(i * C, C), vsl])
-                plgpu.copy_smem_to_gmem(dd_s, dd_ref.at[bh, vb, i])
-                if one:
-                    plgpu.barrier_wait(single_bars[0])
-                    plgpu.barrier_wait(single_bars[2])
-                (dS,) = _mmas([(dS * g_end, (_T(tile(q_s, slot)), _T(tile(w_s, slot))), (dos_s, ndvn_s))],
-                              interp)
-                if prod:  # the slot's last read: the producer may refill it
-                    plgpu.barrier_arrive(free.at[slot])
-                if one:  # the last wgmma has read q and W: the previous chunk's land during its next step
-                    pl.when(i > 0)(lambda: fetch_single(i - 1, (0, 2)))
-                if call.packed:
-                    pl.when(first)(lambda: store_state(dS, seq))
-                return dS
-
-            dS = lax.fori_loop(_i32(0), _i32(n), step, dS0)
-            if not call.packed:
-                store_state(dS, 0)
-            plgpu.wait_smem_to_gmem(0)
-
-        if not prod:
-            consume()
-            return
-        wg = lax.axis_index("wg")
-
-        @pl.when(wg == 1)
-        def _producer():  # the chunks from the last, chunk n-1-jj into slot jj mod 2 once released
-            def issue(jj, carry):
-                pl.when(jj >= 2)(lambda: plgpu.barrier_wait(free.at[lax.rem(jj, _i32(2))]))
-                fetch(n - 1 - jj, lax.rem(jj, _i32(2)))
-                return carry
-
-            lax.fori_loop(_i32(0), _i32(n), issue, None)
-            # every release of every slot observed (Mosaic GPU's interpreter checks it)
-            lax.fori_loop(_i32(max(n - 2, 0)), _i32(n),
-                          lambda jj, c: (plgpu.barrier_wait(free.at[lax.rem(jj, _i32(2))]), c)[1], None)
-
-        pl.when(wg == 0)(consume)
-
-    sw = min(128, 2 * bv)
-    lead = () if one else (2,)  # the K-wide tiles' leading slot axis (none: single tiles)
-    scratch = [_smem(lead + (C, K), in_dt, sw), _smem(lead + (C, K), in_dt, sw), _smem(lead + (C, K), BF16, sw),
-               _smem((2, C, C if own_dvl else bv), BF16, sw), _smem((2, C, bv), in_dt, sw),
-               plgpu.SMEM((2, 3, C), F32),
-               _smem((K, bv), BF16, sw), _smem((K, bv), BF16, sw), _smem((C, bv), BF16, sw),
-               _smem((C, bv), BF16, sw), _smem((C, bv), BF16, sw), _smem((K, bv), F32), plgpu.SMEM((K,), F32),
-               [plgpu.Barrier(num_barriers=2) for _ in range(3 if one else 6)], plgpu.Barrier(num_barriers=1),
-               plgpu.Barrier(num_barriers=1)]
-    if one:
-        scratch += [plgpu.Barrier(num_barriers=1) for _ in range(3)]  # q, k, W
-    if prod:  # a slot is free again once the consumer has read it
-        scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
-    out_type = (jax.ShapeDtypeStruct((BH, n, K, V), BF16), jax.ShapeDtypeStruct((BH, Tp, V), BF16),
-                jax.ShapeDtypeStruct(dfinal.shape, F32), jax.ShapeDtypeStruct((BH, nvb, n, K), F32))
-    kw = _kernel_kw(call, "reverse")  # KernelConfig.auto_barriers (see hopper._sync)
-    if prod:
-        kw.update(num_threads=2, thread_name="wg")
-    fn = varying_kernel(plgpu.kernel, body, out_type=out_type,
-                        scratch_types=scratch, grid=(BH, nvb), grid_names=("bh", "vb"), **kw)
-    dh, dvn, dh0, dd = fn(q, k, w.astype(BF16), (aqk if own_dvl else dvl).astype(BF16), do, gates,
-                          dfinal.astype(F32), h.astype(BF16))
-    return dict(dh=dh, dvn=dvn, dh0=dh0, de_gam_last=dd.sum((1, 3)).reshape(BH, n, 1, 1))

@@ -1,26 +1,26 @@
 """Planning of the Hopper (Mosaic GPU) kernels, in plain Python: which calls they take
-(:func:`fwd_covers` for the forward of :mod:`.hopper`, :func:`transition_covers` for
-``fwd_form="transition"`` in :mod:`.hopper_transition`, :func:`bwd_covers` for :mod:`.hopper_bwd`),
-their shared-memory budgets and their value-block choices. It imports no kernel, so that
-:mod:`.config` plans a call without importing the kernels; the kernel modules re-export these
-names (``hopper.covers``, ``hopper_bwd.covers``, ``hopper_transition.covers`` included)."""
+(:func:`fwd_covers` for the forward of :mod:`.wy` and :mod:`.state_fwd`, :func:`transition_covers`
+for ``fwd_form="transition"`` in :mod:`.transition`, :func:`bwd_covers` for the backward of
+:mod:`.wy`, :mod:`.state_bwd` and :mod:`.grads`), their shared-memory budgets and their value-block
+choices. It imports no kernel, so that :mod:`gdn_jax.ops.pallas.config` plans a call without
+importing the kernels."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
 
-from .call import KernelCall
+from ..call import KernelCall
 
 BF16 = jnp.bfloat16
 # shared memory per CTA on an H100 / H200 (227 KB usable)
 SMEM_BYTES = 227 * 1024
-SLOTS = 3  # TMA slots of the transition pass (hopper_transition)
+SLOTS = 3  # TMA slots of the transition pass (transition.py)
 
 
 def default_block(BH: int, V: int, platform: str = "gpu") -> int:
     """Value channels per CTA of the Hopper state passes before the shared-memory check of
-    :func:`block_for` (the default, which ``KernelConfig.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
+    :func:`block_for` (the default, which ``TritonTuning.bv_state`` overrides): 64 (V = 128 runs two CTAs per head), on a GPU halved (down to 16) while that
     leaves fewer than 64 CTAs; interpret mode keeps 64 (fewer, larger programs). A state pass is a
     chain of dependent chunk steps per CTA, so with few (batch x head) rows more, narrower CTAs
     win. Measured on one H200 (forward state pass): BH 64, V 128: bv 64 / 32 = 0.129 / 0.223 ms;
@@ -40,7 +40,7 @@ def single_q(call: KernelCall) -> bool:
 
 
 def block_for(call: KernelCall) -> int:
-    """The Hopper state pass's default value block for ``call`` (``KernelConfig.bv_state`` None):
+    """The Hopper state pass's default value block for ``call`` (``TritonTuning.bv_state`` None):
     :func:`default_block`, then halved (down to 16) until :func:`smem_bytes` fits an SM's shared
     memory (K = V = 256 with ``fwd_form="t"``: 64 -> 32; K = 128 with ``state_slots`` 3: 32) and,
     with :func:`producer`, until ``state_warpgroups`` value blocks tile V."""
@@ -52,15 +52,15 @@ def block_for(call: KernelCall) -> int:
 
 
 def producer(call: KernelCall) -> bool:
-    """Whether the state passes of ``call`` run warp-specialised (``KernelConfig.state_producer``,
+    """Whether the state passes of ``call`` run warp-specialised (``HopperTuning.state_producer``,
     applied where K <= 128: at K = 256 the single q / W tiles of :func:`single_q` stay)."""
     return call.state_prod and not single_q(call)
 
 
 def smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`forward_states_and_output` (two TMA slots, or ``state_slots`` with
+    """Shared memory of :func:`.state_fwd.forward_states_and_output` (two TMA slots, or ``state_slots`` with
     :func:`producer`, whose ``state_warpgroups`` compute warpgroups each have their own value block
-    of U and their own state tiles; ``KernelConfig.fwd_form`` "t": T's (hi, lo) tiles and v's value
+    of U and their own state tiles; ``HopperTuning.fwd_form`` "t": T's (hi, lo) tiles and v's value
     block in place of W and U; where :func:`single_q`, one q tile and, in "wu", one W tile). Counts
     the forward's tiles: the backward's recompute (no q, Aqk, o) needs less."""
     C, K = call.C, call.K
@@ -81,7 +81,7 @@ def fwd_covers(call: KernelCall) -> str | None:
     fails of): K in (64, 128, 256); the token layout; the fused output (``fuse_output``); bf16
     inputs; a forward kernel chunk of 64 (on GPU: ``chunk_size >= 64`` with head dims <= 256:
     the forward's chunk cap where the Hopper kernels are wanted); bf16 intermediates (the default for bf16); a
-    value block (``KernelConfig.bv_state``, default :func:`default_block`) of 16, 32 or 64
+    value block (``TritonTuning.bv_state``, default :func:`default_block`) of 16, 32 or 64
     dividing V; shared memory (:func:`smem_bytes`, :func:`wy_smem_bytes`).
     :func:`gdn_jax.ops.pallas.forward_kernels` tells it for a call's arrays."""
     if call.K not in (64, 128, 256):
@@ -101,7 +101,7 @@ def fwd_covers(call: KernelCall) -> str | None:
         return f"value block {call.bv_mosaic} with V={call.V} (needs 16, 32 or 64 dividing V)"
     if producer(call) and call.V % (call.bv_mosaic * call.state_wgs):
         return (f"state_warpgroups={call.state_wgs} x value block {call.bv_mosaic} does not divide V={call.V} "
-                f"(KernelConfig.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
+                f"(TritonTuning.bv_state={call.V // call.state_wgs} or state_warpgroups=1 does)")
     if call.fwd_form == "transition":
         why = transition_covers(call)
         if why is not None:
@@ -110,7 +110,7 @@ def fwd_covers(call: KernelCall) -> str | None:
         fit = [b for b in (32, 16) if b < call.bv_mosaic and call.V % b == 0 and smem_bytes(call, b) <= SMEM_BYTES]
         return (f"shared memory: the state pass at value block {call.bv_mosaic} needs "
                 f"{smem_bytes(call, call.bv_mosaic) // 1024} KB of {SMEM_BYTES // 1024} KB"
-                + (f" (KernelConfig.bv_state={fit[0]} fits)" if fit else "")
+                + (f" (TritonTuning.bv_state={fit[0]} fits)" if fit else "")
                 + (f"; with state_slots={call.state_slots}, state_warpgroups={call.state_wgs} (fewer fit)"
                    if producer(call) and (call.state_slots, call.state_wgs) != (2, 1) and not fit else ""))
     if wy_smem_bytes(call) > SMEM_BYTES:
@@ -119,7 +119,7 @@ def fwd_covers(call: KernelCall) -> str | None:
 
 
 def wy_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
+    """Shared memory of :func:`.wy.wy_forward` (the forward's; the backward's adds a dO tile): q, k, v
     tiles, Aqk's staging tile, T and L as bf16 (hi, lo) pairs (their lo tiles only where
     ``wy_precision`` uses them), and their compressed [C, 16] pairs with ``wy_inverse="blocked"``."""
     C, K, V = call.C, call.K, call.V
@@ -133,13 +133,13 @@ def wy_smem_bytes(call: KernelCall) -> int:
 
 
 def wy_compact(call: KernelCall) -> bool:
-    """Whether the forward WY kernel runs in its compact layout (``KernelConfig.wy_compact``, where
+    """Whether the forward WY kernel runs in its compact layout (``HopperTuning.wy_compact``, where
     K == V: v takes q's tile)."""
     return call.wy_compact and call.K == call.V
 
 
 def transition_smem_bytes(call: KernelCall, bv: int) -> int:
-    """Shared memory of :func:`.hopper_transition.forward_states_transition` at value block ``bv``: three slots of q, k,
+    """Shared memory of :func:`.transition.forward_states_transition` at value block ``bv``: three slots of q, k,
     W, U's value block, Aqk and the gates; two K~ and two M tiles; the S, Vn, o and h0 / final tiles."""
     C, K = call.C, call.K
     isz = jnp.dtype(call.in_dt).itemsize
@@ -172,7 +172,7 @@ def bwd_covers(call: KernelCall) -> str | None:
 
 
 def grads_smem_bytes(call: KernelCall) -> int:
-    """Shared memory of :func:`chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
+    """Shared memory of :func:`.grads.chunk_grads`: the inputs (q, k, v, dO, Vn, dVn, h_n, dh_n, T hi / lo,
     gates), the output scalars and the phase scratch (dKK and the T phase's two [C, C] tiles); with
     two warpgroups (``call.grad_wgs == 2``) also the dk partial's [C, K] tile and nine output rows."""
     C, K, V = call.C, call.K, call.V
@@ -183,7 +183,7 @@ def grads_smem_bytes(call: KernelCall) -> int:
 
 
 def block_call(call: KernelCall) -> KernelCall | None:
-    """The sub-call :func:`chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
+    """The sub-call :func:`.grads.chunk_grads_blocks` runs the two-warpgroup gradient kernel with for a
     K > 128 (backward) call -- key and value dims cut into blocks of 128 (``grad_blocks`` = their
     counts), one virtual head per (head, key block, value block) -- or None where that kernel does
     not take the blocks (:func:`bwd_covers`) or the call asks for options it lacks there
@@ -197,12 +197,12 @@ def block_call(call: KernelCall) -> KernelCall | None:
         # sum over key blocks (found in a review: dk 2.7e-2 against float64 at K = 256)
         return None
     sub = dataclasses.replace(call, K=call.K // nk, V=call.V // nv, BH=call.BH * nk * nv, H=call.H * nk * nv,
-                              grad_blocks=(nk, nv), mixed_bwd=False)
+                              grad_blocks=(nk, nv))
     return sub if bwd_covers(sub) is None else None
 
 
 def reverse_single_tiles(call: KernelCall) -> bool:
-    """Whether :func:`reverse_states` keeps q, k and W in one tile each instead of two TMA slots
+    """Whether :func:`.state_bwd.reverse_states` keeps q, k and W in one tile each instead of two TMA slots
     (K > 128, where two slots of the three [C, K] tiles alone would take 192 KB): k is refilled as
     soon as K dS has read it, q and W once the chunk's last wgmma has, so the next chunk's copies
     land during the rest of this step (k) or during the whole next step until its last wgmma (q, W)."""
@@ -210,7 +210,7 @@ def reverse_single_tiles(call: KernelCall) -> bool:
 
 
 def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
-    """Shared memory of :func:`reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
+    """Shared memory of :func:`.state_bwd.reverse_states` at value block ``bv`` (two TMA slots; ``own_dvl``:
     with the Aqk tile that forms dVl in the kernel instead of a dVl tile; q, k, W single where
     :func:`reverse_single_tiles`)."""
     C, K = call.C, call.K
@@ -221,9 +221,23 @@ def reverse_smem_bytes(call: KernelCall, bv: int, own_dvl: bool = False) -> int:
 
 
 def reverse_block(call: KernelCall, own_dvl: bool = False) -> int:
-    """The value block of :func:`reverse_states`: the forward's block (``bv_mosaic``) or the largest
+    """The value block of :func:`.state_bwd.reverse_states`: the forward's block (``bv_mosaic``) or the largest
     smaller one whose two TMA slots fit in shared memory."""
     bv = call.bv_mosaic
     while bv > 16 and reverse_smem_bytes(call, bv, own_dvl) > SMEM_BYTES:
         bv //= 2
     return bv
+
+
+# HopperTuning.fwd_form None at K = 128: "t" from this many forward state-pass CTAs (B*H x V / value block)
+T_FORM_MIN_CTAS = 128
+
+
+def t_form_default(call: KernelCall) -> bool:
+    """Whether ``HopperTuning.fwd_form`` None takes "t" at K <= 128 for ``call`` (its ``bv_mosaic``
+    set): K = 128 and at least :data:`T_FORM_MIN_CTAS` state-pass CTAs. There U's HBM round trip
+    (and W's, undifferentiated) costs more than the state chain's extra wgmma; with fewer CTAs each
+    CTA's chain is the bound and "wu" wins. Measured on one H200 (results/hopper_h200/, pipelined ms, "wu" vs "t"): 4x4096x16x128
+    (128 CTAs) fwd 0.259 vs 0.215, fwd+bwd 0.967 vs 0.925; 1x16384x16x128 (64 CTAs) 0.443 vs
+    0.435, 1.494 vs 1.576; 2x8192x16x64 (64 CTAs) 0.242 vs 0.253, 0.732 vs 0.764."""
+    return call.K == 128 and call.BH * (call.V // call.bv_mosaic) >= T_FORM_MIN_CTAS
