@@ -3,8 +3,6 @@ the baseline mixers share (:func:`mamba2_log_decay`, :func:`mamba2_decay_init`, 
 from __future__ import annotations
 
 import functools
-
-
 import math
 import numbers
 from typing import Optional
@@ -19,6 +17,11 @@ from ..ops._warnings import internal_call
 from ..ops.context_parallel import context_parallel_gated_delta_rule
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
+
+# Whether decode_backend="auto" takes the fused layer kernel on a one-device GPU process. Off until
+# the kernel has run on a GPU against the per-op path (it is checked on CPU in interpret mode, and its
+# Triton and TPU lowerings are tested); "fused_layer" asks for it explicitly meanwhile.
+AUTO_FUSED_LAYER = False
 
 DECAY_KINDS = ("mamba2", "sigmoid", "none")
 
@@ -344,10 +347,12 @@ class GatedDeltaNet(RecurrentMixer):
     def uses_fused_decode(self) -> bool:
         """Whether :meth:`decode` runs the fused layer kernel: ``decode_backend="fused_layer"``, or
         ``"auto"`` on a one-device GPU process for a layer the kernel takes (the kernel is not
-        partitioned over devices; with several, ``"auto"`` keeps the per-op path whose step kernel is)."""
+        partitioned over devices; with several, ``"auto"`` keeps the per-op path whose step kernel is)
+        once :data:`AUTO_FUSED_LAYER` is on: it stays off until the kernel's GPU check (prefill +
+        decode against the per-op path on the device) is committed (docs/inference.md)."""
         if self.decode_backend == "fused_layer":
             return True
-        if self.decode_backend != "auto" or self.fused_decode_reason() is not None:
+        if not AUTO_FUSED_LAYER or self.decode_backend != "auto" or self.fused_decode_reason() is not None:
             return False
         from ..ops.pallas.platform import default_platform
 

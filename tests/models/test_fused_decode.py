@@ -101,6 +101,7 @@ def test_unrolled_loop_and_greedy_path_same_tokens():
 
 
 def test_auto_picks_the_fused_layer_on_a_gpu_and_declines_by_name(monkeypatch):
+    from gdn_jax.layers import gated_deltanet as gdn_mod
     from gdn_jax.ops.pallas import platform as plat
 
     layer = GatedDeltaNet(32, 2, rngs=nnx.Rngs(0))
@@ -110,7 +111,9 @@ def test_auto_picks_the_fused_layer_on_a_gpu_and_declines_by_name(monkeypatch):
     monkeypatch.setattr(plat, "default_platform", lambda: "gpu")
     monkeypatch.setattr(jax, "device_count", lambda *a: 4)  # several devices: the per-op path (partitioned)
     assert not layer.uses_fused_decode()
-    monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # a one-GPU process: the fused layer
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # a one-GPU process: the fused layer, once on
+    assert not layer.uses_fused_decode()  # gated_deltanet.AUTO_FUSED_LAYER off until the GPU check
+    monkeypatch.setattr(gdn_mod, "AUTO_FUSED_LAYER", True)
     assert layer.uses_fused_decode() and layer.decode_view()["w_in"].shape == (32, 4 * 32 + 2 * 2)
     assert not kda.uses_fused_decode() and "Kimi Delta Attention" in kda.fused_decode_reason()
     assert not noconv.uses_fused_decode() and "use_short_conv=False" in noconv.fused_decode_reason()
