@@ -13,10 +13,10 @@ sum(o * do) over q, k, v, g, beta). Numerics: rel. rms of o and of every gradien
 unsplit op's (from the timed functions' own outputs: no extra compile). "auto" reuses the row of
 the piece count it picks. Each shape prints its rows as it finishes; the table is the last output.
 
-Usage (one H100 / H200, JAX 0.11.2; about 3 minutes)::
+Usage (one H100 / H200, JAX 0.11.2; at most ~3.5 minutes: no new shape starts after ``--budget`` s)::
 
     python benchmarks/bench_seq_split.py [--shapes 1x16384x16x128,...] [--pieces 2,4,8,auto]
-        [--reps 20] [--budget 200]
+        [--reps 20] [--budget 180]
 
 ``--interpret --shapes tiny``: a CPU smoke test of the script (interpret mode, chunk 16; its timings
 mean nothing).
@@ -71,6 +71,29 @@ def measure(x, chunk, cfg, reps, warmup):
     return time_fn_pipelined(f, reps, warmup), time_fn_pipelined(fb, reps, warmup), o, grads
 
 
+def maps_paths(x, chunk, platform, pieces):
+    """The kernel paths of the split's two calls (traced on shapes): the pieces' call (B P rows of
+    T / P tokens) and the maps' call (B (P - 1) rows at value width K + V)."""
+    from gdn_jax.ops.pallas import backward_kernels
+
+    B, T, H, D = x["v"].shape
+    L = split_plan.piece_length(T, pieces, chunk)
+    cfg = KernelConfig(platform=platform)
+    out = []
+    for name, rows, width in (("pieces", B * pieces, D), ("maps", B * (pieces - 1), 2 * D)):
+        sds = lambda *s, dt=x["q"].dtype: jax.ShapeDtypeStruct(s, dt)
+        a = (sds(rows, L, H, D), sds(rows, L, H, D), sds(rows, L, H, width), sds(rows, L, H, dt=jnp.float32),
+             sds(rows, L, H))
+        rep = []
+        try:
+            jax.eval_shape(lambda *a: rep.extend(f(*a, chunk_size=chunk, kernel_config=cfg)
+                                                 for f in (forward_kernels, backward_kernels)) or 0, *a)
+            out.append(f"{name} call {rows}x{L}x{H}x{width}: fwd {rep[0].path} bwd {rep[1].path}")
+        except Exception as e:  # noqa: BLE001  (a report, not the timing)
+            out.append(f"{name} call: no report ({type(e).__name__}: {str(e)[:120]})")
+    return "; ".join(out)
+
+
 def parse_shapes(s):
     if s == "all":
         return SHAPES
@@ -85,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--pieces", default="2,4,8,auto", help="piece counts to time (ints, 'auto')")
     ap.add_argument("--reps", type=int, default=None, help="calls per pipelined round (default 20; interpret 1)")
     ap.add_argument("--chunk", type=int, default=None, help="chunk_size (default 64; interpret 16)")
-    ap.add_argument("--budget", type=float, default=200.0, help="seconds: no new shape starts after this")
+    ap.add_argument("--budget", type=float, default=180.0, help="seconds: no new shape starts after this")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (interpret mode)")
     args = ap.parse_args(argv)
     platform = "interpret" if args.interpret else None
@@ -129,6 +152,7 @@ def main(argv=None):
             if got[0].pieces != n:
                 log(f"  P={n}: declined ({got[0].split_reason})")
                 continue
+            log(f"  P={n}: {maps_paths(x, chunk, platform, n)}")
             try:
                 res = measure(x, chunk, cfg, reps, warmup)
             except Exception as e:  # noqa: BLE001

@@ -24,10 +24,10 @@ SPLIT_TOL = 1e-4
 CU = [0, 30, 64, 64, 150, 200]  # P = 4 (pieces of 64): a document from 64 (a boundary) crossing 128, one empty at 64
 
 
-def run(x, cfg, *, cu=None, chunk_size=16):
+def run(x, cfg, *, cu=None, chunk_size=16, l2norm=False):
     def loss(q, k, v, g, b, s):
         o, S = gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, cu_seqlens=cu,
-                                backend="pallas", chunk_size=chunk_size, kernel_config=cfg)
+                                backend="pallas", chunk_size=chunk_size, kernel_config=cfg, use_qk_l2norm=l2norm)
         return jnp.sum(o.astype(F32) * x.do) + jnp.sum(S * x.dS), (o, S)
 
     grads, (o, S) = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(
@@ -35,8 +35,9 @@ def run(x, cfg, *, cu=None, chunk_size=16):
     return dict(o=o, S=S, **{"d" + n: gr for n, gr in zip(GRAD_NAMES, grads)})
 
 
-def inputs(case, B, T, Hk, group, K, V, N=None):
-    x = make_inputs(seed_of("seq-split", case), B, T, Hk * group, K, V, init=True, gates="weak", N=N)
+def inputs(case, B, T, Hk, group, K, V, N=None, l2norm=False):
+    x = make_inputs(seed_of("seq-split", case), B, T, Hk * group, K, V, init=True, gates="weak", N=N,
+                    normalize_qk=not l2norm)
     if group > 1:  # grouped value heads: q, k on the key heads
         rng = np.random.default_rng(seed_of("seq-split-qk", case))
         for n in ("q", "k"):
@@ -46,27 +47,27 @@ def inputs(case, B, T, Hk, group, K, V, N=None):
 
 
 @pytest.mark.parametrize("case", [
-    dict(P=2, B=2, T=200, Hk=2, group=1),  # T = 200 in pieces of 112: 24 padded tokens
+    dict(P=2, B=2, T=200, Hk=2, group=1, l2norm=True),  # T = 200 in pieces of 112: 24 padded tokens
     dict(P=4, B=1, T=200, Hk=1, group=2),  # GVA; pieces of 64
     dict(P=4, B=1, T=200, Hk=2, group=1, cu=CU),
     dict(P=2, B=1, T=200, Hk=1, group=2, cu=CU),  # pieces of 112: 64 .. 150 crosses 112
 ], ids=["dense-P2", "gva-P4", "packed-P4", "packed-gva-P2"])
 def test_split_equals_unsplit_and_reference(case):
-    P, cu = case["P"], case.get("cu")
+    P, cu, l2 = case["P"], case.get("cu"), case.get("l2norm", False)
     x = inputs(tuple(sorted((k, str(v)) for k, v in case.items())), case["B"], case["T"], case["Hk"], case["group"],
-               16, 32, N=None if cu is None else len(cu) - 1)
+               16, 32, N=None if cu is None else len(cu) - 1, l2norm=l2)
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
     split_cfg = KernelConfig(platform="interpret", seq_split=P)
     assert forward_kernels(x.q, x.k, x.v, x.g, x.beta, chunk_size=16, cu_seqlens=cu_j,
                            kernel_config=split_cfg).pieces == P  # the split runs
-    got = run(x, split_cfg, cu=cu_j)
-    base = run(x, KernelConfig(platform="interpret"), cu=cu_j)
+    got = run(x, split_cfg, cu=cu_j, l2norm=l2)
+    base = run(x, KernelConfig(platform="interpret"), cu=cu_j, l2norm=l2)
     for n, val in got.items():
         err = float(jnp.max(jnp.abs(val - base[n])))
         assert err <= SPLIT_TOL * float(jnp.max(jnp.abs(base[n]))), (n, err)
     args = (x.q, x.k, x.v, x.g, x.beta)
-    ro, rS = reference(*args, initial_state=x.S0, cu_seqlens=cu)
-    rg = reference_grads(*args, initial_state=x.S0, cu_seqlens=cu, do=x.do, dS=x.dS)
+    ro, rS = reference(*args, initial_state=x.S0, cu_seqlens=cu, use_qk_l2norm=l2)
+    rg = reference_grads(*args, initial_state=x.S0, cu_seqlens=cu, do=x.do, dS=x.dS, use_qk_l2norm=l2)
     pairs = {"o": (got["o"], ro, TOL_O), "S": (got["S"], rS, TOL_S)}
     pairs.update({"d" + n: (got["d" + n], rg[n], TOL_GATE if n in ("g", "beta") else TOL_GRAD) for n in GRAD_NAMES})
     check_close(pairs)
@@ -139,6 +140,9 @@ def test_declines():
     for bad, err in ((3, ValueError), (1, ValueError), (128, ValueError), ("half", TypeError), (True, TypeError)):
         with pytest.raises(err, match="seq_split"):
             KernelConfig(seq_split=bad)
+    from gdn_jax.cli import parse_kernel_config  # the benchmarks' command lines
+
+    assert [parse_kernel_config([f"seq_split={s}"]).seq_split for s in ("4", "auto", "none")] == [4, "auto", None]
 
 
 def test_hopper_kernels_bf16():

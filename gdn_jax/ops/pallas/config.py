@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +141,7 @@ class KernelConfig:
     precision: Precision = Precision()
     triton: TritonTuning = TritonTuning()
     hopper: HopperTuning = HopperTuning()
-    seq_split: Optional[object] = None
+    seq_split: Optional[Union[int, str]] = None  # an int or "auto" (validated in __init__)
 
     def __init__(self, platform: Optional[str] = None, fwd_chunk: Optional[int] = None,
                  bwd_chunk: Optional[int] = None, gpu_kernels: Optional[str] = None,
