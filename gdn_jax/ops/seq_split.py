@@ -37,7 +37,7 @@ from .piece_maps import affine_state_map, document_owners, entering_states, piec
 F32 = jnp.float32
 
 
-def pieces_for(q, v, *, chunk_size, cu_seqlens, forms, kernel_config):
+def pieces_for(q, v, *, chunk_size, forms, kernel_config):
     """``(pieces, reason)`` of :func:`gdn_jax.ops.pallas.split_plan.decide` for a call's arrays."""
     cfg = kernel_config
     if cfg is None or cfg.seq_split is None:
@@ -56,8 +56,7 @@ def pallas_op(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2no
     """``backend="pallas"`` with the sequence split where ``kernel_config.seq_split`` asks for it and
     :func:`pieces_for` takes the call, else :func:`gdn_jax.ops.pallas.pallas_gated_delta_rule`
     unchanged. Arguments and results as that function's (``(o, final_state, valid)``)."""
-    pieces, _ = pieces_for(q, v, chunk_size=chunk_size, cu_seqlens=cu_seqlens, forms=forms,
-                           kernel_config=kernel_config)
+    pieces, _ = pieces_for(q, v, chunk_size=chunk_size, forms=forms, kernel_config=kernel_config)
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms)
     if pieces == 1:
         return _pallas.pallas_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,

@@ -19,6 +19,9 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
   ``common``, and ``plan``: which calls they take, their shared memory and value blocks, plain
   Python, no kernel), chosen by ``KernelConfig.gpu_kernels`` (default: on
   Hopper GPUs, for the calls they cover);
+* :mod:`.split_plan`: the sequence split's planning (``KernelConfig.seq_split``: how many pieces a
+  sequence, or why none; plain Python; the split itself is :mod:`gdn_jax.ops.seq_split`, above this
+  package);
 * :mod:`.paths`: the table of kernel paths (which kernels run each direction, tried in a stated
   order, each entry with ``covers(call)`` and ``run``);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 
 from .._common import GateForms
@@ -179,8 +183,6 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
 def _piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size):
     """Shape stand-ins of the pieces' call of the sequence split: B * P rows of its piece length
     (packed: one row of it per piece, the documents and a padding one)."""
-    import jax
-
     L = split_plan.piece_length(q.shape[1], pieces, chunk_size)
     rows = 1 if cu_seqlens is not None else q.shape[0] * pieces
     sds = lambda x: jax.ShapeDtypeStruct((rows, L) + tuple(x.shape[2:]), x.dtype)
@@ -190,8 +192,6 @@ def _piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size):
 
 def _route(q, k, v, g, beta, cu_seqlens, chunk_size, cfg):
     """The route of :func:`to_kernel_inputs` for these arrays (or shape stand-ins), traced."""
-    import jax
-
     box = []
     jax.eval_shape(lambda *a: box.append(to_kernel_inputs(*a[:5], chunk_size=chunk_size, cu_seqlens=a[5],
                                                           config=cfg).route) or 0,
