@@ -32,10 +32,10 @@ from jax.sharding import PartitionSpec as P
 
 from ._common import acc_dtype, check_cu_values, check_flags, poison_if_invalid
 from .gated_delta_rule import gated_delta_rule
-from ._vma import match_vma
 from .linear_attention import gated_linear_attention
 from ._warnings import internal_call
-from .state_maps import affine_state_map, apply_map, state_map
+from .piece_maps import affine_state_map, document_owners, entering_states, piece_documents
+from .state_maps import state_map
 
 
 def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
@@ -144,22 +144,16 @@ def sharded_recurrence(run, maps, k, v, *, axis_name, dtype, initial_state, outp
     else:
         cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
         n_docs = cu.shape[0] - 1
-        off = me * Ts
         valid = (cu[0] == 0) & (cu[-1] == n_dev * Ts) & jnp.all(jnp.diff(cu) >= 0)
-        local_cu = jnp.clip(cu - off, 0, Ts)
-        first = jnp.minimum(jnp.searchsorted(cu[1:], off, side="right"), n_docs - 1)
-        continues = cu[first] < off  # the document of this shard's first token started on an earlier shard
+        # continues: the document of this shard's first token started on an earlier shard
+        local_cu, first, continues = piece_documents(cu, me * Ts, Ts)
         init = jnp.zeros((n_docs, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
         M, N = maps(init, local_cu, continues)
         x0 = jnp.zeros((1, H, K, V), dt)  # shard 0 never continues (its M is 0): any start
     # every shard's map, in shard order (one all-gather), composed in float32
     Ms = jax.lax.all_gather(M.astype(dt), axis_name)
     Ns = jax.lax.all_gather(N.astype(dt), axis_name)
-
-    def step(x, mn):
-        return apply_map(mn[0], mn[1], x), x
-
-    x_last, entering = jax.lax.scan(step, match_vma(x0, Ms, Ns), (Ms, Ns))
+    x_last, entering = entering_states(Ms, Ns, x0)
     entry = entering[me]  # the state entering this shard
     if cu_seqlens is None:
         o, _ = run(entry, None, False)
@@ -173,9 +167,7 @@ def sharded_recurrence(run, maps, k, v, *, axis_name, dtype, initial_state, outp
     o = poison_if_invalid(o, valid)
     if not output_final_state:
         return o, None
-    ends = cu[1:]
-    owner = jnp.where(ends > cu[:-1], (ends - 1) // Ts, 0)  # the shard of each document's last token (empty: 0)
-    mine = (owner == me)[:, None, None, None]
+    mine = (document_owners(cu, Ts) == me)[:, None, None, None]  # the shard of each document's last token
     fin = jax.lax.psum(jnp.where(mine, fin, 0), axis_name)
     return o, poison_if_invalid(fin, valid)
 

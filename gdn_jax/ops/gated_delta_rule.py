@@ -163,7 +163,10 @@ def gated_delta_rule(
     if which != "scan":  # the chunked forms floor g (see clamp_log_decay); the scan takes it as is
         g = clamp_log_decay(g, dt)
     if which == "pallas":
-        o, fin, valid = _pallas_module().pallas_gated_delta_rule(
+        pallas_op = _pallas_module().pallas_gated_delta_rule
+        if getattr(kernel_config, "seq_split", None) is not None:  # the sequence split (gdn_jax.ops.seq_split)
+            from .seq_split import pallas_op
+        o, fin, valid = pallas_op(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms, kernel_config=kernel_config,
         )

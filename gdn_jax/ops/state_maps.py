@@ -10,7 +10,9 @@ Maps of consecutive pieces compose, ``(M2, N2) o (M1, N1) = (M2 M1, M2 N1 + N2)`
 
 This module builds the maps with :func:`gated_delta_rule` on any backend (scan, chunk, pallas),
 so it is differentiable wherever the op is. It is used by :mod:`gdn_jax.ops.context_parallel`
-(pieces on different devices); an in-kernel sequence split can use the same function.
+(pieces on different devices). The algebra with no op in it (:func:`affine_state_map`,
+:func:`compose`, :func:`apply_map`, the scan over pieces) lives in :mod:`gdn_jax.ops.piece_maps`,
+which the one-device sequence split of the Pallas op (:mod:`gdn_jax.ops.seq_split`) also uses.
 
 Not covered: per-value-channel beta ``[B, T, H, V]`` (each value column has its own transition,
 so there would be one M per column): ``ValueError``.
@@ -24,8 +26,8 @@ import jax.numpy as jnp
 
 from ._warnings import internal_call
 from ._common import GateForms, acc_dtype
-from ._vma import match_vma
 from .gated_delta_rule import gated_delta_rule, resolve_backend
+from .piece_maps import affine_state_map, apply_map, compose  # noqa: F401  (importable here)
 
 
 def _check_beta(beta, v) -> None:
@@ -108,54 +110,3 @@ def state_map(
     return affine_state_map(final_state, k, v, g, beta, dtype=dt, initial_state=initial_state,
                             cu_seqlens=cu_seqlens, continues=continues,
                             augmented=_augmented_widths(backend, forms, chunk_size, K, V, vdt))
-
-
-def affine_state_map(final_state, k, v, *rest, dtype, initial_state=None, cu_seqlens=None, continues=None,
-                     augmented: bool = True):
-    """The map ``(M, N)`` of any recurrence whose final state is linear in (initial state, values)
-    jointly and acts on the state's columns alike: ``final_state(values [B, T, H, W], start
-    [B or N, H, K, W]) -> [B or N, H, K, W]`` runs it (with the piece's ``cu_seqlens`` bound) for
-    any width W. Arguments and result as :func:`state_map`; ``rest`` are the other inputs (for
-    ``shard_map``'s varying-axes types only); ``augmented=False`` runs M and N as two calls."""
-    if cu_seqlens is None and initial_state is not None:
-        raise ValueError("state_map: initial_state is read only with cu_seqlens (documents that start inside "
-                         "the piece); without it the map does not depend on a state")
-    B, T, H, V = v.shape
-    K = k.shape[-1]
-    dt = dtype
-    eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (H, K, K))
-    if cu_seqlens is None:
-        start_m = jnp.broadcast_to(eye, (B, H, K, K))
-        start_n = jnp.zeros((B, H, K, V), dt)
-    else:
-        cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-        n_docs = cu.shape[0] - 1
-        init = jnp.zeros((n_docs, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
-        first = jnp.minimum(jnp.searchsorted(cu[1:], 0, side="right"), n_docs - 1)
-        cont = jnp.asarray(True if continues is None else continues)
-        start_m = jnp.zeros((n_docs, H, K, K), dt).at[first].set(jnp.where(cont, eye, 0))
-        start_n = init.at[first].set(jnp.where(cont, 0, init[first]))
-        last = jnp.minimum(jnp.searchsorted(cu[1:], T - 1, side="right"), n_docs - 1)
-    zeros = jnp.zeros(v.shape[:-1] + (K,), v.dtype)
-    start_m, start_n, zeros = (match_vma(x, k, v, *[r for r in rest if r is not None])
-                               for x in (start_m, start_n, zeros))
-    if augmented:
-        S = final_state(jnp.concatenate([zeros, v], -1), jnp.concatenate([start_m, start_n], -1))
-        M, N = S[..., :K], S[..., K:]
-    else:  # the columns are independent: the same maps from two calls of the backend's widths
-        M, N = final_state(zeros, start_m), final_state(v, start_n)
-    if cu_seqlens is not None:
-        M, N = M[last][None], N[last][None]
-    return M, N
-
-
-def compose(M2, N2, M1, N1):
-    """The map of piece 1 then piece 2: ``(M2 M1, M2 N1 + N2)`` (float32 matmuls at full precision)."""
-    hi = jax.lax.Precision.HIGHEST
-    return (jnp.einsum("...ij,...jk->...ik", M2, M1, precision=hi),
-            jnp.einsum("...ij,...jk->...ik", M2, N1, precision=hi) + N2)
-
-
-def apply_map(M, N, S):
-    """``M S + N`` (float32 matmul at full precision)."""
-    return jnp.einsum("...ij,...jk->...ik", M, S, precision=jax.lax.Precision.HIGHEST) + N

@@ -60,12 +60,13 @@ def test_flat_keywords_shim_warns_and_equals_the_groups():
 
 def test_every_flat_name_has_one_group():
     """The 39 fields of the groups keep their flat names (with the 4 top-level fields: the 43 of the flat
-    KernelConfig), each in exactly one group."""
+    KernelConfig), each in exactly one group; ``seq_split`` is a top-level field of its own (newer than
+    the flat keywords)."""
     fields = [f.name for cls in (Precision, TritonTuning, HopperTuning, HopperVariants)
               for f in dataclasses.fields(cls) if f.name != "variants"]
     assert len(fields) == len(set(fields)) == len(FLAT_NAMES) == 39
     assert {f.name for f in dataclasses.fields(KernelConfig)} == {"platform", "fwd_chunk", "bwd_chunk", "gpu_kernels",
-                                                                  "precision", "triton", "hopper"}
+                                                                  "precision", "triton", "hopper", "seq_split"}
 
 
 @pytest.mark.parametrize("make,err,msg", [

@@ -19,6 +19,9 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
   ``common``, and ``plan``: which calls they take, their shared memory and value blocks, plain
   Python, no kernel), chosen by ``KernelConfig.gpu_kernels`` (default: on
   Hopper GPUs, for the calls they cover);
+* :mod:`.split_plan`: the sequence split's planning (``KernelConfig.seq_split``: how many pieces a
+  sequence, or why none; plain Python; the split itself is :mod:`gdn_jax.ops.seq_split`, above this
+  package);
 * :mod:`.paths`: the table of kernel paths (which kernels run each direction, tried in a stated
   order, each entry with ``covers(call)`` and ``run``);
 * :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 
 from .._common import GateForms
@@ -61,7 +65,8 @@ from .config import (BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCal
                      check_type)
 from .hopper.tuning import HopperTuning
 from .tuning import TritonTuning
-from .platform import PLATFORMS, is_hopper
+from . import split_plan
+from .platform import PLATFORMS, default_platform, is_hopper
 from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
 
 __all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
@@ -108,12 +113,18 @@ class KernelsReport(NamedTuple):
     Hopper kernels were asked for (``gpu_kernels`` "mosaic", or None on an sm_90 GPU) and do not
     run, why not (:func:`.hopper.plan.fwd_covers` / :func:`.hopper.plan.bwd_covers`), else None;
     ``path``: the :mod:`.paths` entry that runs; ``not_taken``: ((entry, why not), ...) for every
-    other entry of the table, in its order."""
+    other entry of the table, in its order; ``pieces``: the sequence split (``KernelConfig.seq_split``,
+    :mod:`gdn_jax.ops.seq_split`): 1 where it does not run, else the pieces a sequence (the other
+    fields then describe the pieces' call, B * P rows of T / P tokens; the maps' call runs the same
+    kernels at value width K + V); ``split_reason``: where the split was asked for and does not run,
+    why not (:func:`.split_plan.decide`), else None."""
 
     kernels: str
     reason: Optional[str]
     path: str
     not_taken: Tuple[Tuple[str, str], ...]
+    pieces: int = 1
+    split_reason: Optional[str] = None
 
 
 def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
@@ -148,7 +159,15 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
     check_type(kernel_config)
     check_supported(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     cfg = KernelConfig() if kernel_config is None else kernel_config
-    route = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).route
+    pieces, split_reason = 1, None
+    if cfg.seq_split is not None:
+        pieces, split_reason = split_plan.decide(cfg.seq_split, B=q.shape[0], T=q.shape[1], H=v.shape[2],
+                                                 K=q.shape[-1], V=v.shape[-1], chunk=chunk_size,
+                                                 platform=cfg.platform or default_platform())
+    if pieces > 1:  # the pieces' call: its route, traced on shapes only
+        route = _route(*_piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size), chunk_size, cfg)
+    else:
+        route = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).route
     chosen = route[0] if direction == "fwd" else route[1]
     table = paths.FORWARD_BY_NAME if direction == "fwd" else paths.BACKWARD_BY_NAME
     name = paths.kernels_name(chosen)
@@ -158,7 +177,26 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
         asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
         covers = hopper_plan.fwd_covers if direction == "fwd" else hopper_plan.bwd_covers
         reason = covers(paths.hopper_call(call) if call.hopper else call) if asked else None
-    return KernelsReport(name, reason, chosen.path, chosen.not_taken)
+    return KernelsReport(name, reason, chosen.path, chosen.not_taken, pieces, split_reason)
+
+
+def _piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size):
+    """Shape stand-ins of the pieces' call of the sequence split: B * P rows of its piece length
+    (packed: one row of it per piece, the documents and a padding one)."""
+    L = split_plan.piece_length(q.shape[1], pieces, chunk_size)
+    rows = 1 if cu_seqlens is not None else q.shape[0] * pieces
+    sds = lambda x: jax.ShapeDtypeStruct((rows, L) + tuple(x.shape[2:]), x.dtype)
+    cu = None if cu_seqlens is None else jax.ShapeDtypeStruct((cu_seqlens.shape[0] + 1,), jnp.int32)
+    return sds(q), sds(k), sds(v), sds(g), sds(beta), cu
+
+
+def _route(q, k, v, g, beta, cu_seqlens, chunk_size, cfg):
+    """The route of :func:`to_kernel_inputs` for these arrays (or shape stand-ins), traced."""
+    box = []
+    jax.eval_shape(lambda *a: box.append(to_kernel_inputs(*a[:5], chunk_size=chunk_size, cu_seqlens=a[5],
+                                                          config=cfg).route) or 0,
+                   q, k, v, g, beta, cu_seqlens)
+    return box[0]
 
 
 def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size,

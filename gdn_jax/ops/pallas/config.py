@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .call import KernelCall
 from .checks import check_choice, check_int
@@ -114,6 +115,14 @@ class KernelConfig:
       precision: :class:`Precision`.
       triton: :class:`~gdn_jax.ops.pallas.tuning.TritonTuning` (the portable kernels).
       hopper: :class:`~gdn_jax.ops.pallas.hopper.tuning.HopperTuning` (the Hopper kernels).
+      seq_split: the sequence split (:mod:`gdn_jax.ops.seq_split`): None (default: off), "auto"
+        (the piece count of :func:`~gdn_jax.ops.pallas.split_plan.auto_pieces` from B, H, K, V, T,
+        the chunk and the GPU's SM count; often 1, no split) or a power of two from 2 to 64 (that
+        many pieces a sequence, where each has >= 2 chunks; else declined). Every sequence is cut
+        into pieces run as extra batch rows from their true entering states (state maps of one
+        augmented call, a float32 scan), forward and backward. Unmeasured on a GPU so far.
+        ``forward_kernels`` / ``backward_kernels`` report the pieces (``KernelsReport.pieces``) and
+        why the split did not run where asked (``split_reason``).
 
     Deprecated: the flat keywords of earlier releases (``KernelConfig(mid_dtype="f32", save_wy=False,
     bv_state=32, ...)``, one per field of the groups) still work for one release: each is moved into
@@ -132,11 +141,12 @@ class KernelConfig:
     precision: Precision = Precision()
     triton: TritonTuning = TritonTuning()
     hopper: HopperTuning = HopperTuning()
+    seq_split: Optional[Union[int, str]] = None  # an int or "auto" (validated in __init__)
 
     def __init__(self, platform: Optional[str] = None, fwd_chunk: Optional[int] = None,
                  bwd_chunk: Optional[int] = None, gpu_kernels: Optional[str] = None,
                  precision: Optional[Precision] = None, triton: Optional[TritonTuning] = None,
-                 hopper: Optional[HopperTuning] = None, **flat):
+                 hopper: Optional[HopperTuning] = None, seq_split=None, **flat):
         groups = {"precision": precision, "triton": triton, "hopper": hopper}
         for name, cls in _GROUPS.items():
             if groups[name] is None:
@@ -159,6 +169,7 @@ class KernelConfig:
             object.__setattr__(self, name, val)
         check_choice("KernelConfig", "platform", self.platform, (None,) + PLATFORMS)
         check_choice("KernelConfig", "gpu_kernels", self.gpu_kernels, (None, "triton", "mosaic"))
+        object.__setattr__(self, "seq_split", _check_seq_split(seq_split))
         for name in ("fwd_chunk", "bwd_chunk"):
             val = check_int("KernelConfig", name, getattr(self, name), optional=True)
             if val is not None and val not in SUPPORTED_CHUNK_SIZES:
@@ -173,6 +184,21 @@ class KernelConfig:
         warnings.warn(f"KernelConfig.{name} is deprecated; read KernelConfig.{_path(name)}", FutureWarning,
                       stacklevel=2)
         return _flat_value(self, name)
+
+
+MAX_PIECES = 64  # largest KernelConfig.seq_split
+
+
+def _check_seq_split(val):
+    """``KernelConfig.seq_split``: None, "auto" or a power of two from 2 to :data:`MAX_PIECES`."""
+    if val is None or (isinstance(val, str) and val == "auto"):
+        return val
+    if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+        raise TypeError(f"KernelConfig.seq_split must be None, 'auto' or an int, got {type(val).__name__} {val!r}")
+    if val < 2 or val > MAX_PIECES or val & (val - 1):
+        raise ValueError(f"KernelConfig.seq_split must be None, 'auto' or a power of two from 2 to {MAX_PIECES} "
+                         f"(pieces a sequence), got {val!r}")
+    return int(val)
 
 
 def from_flat_names(**kw) -> KernelConfig:
