@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
 from gdn_jax.ops import pallas as P  # noqa: E402
-from gdn_jax.ops.pallas.config import from_flat_names  # noqa: E402
+from gdn_jax.ops.pallas.config import FLAT_NAMES, from_flat_names  # noqa: E402
 from gdn_jax.ops.pallas.hopper import grads as HG, state_bwd as HR, state_fwd as HS, wy as HW  # noqa: E402
 from gdn_jax.ops.pallas.grads import chunk_grads  # noqa: E402
 from gdn_jax.ops.pallas.state_bwd import reverse_states  # noqa: E402
@@ -380,7 +380,7 @@ def parse_variant(s):
         except ValueError:
             val = {"none": None, "true": True, "false": False}.get(val.lower(), val)
         kw[key] = val
-    fields = {f.name for f in dataclasses.fields(KernelConfig)} | {"chunk"}
+    fields = {f.name for f in dataclasses.fields(KernelConfig)} | set(FLAT_NAMES) | {"chunk"}
     bad = set(kw) - fields
     if bad:
         raise SystemExit(f"unknown variant keys {sorted(bad)}; known: {sorted(fields)}")

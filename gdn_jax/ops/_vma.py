@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 
-def _varying_axes(x) -> set:
+def varying_axes(x) -> set:
     """The ``shard_map`` axes ``x`` varies over (``aval.vma`` in some JAX versions,
     ``aval.mat.varying`` in others; empty outside ``shard_map``)."""
     t = jax.typeof(x)
@@ -21,8 +21,8 @@ def match_vma(x, *like):
     outside ``shard_map`` or with ``check_vma=False``)."""
     vma = set()
     for y in like:
-        vma |= _varying_axes(y)
-    missing = tuple(sorted(vma - _varying_axes(x), key=str))
+        vma |= varying_axes(y)
+    missing = tuple(sorted(vma - varying_axes(x), key=str))
     if not missing:
         return x
     cast = getattr(jax.lax, "pcast", None)
@@ -38,7 +38,7 @@ def varying_struct(struct, *like):
     not read."""
     vma = set()
     for y in like:
-        vma |= _varying_axes(y)
+        vma |= varying_axes(y)
     mat = getattr(jax.sharding, "ManualAxisType", None)
     if mat is not None:
         return jax.ShapeDtypeStruct(struct.shape, struct.dtype, manual_axis_type=mat(varying=frozenset(vma)))

@@ -248,7 +248,7 @@ def test_pallas_kernels_typed_for_checked_shard_map(kernels):
     state and the final state; the output varies over 'seq'."""
     from jax.sharding import PartitionSpec as P
 
-    from gdn_jax.ops._vma import _varying_axes
+    from gdn_jax.ops._vma import varying_axes
     from gdn_jax.ops.pallas import KernelConfig
 
     config = {"triton": KernelConfig(platform="gpu", gpu_kernels="triton"), "tpu": KernelConfig(platform="tpu"),
@@ -265,7 +265,7 @@ def test_pallas_kernels_typed_for_checked_shard_map(kernels):
         o, fin = context_parallel_gated_delta_rule(q, k, v, g, beta, axis_name="seq", initial_state=s0, cu_seqlens=cu,
                                                    output_final_state=True, backend="pallas", chunk_size=C,
                                                    kernel_config=config)
-        seen.append(_varying_axes(o))
+        seen.append(varying_axes(o))
         return o, fin
 
     spec = P(None, "seq")

@@ -137,9 +137,9 @@ def invoke(p: str, fn, *args):
         (GPU, TPU) are typed (:func:`gdn_jax.ops._vma.varying_struct`) and run there.
     """
     if interpreted(p):
-        from .._vma import _varying_axes
+        from .._vma import varying_axes
 
-        axes = set().union(*(_varying_axes(a) for a in args))
+        axes = set().union(*(varying_axes(a) for a in args))
         if axes:
             raise ValueError(f"backend='pallas' runs its kernels in the Pallas interpreter here (platform {p!r}), "
                              f"which JAX cannot run inside jax.shard_map(..., check_vma=True) (the arguments vary "
