@@ -93,3 +93,52 @@ def test_variants_not_exported():
 
     assert not hasattr(ops, "HopperVariants") and "HopperVariants" not in P.__all__
     assert {"Precision", "TritonTuning", "HopperTuning"} <= set(ops.__all__)
+
+
+def test_flat_warning_spells_the_groups():
+    """The FutureWarning gives the grouped spelling of the flat keywords used, which evaluates to the
+    same config; a group passed as well (as ``dataclasses.replace`` passes every group) is spelled as a
+    change of it, keeping its other fields."""
+    import re
+
+    flat = dict(mid_dtype="f32", bv_state=32, save_wy=False, state_slots=3)
+    cfg, got = _flat(**flat)
+    msg = str(got[0].message)
+    spelled = re.search(r"write (KernelConfig\(.*\)) \(HopperVariants", msg).group(1)
+    assert spelled.count("=") == 8  # precision, triton, hopper, variants and the four fields
+    env = dict(KernelConfig=KernelConfig, Precision=Precision, TritonTuning=TritonTuning,
+               HopperTuning=HopperTuning, HopperVariants=HopperVariants)
+    assert eval(spelled, env) == cfg == from_flat_names(**flat)
+    with pytest.warns(FutureWarning) as rec:
+        again = dataclasses.replace(GROUPED, save_wy=True)
+    spelled = re.search(r"write (KernelConfig\(.*\)) \(docs", str(rec[0].message)).group(1)
+    assert spelled == "KernelConfig(hopper=dataclasses.replace(hopper, save_wy=True))"
+    kept = eval(spelled, dict(env, dataclasses=dataclasses, hopper=GROUPED.hopper))
+    assert kept.hopper == again.hopper and kept.hopper.wy_inverse == "dense"
+
+
+def test_block_error_names_the_group():
+    """A Triton block that does not divide the head dim is named by its group's field."""
+    q = jnp.zeros((1, 64, 2, 32), jnp.float32)
+    g = jnp.zeros((1, 64, 2))
+    with pytest.raises(ValueError, match=r"TritonTuning.bv_grad=24 must divide the head dim 32"):
+        P.backward_kernels(q, q, q, g, g, kernel_config=KernelConfig(platform="interpret",
+                                                                     triton=TritonTuning(bv_grad=24)))
+
+
+def test_report_says_why_in_words():
+    """The not-taken reasons of the Hopper entries: interpret mode names gpu_kernels='mosaic'; the
+    default forward form names its rule and this call's K and state-pass CTAs; the transition form is
+    opt-in."""
+    g = jnp.zeros((1, 256, 2))
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    why = dict(P.forward_kernels(q, q, q, g, g, kernel_config=KernelConfig(platform="interpret")).not_taken)
+    assert "gpu_kernels='mosaic'" in why["hopper_t"] and "sm_90" not in why["hopper_t"]
+    rep = P.forward_kernels(q, q, q, g, g, kernel_config=KernelConfig(platform="gpu", gpu_kernels="mosaic"))
+    why = dict(rep.not_taken)
+    assert rep.path == "hopper_wu"
+    assert "K=128, 16 CTAs" in why["hopper_t"] and "fwd_form='t'" in why["hopper_t"]  # 1 * 2 heads * 128/16
+    assert why["hopper_transition"].startswith("opt-in")
+    rep = P.forward_kernels(q, q, q, g, g, kernel_config=KernelConfig(
+        platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(fwd_form="t")))
+    assert rep.path == "hopper_t" and dict(rep.not_taken)["hopper_wu"].endswith("(HopperTuning.fwd_form='t')")

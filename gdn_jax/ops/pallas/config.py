@@ -148,6 +148,7 @@ class KernelConfig:
                  precision: Optional[Precision] = None, triton: Optional[TritonTuning] = None,
                  hopper: Optional[HopperTuning] = None, seq_split=None, **flat):
         groups = {"precision": precision, "triton": triton, "hopper": hopper}
+        given = {name for name, val in groups.items() if val is not None}
         for name, cls in _GROUPS.items():
             if groups[name] is None:
                 groups[name] = cls()
@@ -159,8 +160,8 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig() got unexpected keyword arguments {unknown}")
             warnings.warn(
                 f"KernelConfig({', '.join(f'{n}=' for n in flat)}...): flat keywords are deprecated and will be "
-                f"removed in the next release; use KernelConfig(precision=Precision(...), triton=TritonTuning(...), "
-                f"hopper=HopperTuning(...)) (docs/kernels.md)", FutureWarning, stacklevel=2)
+                f"removed in the next release; write {_grouped_spelling(flat, given)} (docs/kernels.md)",
+                FutureWarning, stacklevel=2)
             groups = _with_flat(groups, flat)
         for name, val in (("platform", platform), ("fwd_chunk", fwd_chunk), ("bwd_chunk", bwd_chunk),
                           ("gpu_kernels", gpu_kernels)):
@@ -214,6 +215,24 @@ def from_flat_names(**kw) -> KernelConfig:
     flat = {n: v for n, v in kw.items() if n in FLAT_NAMES}
     groups = {g: top.pop(g, None) or GROUP_CLASSES[g]() for g in _GROUPS}
     return KernelConfig(**top, **_with_flat(groups, flat))
+
+
+def _grouped_spelling(flat: dict, given=()) -> str:
+    """The grouped spelling of the flat keywords ``flat``, for the deprecation warning:
+    ``KernelConfig(precision=Precision(mid_dtype='f32'), hopper=HopperTuning(variants=HopperVariants(...)))``;
+    a group in ``given`` (passed too, as ``dataclasses.replace`` passes every group) is spelled as a
+    change of it, ``hopper=dataclasses.replace(hopper, save_wy=False)``, which keeps its other fields."""
+    by = {}
+    for name, val in flat.items():
+        by.setdefault(FLAT_NAMES[name], []).append(f"{name}={val!r}")
+    variants = by.pop("hopper.variants", None)
+    if variants is not None:
+        made = "dataclasses.replace(hopper.variants, " if "hopper" in given else "HopperVariants("
+        by.setdefault("hopper", []).append(f"variants={made}{', '.join(variants)})")
+    groups = [f"{g}=dataclasses.replace({g}, {', '.join(by[g])})" if g in given
+              else f"{g}={_GROUPS[g].__name__}({', '.join(by[g])})" for g in _GROUPS if g in by]
+    where = " (HopperVariants: gdn_jax.ops.pallas.hopper.tuning)" if variants is not None else ""
+    return f"KernelConfig({', '.join(groups)}){where}"
 
 
 def _path(name: str) -> str:
@@ -303,7 +322,7 @@ def _block(name: str, explicit: Optional[int], default: int, total: int, given: 
     if total % b:
         dim = name[1].upper()
         pad = f" ({dim}={given} zero-padded to a power of two)" if given not in (None, total) else ""
-        raise ValueError(f"KernelConfig.{name}={explicit or default} must divide the head dim {total}{pad}")
+        raise ValueError(f"TritonTuning.{name}={explicit or default} must divide the head dim {total}{pad}")
     return b
 
 

@@ -102,7 +102,27 @@ def _not_asked(call: KernelCall) -> Optional[str]:
         return None
     if call.platform not in ("gpu", "interpret"):
         return f"platform {call.platform!r} (the Hopper kernels run on 'gpu' or 'interpret')"
+    if call.platform == "interpret":
+        return ("not asked for (in interpret mode the Hopper kernels run only with KernelConfig(gpu_kernels='mosaic'); "
+                "None or 'triton' runs the portable ones)")
     return "not asked for (KernelConfig.gpu_kernels: 'triton', or None on a GPU that is not sm_90)"
+
+
+def _form_reason(c: KernelCall, form: str) -> str:
+    """Why the Hopper forward entry of ``form`` does not run: ``c`` (resolved by :func:`hopper_call`)
+    runs another form, either given (``HopperTuning.fwd_form``) or picked by the default rule."""
+    if not c.fwd_form_auto:
+        return f"the Hopper forward form is {c.fwd_form!r} (HopperTuning.fwd_form={c.fwd_form!r})"
+    if form == "transition":
+        return "opt-in: HopperTuning(fwd_form='transition'); fwd_form=None never picks it"
+    if form == "t" and hopper_plan.t_form_default(c):
+        t = dataclasses.replace(c, fwd_form="t")
+        t = dataclasses.replace(t, bv_mosaic=c.bv_given or hopper_plan.block_for(t))
+        return f"HopperTuning.fwd_form=None picks 't' here, but its kernels do not take the call: {hopper_plan.fwd_covers(t)}"
+    ctas = c.BH * (c.V // c.bv_mosaic)
+    return (f"the Hopper forward form is {c.fwd_form!r}: HopperTuning.fwd_form=None picks 't' at K > 128 and at "
+            f"K = 128 with >= {hopper_plan.T_FORM_MIN_CTAS} state-pass CTAs; here K={c.K}, {ctas} CTAs "
+            f"(HopperTuning(fwd_form={form!r}) asks for it)")
 
 
 def _hopper_forward_covers(form: str):
@@ -112,8 +132,7 @@ def _hopper_forward_covers(form: str):
             return why
         c = hopper_call(call)
         if c.fwd_form != form:
-            given = "None" if call.fwd_form_auto else repr(call.fwd_form)
-            return f"the Hopper forward form is {c.fwd_form!r} (HopperTuning.fwd_form={given})"
+            return _form_reason(c, form)
         return hopper_plan.fwd_covers(c)
 
     return covers
