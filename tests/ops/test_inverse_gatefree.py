@@ -176,3 +176,11 @@ def test_kernel_input_errors():
         gatefree_inverse(k, b, f32_dot="fp8")
     with pytest.raises(ValueError, match="diag"):
         gatefree_inverse(k, b, diag="lu")
+    with pytest.raises(ValueError, match="num_warps must be a power of two <= 32.*got 3"):
+        gatefree_inverse(k, b, num_warps=3)
+    with pytest.raises(ValueError, match="num_warps must be a power of two <= 32.*got 64"):
+        gatefree_inverse(k, b, num_warps=64)
+    with pytest.raises(TypeError, match="num_warps must be an int, got float"):
+        gatefree_inverse(k, b, num_warps=4.0)
+    with pytest.raises(ValueError, match="num_stages must be a positive int, got 0"):
+        gatefree_inverse(k, b, num_stages=0)

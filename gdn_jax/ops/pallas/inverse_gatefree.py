@@ -36,6 +36,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -209,7 +210,8 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
         ``cu_seqlens``.
       ValueError: k not [B, T, Hk, K], beta not [B, T, H] with H a multiple of Hk, T = 0, a
         ``cu_seqlens`` that is not [N + 1] or is given with B != 1, an unknown ``out_dtype``,
-        ``f32_dot``, ``diag``, ``chunk_size`` or ``platform``.
+        ``f32_dot``, ``diag``, ``chunk_size`` or ``platform``, ``num_warps`` not a power of two up to
+        32, ``num_stages`` below 1 (TypeError where either is not an int).
       NotImplementedError: K above 256, or a TPU platform.
 
     Source: REFERENCE §10 (gate-free inverse); the block inverse is the merge of
@@ -245,6 +247,14 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
         raise ValueError(f"f32_dot must be one of {_F32_DOTS}, got {f32_dot!r}")
     if diag not in _DIAGS:
         raise ValueError(f"diag must be one of {_DIAGS}, got {diag!r}")
+    for name, val in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(val).__name__} {val!r}")
+    if num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two <= 32 (Triton's num_warps: at most 1024 threads), "
+                         f"got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages}")
     p = platform or _plat.default_platform()
     if p not in _plat.PLATFORMS:
         raise ValueError(f"platform must be one of {_plat.PLATFORMS} or None, got {platform!r}")
