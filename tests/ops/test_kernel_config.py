@@ -81,6 +81,9 @@ def test_every_flat_name_has_one_group():
     (lambda: KernelConfig(hopper=Precision()), TypeError, "KernelConfig.hopper must be a HopperTuning"),
     (lambda: KernelConfig(fwd_chunk=48), ValueError, "KernelConfig.fwd_chunk must be one of"),
     (lambda: KernelConfig(warp_wy=4), TypeError, "unexpected keyword arguments \\['warp_wy'\\]"),
+    (lambda: KernelConfig(bv_sate=32), TypeError, "did you mean 'bv_state'"),
+    (lambda: KernelConfig(chunk=64), TypeError, r"unexpected keyword arguments \['chunk'\]"),
+    (lambda: KernelConfig(chunk_size=32), TypeError, "did you mean 'fwd_chunk' or 'bwd_chunk'"),
 ])
 def test_groups_validated_when_made(make, err, msg):
     with pytest.raises(err, match=msg):
@@ -111,6 +114,7 @@ def test_flat_warning_spells_the_groups():
     assert eval(spelled, env) == cfg == from_flat_names(**flat)
     with pytest.warns(FutureWarning) as rec:
         again = dataclasses.replace(GROUPED, save_wy=True)
+    assert rec[0].filename == __file__  # the caller's line, not dataclasses.py
     spelled = re.search(r"write (KernelConfig\(.*\)) \(docs", str(rec[0].message)).group(1)
     assert spelled == "KernelConfig(hopper=dataclasses.replace(hopper, save_wy=True))"
     kept = eval(spelled, dict(env, dataclasses=dataclasses, hopper=GROUPED.hopper))

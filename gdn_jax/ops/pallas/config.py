@@ -14,6 +14,8 @@ measurements behind the defaults are in docs/kernels.md ("Options in detail"), i
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import sys
 import warnings
 from typing import Optional, Union
 
@@ -157,11 +159,18 @@ class KernelConfig:
         if flat:
             unknown = sorted(set(flat) - set(FLAT_NAMES))
             if unknown:
-                raise TypeError(f"KernelConfig() got unexpected keyword arguments {unknown}")
+                known = [f.name for f in dataclasses.fields(KernelConfig)] + list(FLAT_NAMES)
+                near = {n: ["fwd_chunk' or 'bwd_chunk"] if n == "chunk_size" else difflib.get_close_matches(n, known, n=1)
+                        for n in unknown}
+                hint = "; ".join(f"{n!r}: did you mean '{m[0]}'?" for n, m in near.items() if m)
+                raise TypeError(f"KernelConfig() got unexpected keyword arguments {unknown}" + (f" ({hint})" if hint else ""))
+            level, frame = 2, sys._getframe(1)  # point at the user's line, past dataclasses.replace
+            while frame is not None and frame.f_globals.get("__name__") == "dataclasses":
+                level, frame = level + 1, frame.f_back
             warnings.warn(
                 f"KernelConfig({', '.join(f'{n}=' for n in flat)}...): flat keywords are deprecated and will be "
                 f"removed in the next release; write {_grouped_spelling(flat, given)} (docs/kernels.md)",
-                FutureWarning, stacklevel=2)
+                FutureWarning, stacklevel=level)
             groups = _with_flat(groups, flat)
         for name, val in (("platform", platform), ("fwd_chunk", fwd_chunk), ("bwd_chunk", bwd_chunk),
                           ("gpu_kernels", gpu_kernels)):
