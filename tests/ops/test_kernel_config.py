@@ -146,3 +146,8 @@ def test_report_says_why_in_words():
     rep = P.forward_kernels(q, q, q, g, g, kernel_config=KernelConfig(
         platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(fwd_form="t")))
     assert rep.path == "hopper_t" and dict(rep.not_taken)["hopper_wu"].endswith("(HopperTuning.fwd_form='t')")
+
+    brep = P.backward_kernels(q, q, q, g, g, kernel_config=KernelConfig(platform="gpu", gpu_kernels="mosaic"))
+    assert brep.path == "hopper"
+    assert dict(brep.not_taken)["hopper_blocks"] == ("K=128, V=128: this entry is for K or V above 128 (the 'hopper' "
+                                                     "entry takes K, V <= 128)")

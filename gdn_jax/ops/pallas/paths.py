@@ -221,7 +221,7 @@ def _wide_covers(call: KernelCall, forward: Optional[Chosen]) -> Optional[str]:
         return why
     c = hopper_call(call)
     if max(c.K, c.V) <= 128:
-        return f"K={c.K}, V={c.V} (for K or V above 128; the 'hopper' entry's at <= 128)"
+        return f"K={c.K}, V={c.V}: this entry is for K or V above 128 (the 'hopper' entry takes K, V <= 128)"
     if c.wide_backward == "triton" or not (c.save_wy and c.save_states):
         return (f"wide_backward={c.wide_backward!r}, save_wy={c.save_wy}, save_states={c.save_states} "
                 f"(needs wide_backward None, 'hopper' or 'hopper_xla' with both residuals)")
