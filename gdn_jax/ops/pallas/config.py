@@ -128,8 +128,8 @@ class KernelConfig:
 
     Deprecated: the flat keywords of earlier releases (``KernelConfig(mid_dtype="f32", save_wy=False,
     bv_state=32, ...)``, one per field of the groups) still work for one release: each is moved into
-    its group and a ``FutureWarning`` names the groups to use; reading ``config.<flat name>`` works
-    likewise.
+    its group and a ``FutureWarning`` spells the grouped form of the keywords given; reading
+    ``config.<flat name>`` works likewise.
 
     Raises:
       TypeError / ValueError: a field outside its choices (naming it), a group of the wrong type,
