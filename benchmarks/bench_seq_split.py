@@ -29,12 +29,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pallas import make_inputs, rel_rms, time_fn_pipelined, to_np  # noqa: E402  (also sets the repo path)
+from bench_pallas import jax_fns, make_inputs, rel_rms, time_fn_pipelined, to_np  # noqa: E402  (also sets the repo path)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
+from gdn_jax.ops import KernelConfig  # noqa: E402
 from gdn_jax.ops.pallas import forward_kernels, split_plan  # noqa: E402
 from gdn_jax.ops.pallas.platform import default_platform  # noqa: E402
 
@@ -49,17 +49,8 @@ def log(*a):
 
 
 def fns(x, chunk, cfg):
-    """(fwd, fwd+bwd) closures, jitted."""
-    def fwd(q, k, v, g, beta):
-        return gated_delta_rule(q, k, v, g, beta, backend="pallas", chunk_size=chunk, kernel_config=cfg)[0]
-
-    def loss(q, k, v, g, beta, do):
-        return jnp.sum(fwd(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
-
-    f = jax.jit(fwd)
-    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    a = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    return (lambda: f(*a)), (lambda: fb(*a, x["do"]))
+    """(fwd, fwd+bwd) closures of the Pallas op with ``cfg``, jitted (bench_pallas' ``jax_fns``)."""
+    return jax_fns("pallas", x, chunk, kernel_config=cfg)
 
 
 def measure(x, chunk, cfg, reps, warmup):

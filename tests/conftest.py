@@ -239,3 +239,23 @@ def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True, triton=False):
     fn = (jax.grad if grad == "grad" else jax.value_and_grad)(loss, argnums=(0, 1, 2, 3, 4))
     dis = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if triton else []
     return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=dis)(*sds).mlir_module()
+
+
+def gatefree_keys(rng, kind, shape, norm=1.0, eps=1e-3):
+    """[B, T, H, K] keys of norm ``norm``: "random" (iid directions), "repeated" (one direction per
+    (batch, head)), "near" (that direction plus ``eps`` noise: nearly repeated)."""
+    B, T, H, K = shape
+    if kind == "random":
+        k = rng.standard_normal(shape)
+    else:
+        k = np.broadcast_to(rng.standard_normal((B, 1, H, K)), shape).copy()
+        if kind == "near":
+            k += eps * rng.standard_normal(shape)
+    return norm * k / np.linalg.norm(k, axis=-1, keepdims=True)
+
+
+def gatefree_betas(rng, shape):
+    """U(0, 2) with a tenth of the entries exactly 2 (the largest write strength)."""
+    b = rng.uniform(0.0, 2.0, shape)
+    b[rng.uniform(size=shape) < 0.1] = 2.0
+    return b

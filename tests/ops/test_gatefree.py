@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TOL_O, TOL_S, seed_of
+from conftest import TOL_O, TOL_S, gatefree_betas, gatefree_keys, seed_of
 from reference import reference, reference_grads, rel_rms
 
 from gdn_jax.ops._common import GateForms
@@ -30,24 +30,8 @@ from gdn_jax.ops.pallas.inverse_gatefree import gatefree_covers
 C = 64
 
 
-def keys(rng, kind, shape, norm=1.0, eps=1e-3):
-    """[B, T, H, K] keys of norm ``norm``: "random" (iid directions), "repeated" (one direction per
-    (batch, head)), "near" (that direction plus ``eps`` noise: nearly repeated)."""
-    B, T, H, K = shape
-    if kind == "random":
-        k = rng.standard_normal(shape)
-    else:
-        k = np.broadcast_to(rng.standard_normal((B, 1, H, K)), shape).copy()
-        if kind == "near":
-            k += eps * rng.standard_normal(shape)
-    return norm * k / np.linalg.norm(k, axis=-1, keepdims=True)
 
 
-def betas(rng, shape):
-    """U(0, 2) with a tenth of the entries exactly 2 (the largest write strength)."""
-    b = rng.uniform(0.0, 2.0, shape)
-    b[rng.uniform(size=shape) < 0.1] = 2.0
-    return b
 
 
 def gated_inverse(k, beta, g, chunk, cu_seqlens=None):
@@ -78,7 +62,7 @@ def test_identity_float64(kind):
     """T0 * D = the chunk backend's gated inverse to 1e-12, strong gates and beta up to 2."""
     rng = np.random.default_rng(seed_of("gatefree identity", kind))
     B, T, H, K = 2, 150, 2, 32  # T not a multiple of C: a padded last chunk
-    k, beta = keys(rng, kind, (B, T, H, K)), betas(rng, (B, T, H))
+    k, beta = gatefree_keys(rng, kind, (B, T, H, K)), gatefree_betas(rng, (B, T, H))
     g = rng.uniform(-5.0, 0.0, (B, T, H))  # strong gates: |gamma_i - gamma_j| up to ~300 in a chunk
     with jax.enable_x64(True):
         kj, bj, gj = (jnp.asarray(a, jnp.float64) for a in (k, beta, g))
@@ -101,7 +85,7 @@ def test_identity_packed_float64():
     rng = np.random.default_rng(seed_of("gatefree identity packed"))
     T, H, K = 170, 2, 16
     cu = jnp.asarray([0, 37, 37, 120, 170], jnp.int32)
-    k, beta = keys(rng, "near", (1, T, H, K), eps=0.05), betas(rng, (1, T, H))
+    k, beta = gatefree_keys(rng, "near", (1, T, H, K), eps=0.05), gatefree_betas(rng, (1, T, H))
     g = rng.uniform(-5.0, 0.0, (1, T, H))
     with jax.enable_x64(True):
         kj, bj, gj = (jnp.asarray(a, jnp.float64) for a in (k, beta, g))
@@ -124,7 +108,7 @@ def test_raw_keys_overflow_t0_but_not_the_gated_inverse():
     accurate. The same directions at norm 1 give a bounded T0 in float32."""
     rng = np.random.default_rng(seed_of("gatefree overflow"))
     B, T, H, K = 1, 64, 1, 32
-    k = keys(rng, "near", (B, T, H, K), norm=3.0, eps=1e-2)
+    k = gatefree_keys(rng, "near", (B, T, H, K), norm=3.0, eps=1e-2)
     beta = np.full((B, T, H), 0.9)
     g = np.full((B, T, H), -1.0)
     with jax.enable_x64(True):
@@ -162,10 +146,10 @@ def test_gatefree_covers():
 def _inputs(seed, B, T, Hk, H, K, V, N=None):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, Hk, K))
-    k = keys(rng, "near", (B, T, Hk, K), eps=0.3)  # correlated keys
+    k = gatefree_keys(rng, "near", (B, T, Hk, K), eps=0.3)  # correlated keys
     v = rng.standard_normal((B, T, H, V))
     g = rng.uniform(-5.0, 0.0, (B, T, H))
-    beta = betas(rng, (B, T, H))
+    beta = gatefree_betas(rng, (B, T, H))
     S0 = 0.5 * rng.standard_normal((B if N is None else N, H, K, V))
     return q, k, v, g, beta, S0
 
@@ -200,7 +184,7 @@ def test_forward_l2norm_and_gradients_float64():
     B, T, H, K, V = 1, 80, 1, 16, 16
     q, k, v = 3 * rng.standard_normal((B, T, H, K)), 3 * rng.standard_normal((B, T, H, K)), rng.standard_normal(
         (B, T, H, V))
-    g, beta = rng.uniform(-3.0, 0.0, (B, T, H)), betas(rng, (B, T, H))
+    g, beta = rng.uniform(-3.0, 0.0, (B, T, H)), gatefree_betas(rng, (B, T, H))
     do = rng.standard_normal((B, T, H, V))
     ref = reference_grads(q, k, v, g, beta, use_qk_l2norm=True, do=do)
     with jax.enable_x64(True):

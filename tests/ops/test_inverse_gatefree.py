@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TOL_O, TOL_S, seed_of
+from conftest import TOL_O, TOL_S, gatefree_betas, gatefree_keys, seed_of
 from reference import reference, rel_rms
 
 from gdn_jax.ops.gatefree import gatefree_gated_delta_rule, gatefree_t0
@@ -24,21 +24,8 @@ C = 64
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def keys(rng, kind, shape, norm=1.0, eps=1e-3):
-    B, T, H, K = shape
-    if kind == "random":
-        k = rng.standard_normal(shape)
-    else:
-        k = np.broadcast_to(rng.standard_normal((B, 1, H, K)), shape).copy()
-        if kind == "near":
-            k += eps * rng.standard_normal(shape)
-    return norm * k / np.linalg.norm(k, axis=-1, keepdims=True)
 
 
-def betas(rng, shape):
-    b = rng.uniform(0.0, 2.0, shape)
-    b[rng.uniform(size=shape) < 0.1] = 2.0
-    return b
 
 
 def numpy_t0(k, beta, chunk):
@@ -71,8 +58,8 @@ def rounded(x, dt):
 def test_kernel_matches_float64(kind, dt, shape):
     B, T, Hk, H, K = shape
     rng = np.random.default_rng(seed_of("gatefree kernel", kind, shape))
-    kj, k64 = rounded(keys(rng, kind, (B, T, Hk, K)), dt)
-    bj, b64 = rounded(betas(rng, (B, T, H)), dt)
+    kj, k64 = rounded(gatefree_keys(rng, kind, (B, T, Hk, K)), dt)
+    bj, b64 = rounded(gatefree_betas(rng, (B, T, H)), dt)
     t0 = gatefree_inverse(kj, bj, platform="interpret")
     assert t0.shape == (B, H, -(-T // C), C, C) and t0.dtype == F32
     ref = numpy_t0(k64, b64, C)
@@ -89,8 +76,8 @@ def test_kernel_matches_float64(kind, dt, shape):
 def test_kernel_other_chunks_and_diag(chunk, diag):
     """Chunks 16 / 32, and the diagonal blocks by products instead of substitution."""
     rng = np.random.default_rng(seed_of("gatefree kernel chunk", chunk, diag))
-    kj, k64 = rounded(keys(rng, "near", (1, 70, 1, 32), eps=0.1), F32)
-    bj, b64 = rounded(betas(rng, (1, 70, 1)), F32)
+    kj, k64 = rounded(gatefree_keys(rng, "near", (1, 70, 1, 32), eps=0.1), F32)
+    bj, b64 = rounded(gatefree_betas(rng, (1, 70, 1)), F32)
     t0 = gatefree_inverse(kj, bj, chunk_size=chunk, diag=diag, platform="interpret")
     assert np.abs(np.asarray(t0, np.float64) - numpy_t0(k64, b64, chunk)).max() <= 1e-5
 
@@ -102,8 +89,8 @@ def test_kernel_packed_and_bf16_output():
     rng = np.random.default_rng(seed_of("gatefree kernel packed"))
     T, H, K = 170, 2, 32
     cu = jnp.asarray([0, 37, 37, 120, 170], jnp.int32)
-    kj, k64 = rounded(keys(rng, "near", (1, T, 1, K), eps=0.05), BF16)
-    bj, b64 = rounded(betas(rng, (1, T, H)), F32)
+    kj, k64 = rounded(gatefree_keys(rng, "near", (1, T, 1, K), eps=0.05), BF16)
+    bj, b64 = rounded(gatefree_betas(rng, (1, T, H)), F32)
     with jax.enable_x64(True):
         ref = np.asarray(gatefree_t0(jnp.asarray(k64), jnp.asarray(b64), chunk_size=C, cu_seqlens=cu))
     # under jit: cu_seqlens traced (the layout's length depends on its static size only)
@@ -120,7 +107,7 @@ def test_kernel_raw_keys_overflow():
     """The kernel shows what the eligibility rule guards against: raw keys of norm 3, nearly
     repeated, beta 0.9 -> T0 (true size ~1e53) overflows float32."""
     rng = np.random.default_rng(seed_of("gatefree kernel overflow"))
-    k = jnp.asarray(keys(rng, "near", (1, 64, 1, 32), norm=3.0, eps=1e-2), F32)
+    k = jnp.asarray(gatefree_keys(rng, "near", (1, 64, 1, 32), norm=3.0, eps=1e-2), F32)
     t0 = np.asarray(gatefree_inverse(k, jnp.full((1, 64, 1), 0.9, F32), platform="interpret"))
     assert not np.all(np.isfinite(t0)) or np.abs(t0).max() > 1e30
 
@@ -130,9 +117,9 @@ def test_forward_with_kernel_t0():
     rng = np.random.default_rng(seed_of("gatefree kernel forward"))
     B, T, H, K, V = 1, 100, 2, 32, 16
     q = rng.standard_normal((B, T, H, K))
-    k = keys(rng, "near", (B, T, H, K), eps=0.3)
+    k = gatefree_keys(rng, "near", (B, T, H, K), eps=0.3)
     v = rng.standard_normal((B, T, H, V))
-    g, beta = rng.uniform(-5.0, 0.0, (B, T, H)), betas(rng, (B, T, H))
+    g, beta = rng.uniform(-5.0, 0.0, (B, T, H)), gatefree_betas(rng, (B, T, H))
     o_ref, S_ref = reference(q, k, v, g, beta)
     args = [jnp.asarray(a, F32) for a in (q, k, v, g, beta)]
     t0 = gatefree_inverse(args[1], args[4], platform="interpret")
