@@ -4,6 +4,7 @@ run file, written by recall.run with ``--logger``, by the sweep and by a hand-wr
 import glob
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -37,10 +38,23 @@ def tb_scalars(logdir):
     return out
 
 
-def wandb_history(root):
+def wandb_history(root, until=lambda history: bool(history), timeout=60.0):
     """``[{key: value}]`` of the history records in the offline W&B run file under ``root``
     (``run-<id>.wandb``: a ``:W&B`` header, then LevelDB-log records of ``wandb_internal_pb2.Record``
-    in 32 KiB blocks), and the run's config keys."""
+    in 32 KiB blocks), and the run's config keys.
+
+    ``run.finish()`` can return before W&B's service process has written the records (seen on a
+    loaded 2-core machine: an empty history read right after ``finish``, the full one a moment
+    later), so the file is read again until ``until(history)`` holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        history, config = _read_wandb_file(root)
+        if until(history) or time.monotonic() > deadline:
+            return history, config
+        time.sleep(0.2)
+
+
+def _read_wandb_file(root):
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -121,7 +135,11 @@ def test_recall_and_sweep_log_to_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     res = _run(tmp_path / "run", logger="wandb", wandb_project="gdn_test")
-    history, config = wandb_history(str(tmp_path / "run"))
+    def complete(h):
+        return (sum("train/loss" in r for r in h) >= len(res["train_curve"])
+                and sum("test/accuracy" in r for r in h) >= len(res["evals"]))
+
+    history, config = wandb_history(str(tmp_path / "run"), until=complete)
     losses = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
     assert [(s, pytest.approx(v, rel=1e-6)) for s, v in losses] == [(s, l) for s, l, _ in res["train_curve"]]
     evals = [(h["_step"], h["test/accuracy"]) for h in history if "test/accuracy" in h]
@@ -137,7 +155,8 @@ def test_recall_and_sweep_log_to_wandb_offline(tmp_path, monkeypatch):
     summary = S.run_sweep(cfg)
     (cell,) = summary["cells"]
     run_dir = tmp_path / "sweep" / "runs" / cell["cell"] / "lr0.01"
-    assert any("test/accuracy" in h for h in wandb_history(str(run_dir))[0])
+    assert any("test/accuracy" in h
+               for h in wandb_history(str(run_dir), until=lambda h: any("test/accuracy" in r for r in h))[0])
     assert S.run_config(cfg, S.cells(cfg)[0], 1e-2).wandb_group == "sweep"
 
 
