@@ -6,6 +6,7 @@ Run it whenever the kernels change and commit its output (``results/<name>/check
     python benchmarks/check_gpu.py --configs gpu_kernels=triton "gpu_kernels=mosaic,bv_state=32"
     python benchmarks/check_gpu.py --quick             # CPU: interpret mode, a few cases (smoke test)
     python benchmarks/check_gpu.py --quick --configs "gpu_kernels=mosaic,fwd_form=t"   # CPU, the Hopper kernels
+    python benchmarks/check_gpu.py --l2norm --configs "gpu_kernels=triton,gatefree=true"  # the gate-free forward
 
 On CPU the Hopper (Mosaic GPU) kernels run in interpret mode only with ``gpu_kernels=mosaic`` in the
 config (without it the Triton kernels' interpret twins run and Hopper-only options such as
@@ -72,7 +73,7 @@ CASES = [
 EDGE_DG = {"d256": (3e-2, 5e-4)}
 
 
-def run_case(case, dtype, config):
+def run_case(case, dtype, config, l2norm=False):
     name, B, T, H, G, K, V, gates, init, cu, beta2 = case
     N = None if cu is None else len(cu) - 1
     x = make_inputs(seed_of("check_gpu", name), B, T, H, K, V, gates=gates, dtype=dtype, init=init, N=N)
@@ -86,7 +87,7 @@ def run_case(case, dtype, config):
     S0 = None if x["S0"] is None else jnp.asarray(x["S0"], F32)
     do, dS = jnp.asarray(x["do"], F32), jnp.asarray(x["dS"], F32)
     fn = functools.partial(gated_delta_rule, backend="pallas", output_final_state=True, chunk_size=64,
-                           kernel_config=config, cu_seqlens=cu_j)
+                           kernel_config=config, cu_seqlens=cu_j, use_qk_l2norm=l2norm)
 
     def loss(q, k, v, g, b, s):
         o, S = fn(q, k, v, g, b, initial_state=s)
@@ -94,11 +95,13 @@ def run_case(case, dtype, config):
 
     argnums = (0, 1, 2, 3, 4) + ((5,) if S0 is not None else ())
     gr, (o, S) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, g, beta, S0)
-    fwd = forward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, kernel_config=config)[0]
-    fwd += "/" + backward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, kernel_config=config)[0]
+    rep = forward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, use_qk_l2norm=l2norm, kernel_config=config)
+    fwd = rep.kernels + (":gatefree" if rep.path == "gatefree" else "")
+    fwd += "/" + backward_kernels(q, k, v, g, beta, chunk_size=64, cu_seqlens=cu_j, use_qk_l2norm=l2norm,
+                                  kernel_config=config)[0]
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu)
-    rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu, do=x["do"], dS=x["dS"])
+    ro, rS = reference(*args, initial_state=x["S0"], cu_seqlens=cu, use_qk_l2norm=l2norm)
+    rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu, do=x["do"], dS=x["dS"], use_qk_l2norm=l2norm)
     loose = beta2 and dtype == BF16
     tol = {"o": 1e-2 if loose else TOL_O, "S": 1e-2 if loose else TOL_S}
     errs = {"o": rel_rms(to_f64(o), ro), "S": rel_rms(to_f64(S), rS)}
@@ -125,6 +128,9 @@ def main(argv=None):
     ap.add_argument("--key_dim", type=int, default=None,
                     help="run every case with this key head dim K (names get '@k<K>'), e.g. 64 for kernels that "
                          "cover K = 64 only (KernelConfig(fwd_form='transition'))")
+    ap.add_argument("--l2norm", action="store_true",
+                    help="run every case with use_qk_l2norm=True (op and reference): unit-norm keys, which the "
+                         "gate-free forward needs (--configs gpu_kernels=triton,gatefree=true)")
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
@@ -151,7 +157,7 @@ def main(argv=None):
         for dt in args.dtypes:
             for case in cases:
                 try:
-                    errs, bad, fwd = run_case(case, jnp.dtype(dt), cfg)
+                    errs, bad, fwd = run_case(case, jnp.dtype(dt), cfg, args.l2norm)
                 except Exception as e:  # report and go on: device minutes are scarce
                     errs, bad, fwd = {}, [f"{type(e).__name__}: {str(e)[:200]}"], "-"
                 failed += bool(bad)

@@ -60,13 +60,15 @@ def test_flat_keywords_shim_warns_and_equals_the_groups():
 
 def test_every_flat_name_has_one_group():
     """The 39 fields of the groups keep their flat names (with the 4 top-level fields: the 43 of the flat
-    KernelConfig), each in exactly one group; ``seq_split`` is a top-level field of its own (newer than
-    the flat keywords)."""
+    KernelConfig), each in exactly one group, and ``TritonTuning.gatefree`` (newer: its own name works
+    in ``from_flat_names`` for the benchmarks' command lines); ``seq_split`` and ``keys_unit_norm`` are
+    top-level fields of their own (newer than the flat keywords)."""
     fields = [f.name for cls in (Precision, TritonTuning, HopperTuning, HopperVariants)
               for f in dataclasses.fields(cls) if f.name != "variants"]
-    assert len(fields) == len(set(fields)) == len(FLAT_NAMES) == 39
+    assert len(fields) == len(set(fields)) == len(FLAT_NAMES) == 40 and FLAT_NAMES["gatefree"] == "triton"
     assert {f.name for f in dataclasses.fields(KernelConfig)} == {"platform", "fwd_chunk", "bwd_chunk", "gpu_kernels",
-                                                                  "precision", "triton", "hopper", "seq_split"}
+                                                                  "precision", "triton", "hopper", "seq_split",
+                                                                  "keys_unit_norm"}
 
 
 @pytest.mark.parametrize("make,err,msg", [

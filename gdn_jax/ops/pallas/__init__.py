@@ -127,10 +127,11 @@ class KernelsReport(NamedTuple):
     split_reason: Optional[str] = None
 
 
-def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
+def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None, use_qk_l2norm: bool = False,
                     kernel_config: Optional[KernelConfig] = None) -> KernelsReport:
     """Which forward kernels ``gated_delta_rule(..., backend="pallas")`` runs for these arrays
-    (shapes and dtypes are what count): a :class:`KernelsReport` -- the entry of
+    (shapes and dtypes are what count, and ``use_qk_l2norm``: the gate-free path takes unit-norm
+    keys only): a :class:`KernelsReport` -- the entry of
     :data:`.paths.FORWARD` that runs and why the others do not; ``[:2]`` is ``("hopper", None)``
     for the Mosaic GPU kernels, else ``(platform kernels, why the Hopper kernels do not take the
     call)`` (None where they were not asked for: ``gpu_kernels`` "triton", or a non-Hopper device
@@ -140,19 +141,19 @@ def forward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
     that do not fit its layout (the message names the argument and the expected shape), or a
     ``kernel_config`` that is not a :class:`KernelConfig`; NotImplementedError for a call the
     kernels do not take (:func:`supports`)."""
-    return _kernels("fwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
+    return _kernels("fwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config, use_qk_l2norm)
 
 
-def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None,
+def backward_kernels(q, k, v, g, beta, *, chunk_size: int = 64, cu_seqlens=None, use_qk_l2norm: bool = False,
                      kernel_config: Optional[KernelConfig] = None) -> KernelsReport:
     """:func:`forward_kernels` for the backward (the entries of :data:`.paths.BACKWARD`):
     ``kernels`` "hopper", "hopper-blocks", "hopper+xla" or the platform's.
 
     Raises: as :func:`forward_kernels`."""
-    return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
+    return _kernels("bwd", q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config, use_qk_l2norm)
 
 
-def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config):
+def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config, use_qk_l2norm=False):
     from .._common import check_inputs
 
     forms = check_inputs(q, k, v, g, beta, None, cu_seqlens, chunk_size, None)  # the op's checks
@@ -165,9 +166,11 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config)
                                                  K=q.shape[-1], V=v.shape[-1], chunk=chunk_size,
                                                  platform=cfg.platform or default_platform())
     if pieces > 1:  # the pieces' call: its route, traced on shapes only
-        route = _route(*_piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size), chunk_size, cfg)
+        route = _route(*_piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size), chunk_size, cfg,
+                       use_qk_l2norm)
     else:
-        route = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens, config=cfg).route
+        route = to_kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                                 use_qk_l2norm=use_qk_l2norm, config=cfg).route
     chosen = route[0] if direction == "fwd" else route[1]
     table = paths.FORWARD_BY_NAME if direction == "fwd" else paths.BACKWARD_BY_NAME
     name = paths.kernels_name(chosen)
@@ -190,11 +193,11 @@ def _piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size):
     return sds(q), sds(k), sds(v), sds(g), sds(beta), cu
 
 
-def _route(q, k, v, g, beta, cu_seqlens, chunk_size, cfg):
+def _route(q, k, v, g, beta, cu_seqlens, chunk_size, cfg, use_qk_l2norm=False):
     """The route of :func:`to_kernel_inputs` for these arrays (or shape stand-ins), traced."""
     box = []
     jax.eval_shape(lambda *a: box.append(to_kernel_inputs(*a[:5], chunk_size=chunk_size, cu_seqlens=a[5],
-                                                          config=cfg).route) or 0,
+                                                          use_qk_l2norm=use_qk_l2norm, config=cfg).route) or 0,
                    q, k, v, g, beta, cu_seqlens)
     return box[0]
 

@@ -44,6 +44,8 @@ class KernelCall:
     fuse_output: bool
     save_t: bool
     merge_state: bool
+    gatefree: bool = False  # TritonTuning.gatefree: the gate-free forward (path "gatefree") asked for
+    unit_keys: bool = False  # the keys are unit-norm: use_qk_l2norm, or KernelConfig.keys_unit_norm (the caller's promise)
     hopper: bool = False  # KernelConfig.gpu_kernels: the Hopper (Mosaic GPU) kernels are asked for on this platform
     bv_given: Optional[int] = None  # TritonTuning.bv_state as given (the Hopper state pass's block; None: plan.block_for)
     bv_mosaic: int = 64  # value block of the Hopper state pass (set by the Hopper paths: paths.hopper_call)

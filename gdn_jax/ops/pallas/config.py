@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .call import KernelCall
-from .checks import check_choice, check_int
+from .checks import check_bool, check_choice, check_int
 from .hopper.tuning import HopperTuning, HopperVariants
 from .tuning import TritonTuning
 from .platform import PLATFORMS, is_tpu_layout
@@ -117,6 +117,11 @@ class KernelConfig:
       precision: :class:`Precision`.
       triton: :class:`~gdn_jax.ops.pallas.tuning.TritonTuning` (the portable kernels).
       hopper: :class:`~gdn_jax.ops.pallas.hopper.tuning.HopperTuning` (the Hopper kernels).
+      keys_unit_norm: the caller promises that every key k_t it passes has L2 norm 1 (it normalised
+        them itself, e.g. a layer with its own L2 norm); with ``use_qk_l2norm=True`` the op knows it
+        anyway. Only the gate-free forward (``TritonTuning.gatefree``) reads it: its inverse T0 is
+        bounded only for unit-norm keys (raw keys can overflow float32 there). Not checked (keys
+        may be traced): a false promise can give inf / NaN. Default False.
       seq_split: the sequence split (:mod:`gdn_jax.ops.seq_split`): None (default: off), "auto"
         (the piece count of :func:`~gdn_jax.ops.pallas.split_plan.auto_pieces` from B, H, K, V, T,
         the chunk and the GPU's SM count; often 1, no split) or a power of two from 2 to 64 (that
@@ -144,11 +149,12 @@ class KernelConfig:
     triton: TritonTuning = TritonTuning()
     hopper: HopperTuning = HopperTuning()
     seq_split: Optional[Union[int, str]] = None  # an int or "auto" (validated in __init__)
+    keys_unit_norm: bool = False
 
     def __init__(self, platform: Optional[str] = None, fwd_chunk: Optional[int] = None,
                  bwd_chunk: Optional[int] = None, gpu_kernels: Optional[str] = None,
                  precision: Optional[Precision] = None, triton: Optional[TritonTuning] = None,
-                 hopper: Optional[HopperTuning] = None, seq_split=None, **flat):
+                 hopper: Optional[HopperTuning] = None, seq_split=None, keys_unit_norm: bool = False, **flat):
         groups = {"precision": precision, "triton": triton, "hopper": hopper}
         given = {name for name, val in groups.items() if val is not None}
         for name, cls in _GROUPS.items():
@@ -180,6 +186,8 @@ class KernelConfig:
         check_choice("KernelConfig", "platform", self.platform, (None,) + PLATFORMS)
         check_choice("KernelConfig", "gpu_kernels", self.gpu_kernels, (None, "triton", "mosaic"))
         object.__setattr__(self, "seq_split", _check_seq_split(seq_split))
+        check_bool("KernelConfig", "keys_unit_norm", keys_unit_norm)
+        object.__setattr__(self, "keys_unit_norm", keys_unit_norm)
         for name in ("fwd_chunk", "bwd_chunk"):
             val = check_int("KernelConfig", name, getattr(self, name), optional=True)
             if val is not None and val not in SUPPORTED_CHUNK_SIZES:
@@ -336,12 +344,14 @@ def _block(name: str, explicit: Optional[int], default: int, total: int, given: 
 
 
 def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: int, K: int, V: int,
-            K0: int, V0: int, scale: float, in_dt, packed: bool, nseq: int, group: int = 1) -> KernelCall:
+            K0: int, V0: int, scale: float, in_dt, packed: bool, nseq: int, group: int = 1,
+            unit_keys: bool = False) -> KernelCall:
     """Resolve ``config`` for one direction of a call: kernel chunk ``C`` (from
     :func:`kernel_chunk`) and ``n`` chunks, ``BH`` = batch * value heads ``H`` (``group`` value
     heads per key head), padded head dims ``K``, ``V``
     (the call's own ``K0``, ``V0`` pick the intermediates' dtype), ``in_dt`` the dtype q, k, v
-    are read in.
+    are read in, ``unit_keys`` whether the keys are unit-norm (``use_qk_l2norm``, or the caller's
+    promise ``config.keys_unit_norm``).
 
     Raises:
       ValueError: a block size that does not divide its head dim.
@@ -386,6 +396,7 @@ def resolve(config: KernelConfig, *, platform: str, C: int, n: int, BH: int, H: 
         warps_grad=config.triton.warps_grad or (8 if max(K, V) >= 128 else 4),
         num_stages=2 if config.triton.num_stages is None else config.triton.num_stages,
         fuse_output=config.triton.fuse_output, save_t=bool(save_t), merge_state=bool(merge),
+        gatefree=config.triton.gatefree, unit_keys=bool(unit_keys or config.keys_unit_norm),
         save_wy=config.hopper.save_wy is not False, wy_inverse=config.hopper.wy_inverse, wy_precision=config.hopper.wy_precision,
         wy_compact=config.hopper.wy_compact, grad_precision=config.hopper.grad_precision, grad_tp=config.hopper.grad_t_phase,
         fwd_form=config.hopper.fwd_form or ("t" if K > 128 else "wu"), fwd_form_auto=config.hopper.fwd_form is None,

@@ -32,6 +32,7 @@ DeltaNet paper §3 for the chunked form.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -43,8 +44,10 @@ from jax.experimental import pallas as pl
 from .. import packing as _packing
 from .._common import GateForms
 from . import platform as _plat
+from . import tiles as _t
+from .layout import hm_spec, run, sds, token_spec
 
-__all__ = ["gatefree_inverse", "gatefree_covers", "GATEFREE_CHUNK", "GATEFREE_DTYPES", "SUB"]
+__all__ = ["gatefree_inverse", "gatefree_covers", "t0_and_aqk", "GATEFREE_CHUNK", "GATEFREE_DTYPES", "SUB"]
 
 F32 = jnp.float32
 SUB = 16  # the diagonal blocks inverted by forward substitution
@@ -136,6 +139,11 @@ def _products(n, mm):
 
 def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32, diag):
     """One chunk: T0 from k [C, K] (input dtype) and beta as a column [C, 1] and a row [1, C]."""
+    _store(t_ref, _t0_blocks(k_ref, bcol_ref, brow_ref, nb=nb, prec_kk=prec_kk, prec_f32=prec_f32, diag=diag), nb)
+
+
+def _t0_blocks(k_ref, bcol_ref, brow_ref, *, nb, prec_kk, prec_f32, diag):
+    """The 16 x 16 blocks X[i, j] (j <= i) of one chunk's T0, float32."""
     dims_t = (((1,), (1,)), ((), ()))  # a @ b^T
     dims = (((1,), (0,)), ((), ()))
     kb = [k_ref[SUB * b:SUB * (b + 1), :] for b in range(nb)]
@@ -170,7 +178,11 @@ def _kernel(k_ref, bcol_ref, brow_ref, t_ref, *, nb, prec_kk, prec_f32, diag):
                     terms = [mm(X[i, l], Y[l, j]) for l in bot if l <= i]
                     X[i, j] = -sum(terms[1:], terms[0])
         m *= 2
+    return X
 
+
+def _store(t_ref, X, nb):
+    """Write the blocks of :func:`_t0_blocks` into ``t_ref`` [C, C] (the upper ones as zeros)."""
     zero = jnp.zeros((SUB, SUB), t_ref.dtype)
     for i in range(nb):
         for j in range(nb):
@@ -303,3 +315,47 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
     )
     t0 = _plat.invoke(p, fn, k, bcol, brow)
     return t0.reshape(B, H, n, C, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel-path stage (paths.py "gatefree"): T0 and Aqk on the kernels' own layout
+
+
+def _t0_aqk_kernel(call, *, q_ref, k_ref, beta_ref, beta_row_ref, gam_ref, gam_row_ref, t0_ref, aqk_ref):
+    """One chunk of the ``gatefree`` forward path: T0 [C, C] (float32) and
+    Aqk = tril(scale Q K^T * Gamma) [C, C] (``call.out_dt``)."""
+    kdt = jnp.dtype(call.in_dt)
+    prec_kk = _plat.dot_precision(call.platform, kdt, call.f32_inv)
+    prec_f32 = _plat.dot_precision(call.platform, F32, call.f32_inv)
+    nb = call.C // SUB
+    _store(t0_ref, _t0_blocks(k_ref, beta_ref, beta_row_ref, nb=nb, prec_kk=prec_kk, prec_f32=prec_f32,
+                              diag="substitution"), nb)
+    q = _t.load_f32(q_ref) * call.scale
+    aqk = _t.mm(call, q, k_ref[...], tb=True) * _t.decay_matrix(gam_ref[...], gam_row_ref[...], incl=True)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+
+
+def t0_and_aqk(call, q, k, beta, gam, gam_row):
+    """The inverse stage of the ``gatefree`` forward path (:mod:`.paths`): per (batch x value head,
+    chunk) T0 = (I + strictly_lower(diag(beta) K K^T))^-1 and Aqk = tril(scale Q K^T * Gamma); grid
+    (B*H, chunks), one chunk per program.
+
+    Args: ``call`` a :class:`~gdn_jax.ops.pallas.call.KernelCall` with the GPU / interpret layout
+      ("bthd") and ``C`` a multiple of 16; q, k in the token layout [B, Tp, Hk, K] (K a power of
+      two >= 16, as :func:`gdn_jax.ops.pallas.vjp.to_kernel_inputs` pads it); beta, gamma columns
+      [BH, Tp, 1] f32; gamma row [BH, n, 1, C].
+    Returns ``{"t0": [BH, n, C, C] f32, "aqk": [BH, n, C, C] out_dt}``.
+    """
+    C, BH, n = call.C, call.BH, call.n
+    if call.layout != "bthd" or C % SUB:
+        raise ValueError(f"t0_and_aqk needs the 'bthd' layout and a chunk that is a multiple of {SUB}, got "
+                         f"layout {call.layout!r}, C={C}")
+    tk = token_spec(call, C, call.K, lambda b, c: (b, c, 0), key=True)
+    col = hm_spec(C, 1, lambda b, c: (b, c, 0))
+    row = pl.BlockSpec((None, None, 1, C), lambda b, c: (b, c, 0, 0))
+    tile = pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))
+    inputs = dict(q=(q, tk), k=(k, tk), beta=(beta, col), beta_row=(beta.reshape(BH, n, 1, C), row),
+                  gam=(gam, col), gam_row=(gam_row, row))
+    outputs = dict(t0=(sds((BH, n, C, C), F32), tile), aqk=(sds((BH, n, C, C), call.out_dt), tile))
+    return run(call, functools.partial(_t0_aqk_kernel, call), name="gdn_inverse_gatefree_aqk", grid=(BH, n),
+               inputs=inputs, outputs=outputs, warps=call.warps_wy)

@@ -10,9 +10,12 @@ Forward (:data:`FORWARD`):
    (:mod:`.hopper.transition`; ``fwd_form="transition"``, opt-in);
 3. ``hopper_wu``: the Hopper kernels, W/U form (:func:`.hopper.wy.wy_forward` ->
    :func:`.hopper.state_fwd.forward_states_and_output`);
-4. ``fused``: the portable kernels (Triton on GPU, Mosaic TPU, interpret) with the state pass fused
+4. ``gatefree``: the portable kernels in the gate-free form (GPU / interpret layout; opt-in,
+   ``TritonTuning(gatefree=True)``, and only for unit-norm keys): :func:`.inverse_gatefree.t0_and_aqk`
+   (T0, Aqk) -> :func:`.state_fwd.forward_states_and_output_gatefree` (Vn from T0 * D in the loop);
+5. ``fused``: the portable kernels (Triton on GPU, Mosaic TPU, interpret) with the state pass fused
    with the output (:func:`.wy.wy_repr` -> :func:`.state_fwd.forward_states_and_output`);
-5. ``unfused``: the portable kernels with a separate output kernel (``fuse_output=False``).
+6. ``unfused``: the portable kernels with a separate output kernel (``fuse_output=False``).
 
 Backward (:data:`BACKWARD`):
 
@@ -35,13 +38,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Tuple
 
+from .._common import GateForms
 from .call import KernelCall
 from .grads import chunk_grads
 from .grads_xla import chunk_grads_xla
 from .hopper import grads as hopper_grads, state_bwd as hopper_state_bwd, state_fwd as hopper_state_fwd
 from .hopper import plan as hopper_plan, transition as hopper_transition, wy as hopper_wy
+from .inverse_gatefree import gatefree_covers, t0_and_aqk
 from .state_bwd import merged_states, reverse_states
-from .state_fwd import forward_states, forward_states_and_output, output
+from .state_fwd import forward_states, forward_states_and_output, forward_states_and_output_gatefree, output
 from .wy import wy_repr
 
 
@@ -184,6 +189,27 @@ def _run_fused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, 
     return out["o"], out["final"], {}
 
 
+def _gatefree_covers(call: KernelCall, forward=None) -> Optional[str]:
+    """Why the gate-free forward does not take ``call`` (None where it does): not asked for, the
+    TPU layout, or :func:`.inverse_gatefree.gatefree_covers` (unit-norm keys, chunk, dtype)."""
+    if not call.gatefree:
+        return "not asked for (TritonTuning(gatefree=True) asks for it)"
+    if call.layout != "bthd":
+        return f"platform {call.platform!r}: the gate-free kernels have the GPU / interpret layout only"
+    if not call.fuse_output:
+        return "fuse_output=False (the gate-free state pass always writes o)"
+    return gatefree_covers(GateForms(False, False), chunk_size=call.C, dtype=call.in_dt, use_qk_l2norm=False,
+                           keys_unit_norm=call.unit_keys)
+
+
+def _run_gatefree(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
+    _no_residuals("gatefree", save_wy, save_states)
+    t = t0_and_aqk(call, q, k, beta, gam, gam_row)
+    out = forward_states_and_output_gatefree(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0,
+                                             flags, t["t0"], t["aqk"])
+    return out["o"], out["final"], {}
+
+
 def _run_unfused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
     _no_residuals("unfused", save_wy, save_states)
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam)
@@ -198,6 +224,7 @@ FORWARD: Tuple[Path, ...] = (
          _run_hopper_wu(lambda: hopper_transition.forward_states_transition), hopper_call, hopper=True),
     Path("hopper_wu", _hopper_forward_covers("wu"),
          _run_hopper_wu(lambda: hopper_state_fwd.forward_states_and_output), hopper_call, hopper=True),
+    Path("gatefree", _gatefree_covers, _run_gatefree),
     Path("fused", lambda call, forward=None: None if call.fuse_output else "fuse_output=False", _run_fused),
     Path("unfused", lambda call, forward=None: None, _run_unfused),
 )

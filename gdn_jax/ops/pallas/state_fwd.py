@@ -68,6 +68,49 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
         final_ref[0] = S.astype(final_ref.dtype)
 
 
+def gatefree_state_loop(call: KernelCall, *, k_ref, v_ref, beta_ref, gam_ref, gam_row_ref, e_gam_end_ref,
+                        e_gam_last_ref, h0_ref, q_ref, e_gam_ref, t0_ref, aqk_ref, o_ref, final_ref, flags_ref=None):
+    """The loop of the gate-free forward state pass (path ``gatefree``): per chunk, with S the
+    state entering it, T0 the chunk's gate-free inverse and D_ij = e^{gamma_i - gamma_j} (i >= j)::
+
+        Vn = (T0 * D) (beta * (V - e^gamma * (K S)))       (= U - W S of the WY form)
+        O  = (Q * e^gamma) S + Aqk Vn
+        S <- e^{gamma_C} S + (K * e^{gamma_C - gamma})^T Vn
+
+    K S, the T0 * D product and the update sit on the S -> S' dependency chain (one C x C x bv
+    dot more than the WY form's W S; no W, U round trip through HBM)."""
+    C = call.C
+
+    def body(i, S):
+        t0 = pl.multiple_of(i * C, C)
+        if call.packed:
+            sid, first, last = _t.chunk_flags(flags_ref, i)
+            S = lax.cond(first, lambda: _t.load_f32(h0_ref, sid), lambda: S)
+        rows = pl.ds(t0, C)
+        sdt = call.state_dt
+        k = _t.load_f32(k_ref, rows, slice(None))
+        ks = _t.mm(call, k, S, dt=sdt)
+        x = beta_ref[rows, :] * (_t.load_f32(v_ref, rows, slice(None)) - e_gam_ref[rows, :] * ks)
+        tm = t0_ref[i] * _t.decay_matrix(gam_ref[rows, :], gam_row_ref[i], incl=True)
+        vn = _t.mm(call, tm, x, dt=call.u_dt)
+        qg = _t.load_f32(q_ref, rows, slice(None)) * (e_gam_ref[rows, :] * call.scale)
+        o = _t.mm(call, qg, S, dt=call.out_dt) + _t.mm(call, aqk_ref[i], vn, dt=call.out_dt)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        S = e_gam_last_ref[i] * S + _t.mm(call, k * e_gam_end_ref[rows, :], vn, ta=True, dt=sdt)
+        if call.packed:
+
+            @pl.when(last)
+            def _():
+                final_ref[sid] = S.astype(final_ref.dtype)
+
+        return S
+
+    S0 = jnp.zeros(h0_ref.shape[1:], F32) if call.packed else _t.load_f32(h0_ref, 0)
+    S = lax.fori_loop(0, call.n, body, S0)
+    if not call.packed:
+        final_ref[0] = S.astype(final_ref.dtype)
+
+
 def state_specs(call: KernelCall, bv):
     """BlockSpecs of the GPU / interpret state passes (grid (bh, value block j); whole sequences
     per program; the TPU passes stream by chunk, :mod:`.state_tpu`):
@@ -149,3 +192,24 @@ def output(call: KernelCall, q, k, gam, gam_row, e_gam, h, vn):
     outputs = dict(o=(token_shape(call, V, call.in_dt), token_spec(call, C, bv, lambda b, c, j: (b, c, j))))
     return run(call, functools.partial(_output_kernel, call), name="gdn_fwd_o", grid=(BH, n, V // bv),
                inputs=inputs, outputs=outputs, warps=call.warps_out)
+
+
+def forward_states_and_output_gatefree(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last,
+                                       h0, flags, t0, aqk):
+    """The gate-free forward state pass (path ``gatefree``, :func:`gatefree_state_loop`): reads v,
+    beta and the chunks' T0 and Aqk (:func:`.inverse_gatefree.t0_and_aqk`) instead of W and U.
+    Returns ``o`` (token layout, input dtype) and ``final`` [BH | H, nseq, K, V] f32. GPU /
+    interpret layout only."""
+    bv = call.bv_state
+    BH, V, n, C = call.BH, call.V, call.n, call.C
+    sp = state_specs(call, bv)
+    tile = pl.BlockSpec((None, n, C, C), lambda b, j: (b, 0, 0, 0))
+    inputs = dict(k=(k, sp["tok_k"]), v=(v, sp["tok_v"]), beta=(beta, sp["col"]), gam=(gam, sp["col"]),
+                  gam_row=(gam_row, pl.BlockSpec((None, n, 1, C), lambda b, j: (b, 0, 0, 0))),
+                  e_gam_end=(e_gam_end, sp["col"]), e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]),
+                  q=(q, sp["tok_k"]), e_gam=(e_gam, sp["col"]), t0=(t0, tile), aqk=(aqk, tile),
+                  flags=flags_input(call, flags))
+    outputs = dict(o=(token_shape(call, V, call.in_dt), token_spec(call, call.Tp, bv, lambda b, j: (b, 0, j))),
+                   final=(sds(h0.shape, F32), sp["state"]))
+    return run(call, functools.partial(gatefree_state_loop, call), name="gdn_fwd_h_o_gatefree", grid=(BH, V // bv),
+               inputs=inputs, outputs=outputs, warps=call.warps_state)

@@ -29,6 +29,13 @@ class TritonTuning:
       save_t: the backward WY kernel writes T for the gradient kernel (None: with the whole-K one).
       merge_state: the backward's two state passes in one launch (GPU / interpret; None: on GPU
         when they have at most 128 programs).
+      gatefree: the forward in the gate-free form (path ``gatefree`` of :mod:`.paths`: the kernel of
+        :func:`.inverse_gatefree.t0_and_aqk` writes T0 = (I + strictly_lower(diag(beta) K K^T))^-1
+        and Aqk, and the state pass forms Vn from (T0 * D) in its loop; REFERENCE §10). Taken only
+        where the keys are unit-norm (``use_qk_l2norm=True`` or ``KernelConfig(keys_unit_norm=True)``),
+        one decay per head, chunk 64, GPU / interpret layout (:func:`.inverse_gatefree.gatefree_covers`);
+        other calls keep the WY form, ``forward_kernels`` says why. Default False (opt-in until
+        measured faster on a GPU; docs/gatefree.md has the benchmark command).
 
     Raises:
       TypeError / ValueError: a field outside its choices, naming it.
@@ -46,6 +53,7 @@ class TritonTuning:
     fuse_output: bool = True
     save_t: Optional[bool] = None
     merge_state: Optional[bool] = None
+    gatefree: bool = False
 
     def __post_init__(self):
         own = "TritonTuning"
@@ -57,5 +65,6 @@ class TritonTuning:
                 raise ValueError(f"{own}.{name} must be a power of two <= 32 (Triton's num_warps: at most "
                                  f"1024 threads), got {val!r}")
         check_bool(own, "fuse_output", self.fuse_output)
+        check_bool(own, "gatefree", self.gatefree)
         for name in ("save_t", "merge_state"):
             check_bool(own, name, getattr(self, name), optional=True)

@@ -379,7 +379,7 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         h0 = h0[:, :, None] if not packed else jnp.swapaxes(h0, 0, 1)[None]
 
     mk = lambda c: resolve(config, platform=p, C=c, n=Tp // c, BH=BH, H=H, K=K, V=V, K0=K0, V0=V0, scale=sc,
-                           in_dt=in_dt, packed=packed, nseq=N, group=G)
+                           in_dt=in_dt, packed=packed, nseq=N, group=G, unit_keys=use_qk_l2norm)
 
     def finish(o, fin):
         if tpu:
