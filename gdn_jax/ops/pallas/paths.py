@@ -44,7 +44,7 @@ from .grads import chunk_grads
 from .grads_xla import chunk_grads_xla
 from .hopper import grads as hopper_grads, state_bwd as hopper_state_bwd, state_fwd as hopper_state_fwd
 from .hopper import plan as hopper_plan, transition as hopper_transition, wy as hopper_wy
-from .inverse_gatefree import gatefree_covers, t0_and_aqk
+from .inverse_gatefree import GATEFREE_CHUNK, gatefree_covers, t0_and_aqk
 from .state_bwd import merged_states, reverse_states
 from .state_fwd import forward_states, forward_states_and_output, forward_states_and_output_gatefree, output
 from .wy import wy_repr
@@ -191,15 +191,23 @@ def _run_fused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, 
 
 def _gatefree_covers(call: KernelCall, forward=None) -> Optional[str]:
     """Why the gate-free forward does not take ``call`` (None where it does): not asked for, the
-    TPU layout, or :func:`.inverse_gatefree.gatefree_covers` (unit-norm keys, chunk, dtype)."""
+    TPU layout, :func:`.inverse_gatefree.gatefree_covers` (unit-norm keys, dtype), or the forward
+    kernels' chunk (``call.C``, which ``KernelConfig.fwd_chunk`` or the platform's cap may set below
+    the caller's ``chunk_size``)."""
     if not call.gatefree:
         return "not asked for (TritonTuning(gatefree=True) asks for it)"
     if call.layout != "bthd":
         return f"platform {call.platform!r}: the gate-free kernels have the GPU / interpret layout only"
     if not call.fuse_output:
         return "fuse_output=False (the gate-free state pass always writes o)"
-    return gatefree_covers(GateForms(False, False), chunk_size=call.C, dtype=call.in_dt, use_qk_l2norm=False,
-                           keys_unit_norm=call.unit_keys)
+    why = gatefree_covers(GateForms(False, False), chunk_size=GATEFREE_CHUNK, dtype=call.in_dt, use_qk_l2norm=False,
+                          keys_unit_norm=call.unit_keys)
+    if why is None and call.C != GATEFREE_CHUNK:
+        # call.C is the forward kernels' chunk, not necessarily the caller's chunk_size: name both sources
+        return (f"the forward kernels' chunk is {call.C} (chunk_size, or KernelConfig.fwd_chunk where given; on a "
+                f"GPU float32 inputs and head dims above 128 cap it at 32): the gate-free path is built for chunk "
+                f"{GATEFREE_CHUNK}; KernelConfig(fwd_chunk={GATEFREE_CHUNK}) asks for it")
+    return why
 
 
 def _run_gatefree(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
