@@ -33,8 +33,11 @@ class TritonTuning:
         :func:`.inverse_gatefree.t0_and_aqk` writes T0 = (I + strictly_lower(diag(beta) K K^T))^-1
         and Aqk, and the state pass forms Vn from (T0 * D) in its loop; REFERENCE §10). Taken only
         where the keys are unit-norm (``use_qk_l2norm=True`` or ``KernelConfig(keys_unit_norm=True)``),
-        one decay per head, chunk 64, GPU / interpret layout (:func:`.inverse_gatefree.gatefree_covers`);
-        other calls keep the WY form, ``forward_kernels`` says why. Default False (opt-in until
+        one decay per head, forward kernel chunk 64 (``KernelConfig.fwd_chunk=64`` where the GPU's
+        default caps it at 32), GPU / interpret layout (:func:`.inverse_gatefree.gatefree_covers`),
+        and no Hopper forward taking the call (they come first: on an sm_90 GPU
+        ``KernelConfig(gpu_kernels="triton")`` gives the call to this path); other calls keep
+        the WY form, ``forward_kernels`` says why. Default False (opt-in until
         measured faster on a GPU; docs/gatefree.md has the benchmark command).
 
     Raises:
