@@ -2,7 +2,8 @@
 ``gatefree``: :func:`gdn_jax.ops.pallas.inverse_gatefree.t0_and_aqk` then
 :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output_gatefree`) in interpret mode on the
 CPU against the float64 oracle (``tests/reference.py``), its rule (which calls it takes, and the
-fallback of every other call to the WY form), and its Triton lowering.
+fallback of every other call to the WY form, and the reason it gives), its accuracy beside the WY
+form's with bf16 inputs, its sharding under jit, and its Triton lowering.
 
 Tolerances: RMS(err)/RMS(ref) <= 5e-3 for o and the final state, 8e-3 for the gradients (the
 backward runs the portable kernels: the forward's path does not change it, checked here anyway).
@@ -162,7 +163,7 @@ def test_bf16_no_worse_than_the_wy_form():
     """bf16 inputs at K = V = 64 (bf16 intermediates): the gate-free forward is as close to float64
     as the WY form on the same inputs (o and final state within 2 % of its errors). With bf16
     operands in the T0 * D product the rounding of its C entries of beta (V - e^gamma K S) added
-    up: 4-8 % larger errors of o, up to 19 % of the final state, over the WY form's."""
+    up: 4-8 % larger errors of o, up to 22 % of the final state, over the WY form's."""
     rng = np.random.default_rng(seed_of("gatefree path bf16 vs wy"))
     args = _inputs(rng, 1, 128, 1, 1, 64, 64, kind="random")
     h0 = rng.standard_normal((1, 1, 64, 64))
@@ -173,7 +174,7 @@ def test_bf16_no_worse_than_the_wy_form():
     o_wy, S_wy = _run(args, BF16, config=KernelConfig(platform="interpret"), **kw)
     err = rel_rms(np.asarray(o, np.float32), o_ref), rel_rms(S, S_ref)
     err_wy = rel_rms(np.asarray(o_wy, np.float32), o_ref), rel_rms(S_wy, S_ref)
-    assert err[0] <= 1.02 * err_wy[0] and err[1] <= 1.02 * err_wy[1], (err, err_wy)
+    assert err[0] <= 1.02 * err_wy[0] and err[1] <= 1.02 * err_wy[1], (err, err_wy)  # seen: 0.999x, 0.995x (1.05x, 1.22x before)
     assert err[0] <= 2e-2 and err[1] <= 2e-2, err  # o written in bf16 after bf16 dots
 
 
