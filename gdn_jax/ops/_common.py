@@ -231,8 +231,19 @@ def acc_dtype(*xs):
 
 
 def l2norm(x, eps: float = L2NORM_EPS):
-    """x / sqrt(sum(x**2, -1) + eps), computed in x's dtype (call on upcast values)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    """x / sqrt(sum(x**2, -1) + eps), computed in x's dtype (call on upcast values).
+
+    Where the sum of squares overflows (|x| beyond ~1.8e19 in float32) but x is finite, x is first
+    divided by its largest magnitude (eps is negligible there): the unit vector, not the zeros that
+    x * rsqrt(inf) would give. Elsewhere the formula is the one above, FLA's and transformers'."""
+    ss = jnp.sum(x * x, axis=-1, keepdims=True)
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    big = ~jnp.isfinite(ss) & jnp.isfinite(m) & (m > 0)
+    out = x * jax.lax.rsqrt(jnp.where(big, 1.0, ss) + eps)
+    # |y| <= 1 with an entry of 1 where big; the other rows see a 1 under the rsqrt, so that neither branch
+    # gives autodiff an inf or a NaN to multiply by the zero cotangent of the branch not taken
+    y = x / jnp.where(big, m, 1.0)
+    return jnp.where(big, y * jax.lax.rsqrt(jnp.where(big, jnp.sum(y * y, axis=-1, keepdims=True), 1.0)), out)
 
 
 def prepare(q, k, v, g, beta, scale, use_qk_l2norm, dtype, *, qkv_dtype=None, fold_scale=True):

@@ -158,3 +158,25 @@ def test_positive_concrete_gate_refused(op):
     assert call(np.asarray(g)) is not None  # NumPy g: checked the same way, passes
     traced = jax.jit(call)(g.at[0, 0, 1].set(0.25))[0]  # traced: not checkable, runs
     assert traced.shape[-1] == 16
+
+
+@pytest.mark.parametrize("backend", ["scan", "chunk"])
+def test_l2norm_of_huge_keys_is_the_unit_vector(backend):
+    """use_qk_l2norm on keys and queries of size ~1e20 (their float32 sum of squares overflows): the
+    same output as the same directions at size 1, not the zeros of x * rsqrt(inf); gradients finite,
+    and zero keys keep finite gradients too."""
+    rng = np.random.default_rng(7)
+    q, k = (rng.standard_normal((1, 20, 2, 16)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 20, 2, 16)).astype(np.float32)
+    g, beta = -rng.uniform(0.1, 1.0, (1, 20, 2)).astype(np.float32), rng.uniform(0, 1, (1, 20, 2)).astype(np.float32)
+    k[0, 3] = 0.0  # a zero key among them
+    run = lambda s: gated_delta_rule(jnp.asarray(q * s), jnp.asarray(k * s), v, g, beta, use_qk_l2norm=True,
+                                     backend=backend)[0]
+    o1, o_big = run(1.0), run(np.float32(1e20))
+    assert np.all(np.isfinite(np.asarray(o_big)))
+    assert rel_rms(o_big, o1) <= 1e-5, rel_rms(o_big, o1)
+    assert rel_rms(o1, reference(q, k, v, g, beta, use_qk_l2norm=True)[0]) <= 5e-3
+    for s in (1.0, np.float32(1e20)):
+        dk = jax.grad(lambda k: jnp.sum(gated_delta_rule(jnp.asarray(q * s), k, v, g, beta, use_qk_l2norm=True,
+                                                         backend=backend)[0]))(jnp.asarray(k * s))
+        assert np.all(np.isfinite(np.asarray(dk)))
