@@ -124,7 +124,7 @@ def main(argv=None):
                     help="only the cases whose name contains one of these, e.g. --cases d256 gva")
     ap.add_argument("--key_dim", type=int, default=None,
                     help="run every case with this key head dim K (names get '@k<K>'), e.g. 64 for kernels that "
-                         "cover K = 64 only (KernelConfig(fwd_form='transition'))")
+                         "cover K = 64 only (HopperTuning(fwd_form='transition'))")
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     specs = args.configs if args.configs is not None else ["", "gpu_kernels=triton"]
