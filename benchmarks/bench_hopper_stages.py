@@ -6,7 +6,7 @@ on CPU (a smoke test of this script: its times mean nothing there).
     python benchmarks/bench_hopper_stages.py --shapes 0,3 --reps 20 [--blocks 64,32,16] [--no-jla]
     python benchmarks/bench_hopper_stages.py --interpret --shapes 1x70x1x64 --reps 1 --only "own dVl"
 
-Also times the forward WY with ``KernelConfig(wy_inverse="dense")`` (the default is "blocked"), with
+Also times the forward WY with ``HopperTuning(wy_inverse="dense")`` (the default is "blocked"), with
 each ``wy_precision`` ("<precision> rounds"; whole op "wy bf16x3", ...; the default is "bf16"),
 ``wy_compact=True`` against the separate tiles (the default is compact), ``approx_math=True`` (the
 forward WY, the gradient kernel, the whole op: "approx" lines), ``auto_barriers`` False against True
@@ -20,15 +20,15 @@ with all three of these options: "approx, wy 4, late o"), ``fwd_form="t"``'s WY 
 and state pass ("T-form" lines; whole op "fwd form t"), ``save_wy``'s kernels (the
 forward WY + T, the backward's WY from the saved Aqk and T), and the whole op by default, with the
 dense inverse, without ``save_wy``, with the one-warpgroup gradient kernel
-(``KernelConfig(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
+(``HopperTuning(grad_warpgroups=1)``, also timed alone; the default is 2) and without ``save_states``
 ("no save states": the backward recomputes h_n and Vn and runs its WY stage; the default's forward
 state pass also writes h_n and Vn, timed alone as "fwd state pass + h, Vn", and its reverse pass
 forms dVl from the saved Aqk, "bwd reverse, own dVl"), and the persistent gradient kernel
-(``KernelConfig(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
+(``HopperVariants(grad_chunks_per_cta=m)``: "bwd grads m per CTA" alone, "grads m per CTA" whole, at
 the m of :func:`grad_chunks_per_cta`), and the warp-specialised state passes
-(``KernelConfig(state_producer=True, state_warpgroups=N, state_slots=D)``: "ws NxD" lines, the
-forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"), and the
-warp-specialised reverse pass (``KernelConfig.reverse_producer``, the default: "bwd reverse pass";
+(``HopperTuning(state_producer=True, variants=HopperVariants(state_warpgroups=N, state_slots=D))``:
+"ws NxD" lines, the forward's checked bit for bit against the one-warpgroup pass; whole op "producer NxD"), and the
+warp-specialised reverse pass (``HopperTuning.reverse_producer``, the default: "bwd reverse pass";
 the one-warpgroup pass "bwd reverse pass 1 WG" alone, checked bit for bit against it, "reverse 1 WG"
 whole; "fwd state pass 1 WG" and "no producers" likewise for the forward's state pass). ``--timeline N`` traces N synchronised whole-op fwd+bwd calls
 (each selected whole-op line, and jla) and prints where a call's time goes: kernels, the idle gaps
@@ -79,7 +79,7 @@ def stage_bytes(shape, C=64):
         "fwd state pass own barriers": 3 * Xk + 2 * Xv + CC,
         "fwd state pass + h, Vn own barriers": 3 * Xk + 3 * Xv + CC + HS,
         "fwd state pass + h, Vn late o": 3 * Xk + 3 * Xv + CC + HS,
-        "fwd WY T-form": 2 * Xk + 3 * CC,  # q, k -> aqk, t_hi, t_lo (KernelConfig.fwd_form="t")
+        "fwd WY T-form": 2 * Xk + 3 * CC,  # q, k -> aqk, t_hi, t_lo (HopperTuning.fwd_form="t")
         "fwd WY T-form + W": 3 * Xk + 3 * CC,  # + w
         "fwd state T-form": 2 * Xk + 2 * Xv + 3 * CC,  # q, k, v, t_hi, t_lo, aqk -> o
         "fwd state T-form + h, Vn": 2 * Xk + 3 * Xv + 3 * CC + HS,  # + h, vn
@@ -105,7 +105,7 @@ def stage_bytes(shape, C=64):
 
 
 def grad_chunks_per_cta(n: int, BH: int, sms: int = 132) -> list:
-    """Chunks per CTA to time for the persistent gradient kernel (``KernelConfig.grad_chunks_per_cta``)
+    """Chunks per CTA to time for the persistent gradient kernel (``HopperVariants.grad_chunks_per_cta``)
     at ``n`` chunks and ``BH`` rows: 2, 4 and the count that makes one wave of about ``sms`` CTAs
     (an H200 has 132 SMs; the kernel fits one CTA per SM), those below ``n`` and above 1."""
     wave = -(-(BH * n) // sms)
@@ -268,7 +268,7 @@ def main(argv=None):
 
     def barriers(c, own):
         """KernelCall ``c`` with every Hopper kernel that can place its own barriers doing so (own) or
-        keeping Pallas' automatic barriers (KernelConfig.auto_barriers False / True); None where the
+        keeping Pallas' automatic barriers (HopperTuning.auto_barriers False / True); None where the
         tree has no such option (an older ab tree: there it was a bool on KernelCall)."""
         fields = type(c).__dataclass_fields__
         if "own_barriers" in fields:
@@ -301,9 +301,9 @@ def main(argv=None):
                 F.update(jax.jit(lambda A: wy_fwd(cf, A))(F))  # w, u, aqk
             if wanted("fwd WY"):
                 line("fwd WY", lambda A: wy_fwd(cf, A), F)
-            if wanted("fwd WY approx") and wu:  # KernelConfig.approx_math
+            if wanted("fwd WY approx") and wu:  # HopperTuning.approx_math
                 line("fwd WY approx", lambda A: wy_fwd(dataclasses.replace(cf, approx_math=True), A), F)
-            cnb, cab = barriers(cf, True), barriers(cf, False)  # KernelConfig.auto_barriers False / True
+            cnb, cab = barriers(cf, True), barriers(cf, False)  # HopperTuning.auto_barriers False / True
             for label, kw in (("fwd WY own barriers", {}), ("fwd WY + T own barriers", dict(save_t=True))):
                 if wanted(label) and wu and cnb is not None:
                     line(label, lambda A, kw=kw: wy_fwd(cnb, A, **kw), F)
@@ -311,7 +311,7 @@ def main(argv=None):
                     # the same values as with Pallas' automatic barriers, bit for bit (every output array)
                     same = bit_equal(lambda A, kw=kw: wy_fwd(cnb, A, **kw), lambda A, kw=kw: wy_fwd(cab, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
-            for m in (2, 4, 8):  # KernelConfig.wy_chunks_per_cta: the persistent WY kernel
+            for m in (2, 4, 8):  # HopperVariants.wy_chunks_per_cta: the persistent WY kernel
                 cm = dataclasses.replace(cf, wy_per_cta=m)
                 for label, c1, kw in ((f"fwd WY {m} per CTA", cm, {}),
                                       (f"fwd WY T-form {m} per CTA", dataclasses.replace(cm, fwd_form="t"),
@@ -323,15 +323,15 @@ def main(argv=None):
                     c0 = dataclasses.replace(c1, wy_per_cta=1)
                     same = bit_equal(lambda A, kw=kw: wy_fwd(c1, A, **kw), lambda A, kw=kw: wy_fwd(c0, A, **kw), F)
                     print(f"    {label}: outputs equal to one chunk per CTA: {same}", flush=True)
-            cfd = dataclasses.replace(cf, wy_inverse="dense")  # KernelConfig.wy_inverse="dense"
+            cfd = dataclasses.replace(cf, wy_inverse="dense")  # HopperTuning.wy_inverse="dense"
             if wanted("fwd WY, dense inv."):
                 line("fwd WY, dense inv.", lambda A: wy_fwd(cfd, A), F)
-            for prec in ("bf16x3", "bf16", "bf16_blocks"):  # KernelConfig.wy_precision
+            for prec in ("bf16x3", "bf16", "bf16_blocks"):  # HopperTuning.wy_precision
                 cfp = dataclasses.replace(cf, wy_precision=prec)
                 for label, kw in ((f"fwd WY {prec} rounds", {}), (f"fwd WY + T {prec} rounds", dict(save_t=True))):
                     if wanted(label):
                         line(label, lambda A, kw=kw, cfp=cfp: wy_fwd(cfp, A, **kw), F)
-            cfc = dataclasses.replace(cf, wy_compact=True)  # KernelConfig.wy_compact=True
+            cfc = dataclasses.replace(cf, wy_compact=True)  # HopperTuning.wy_compact=True
             for label, kw in (("fwd WY compact", {}), ("fwd WY + T compact", dict(save_t=True))):
                 if wanted(label) and HP.wy_compact(cfc):
                     line(label, lambda A, kw=kw: wy_fwd(cfc, A, **kw), F)
@@ -352,7 +352,7 @@ def main(argv=None):
             cf1 = dataclasses.replace(cf, state_prod=False)  # the one-warpgroup pass (state_producer=False)
             if wanted("fwd state pass 1 WG") and cf.state_prod and HP.fwd_covers(cf1) is None:
                 line("fwd state pass 1 WG", lambda A: state_pass(cf1, A), F)
-            if wanted("fwd state pass + h, Vn"):  # KernelConfig.save_states
+            if wanted("fwd state pass + h, Vn"):  # HopperTuning.save_states
                 line("fwd state pass + h, Vn", lambda A: state_pass(cf, A, save_states=True), F)
             for label, kw in (("fwd state pass own barriers", {}), ("fwd state pass + h, Vn own barriers",
                                                                      dict(save_states=True))):
@@ -362,11 +362,11 @@ def main(argv=None):
                     same = bit_equal(lambda A, kw=kw: state_pass(cnb, A, **kw),
                                      lambda A, kw=kw: state_pass(cab, A, **kw), F)
                     print(f"    {label}: outputs equal to the automatic barriers': {same}", flush=True)
-            cl = dataclasses.replace(cf, late_o=True)  # KernelConfig.late_o_store
+            cl = dataclasses.replace(cf, late_o=True)  # HopperTuning.late_o_store
             for label, kw in (("fwd state pass late o", {}), ("fwd state pass + h, Vn late o", dict(save_states=True))):
                 if wanted(label) and wu:
                     line(label, lambda A, kw=kw: state_pass(cl, A, **kw), F)
-            # KernelConfig.state_producer / state_warpgroups / state_slots: the warp-specialised state
+            # HopperTuning.state_producer / state_warpgroups / state_slots: the warp-specialised state
             # pass ("ws NxD": N compute warpgroups, D TMA slots), against the one-warpgroup pass's values
             for nc, D in ((1, 2), (1, 3), (2, 2)):
                 for label, kw in ((f"fwd state pass ws {nc}x{D}", {}),
@@ -378,7 +378,7 @@ def main(argv=None):
                     same = bit_equal(lambda A, cw=cw, kw=kw: state_pass(cw, A, **kw),
                                      lambda A, kw=kw: state_pass(cf1, A, **kw), F)
                     print(f"    {label}: outputs equal to the one-warpgroup pass: {same}", flush=True)
-            # KernelConfig.fwd_form="transition" (K = 64): the state chain as one wgmma group per chunk
+            # HopperTuning.fwd_form="transition" (K = 64): the state chain as one wgmma group per chunk
             # (S' = e^{gamma_C} S + K~^T U + M S, M formed a chunk ahead in the pass); against the pass above
             ctr = dataclasses.replace(cf, fwd_form="transition", state_prod=False)
             if (any(wanted(lb) for lb in ("fwd state transition", "fwd state transition + h, Vn"))
@@ -397,7 +397,7 @@ def main(argv=None):
                 rel = {key: float(jnp.sqrt(jnp.mean((a[key].astype(jnp.float32) - b_[key].astype(jnp.float32)) ** 2)
                                            / jnp.mean(b_[key].astype(jnp.float32) ** 2))) for key in ("o", "final")}
                 print(f"    transition vs default pass rel_rms: o {rel['o']:.1e}  final {rel['final']:.1e}", flush=True)
-            # KernelConfig.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
+            # HopperTuning.fwd_form="t": the WY kernel writes T (no v read, no U), the state pass forms Vn
             ct = dataclasses.replace(cf, fwd_form="t")
             extra_t = [f"fwd state T-form bv{b}" for b in args.blocks.split(",") if b]
             if any(wanted(lb) for lb in ["fwd WY T-form", "fwd WY T-form + W", "fwd state T-form",
@@ -442,38 +442,38 @@ def main(argv=None):
                 Bk.update(jax.jit(wy_bwd)(Bk))  # w, u, dvl, t_hi, t_lo
                 Bk.update(jax.jit(recompute)(Bk))  # h, vn
                 Bk.update(jax.jit(reverse)(Bk))  # dh, dvn, dh0, de_gam_last
-                c1w = dataclasses.replace(cb, grad_wgs=1)  # KernelConfig.grad_warpgroups=1 (the default is 2)
-                cgp = dataclasses.replace(cb, grad_precision="bf16x3")  # KernelConfig.grad_precision="bf16x3" (the default is bf16)
+                c1w = dataclasses.replace(cb, grad_wgs=1)  # HopperTuning.grad_warpgroups=1 (the default is 2)
+                cgp = dataclasses.replace(cb, grad_precision="bf16x3")  # HopperTuning.grad_precision="bf16x3" (the default is bf16)
                 steps = [("bwd WY", wy_bwd), ("bwd recompute", recompute), ("bwd reverse pass", reverse),
                          ("bwd gradient kernel", lambda A: grads(cb, A)), ("bwd grads, 1 WG", lambda A: grads(c1w, A)),
                          ("bwd grads bf16x3 T phase", lambda A: grads(cgp, A)),
                          ("bwd grads approx", lambda A: grads(dataclasses.replace(cb, approx_math=True), A)),
                          ("bwd grads chain dA", lambda A: grads(dataclasses.replace(cb, grad_tp="chain"), A))]
-                cr1 = dataclasses.replace(cb, rev_prod=False)  # KernelConfig.reverse_producer=False (default True)
+                cr1 = dataclasses.replace(cb, rev_prod=False)  # HopperTuning.reverse_producer=False (default True)
                 steps.append(("bwd reverse pass 1 WG", lambda A: HR.reverse_states(
                     cr1, A["q"], A["k"], A["w"], A["dvl"], A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                     A["fl"])))
-                for nc, D in ((1, 2), (1, 3), (2, 2)):  # KernelConfig.state_producer: the recompute warp-specialised
+                for nc, D in ((1, 2), (1, 3), (2, 2)):  # HopperTuning.state_producer: the recompute warp-specialised
                     cw = dataclasses.replace(cb, state_prod=True, state_wgs=nc, state_slots=D)
                     if HP.fwd_covers(cw) is None:
                         steps.append((f"bwd recompute ws {nc}x{D}", lambda A, cw=cw: recompute_c(cw, A)))
-                for m in grad_chunks_per_cta(cb.n, cb.BH):  # KernelConfig.grad_chunks_per_cta: the persistent gradient kernel
+                for m in grad_chunks_per_cta(cb.n, cb.BH):  # HopperVariants.grad_chunks_per_cta: the persistent gradient kernel
                     cm = dataclasses.replace(cb, grad_per_cta=m)
                     steps.append((f"bwd grads {m} per CTA", lambda A, cm=cm: grads(cm, A)))
-                if cb.C == cf.C:  # KernelConfig.save_wy: the backward's WY from the forward's Aqk and T
+                if cb.C == cf.C:  # HopperTuning.save_wy: the backward's WY from the forward's Aqk and T
                     sv = jax.jit(lambda A: wy_fwd(cb, A, save_t=True))(Bk)
                     Bk.update(aqk=sv["aqk"], sv_t_hi=sv["t_hi"], sv_t_lo=sv["t_lo"])
                     steps[1:1] = [
                         ("bwd WY from saved", lambda A: HW.wy_from_saved(cb, A["k"], A["v"], A["do"], A["beta"],
                                                                          A["eg"], A["aqk"], A["sv_t_hi"],
                                                                          A["sv_t_lo"])),
-                        ("bwd reverse, own dVl", lambda A: HR.reverse_states(  # KernelConfig.save_states
+                        ("bwd reverse, own dVl", lambda A: HR.reverse_states(  # HopperTuning.save_states
                             cb, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"], A["dec"], A["dfin"], A["h"],
                             A["fl"], aqk=A["aqk"]))]
                     steps.insert(0, ("fwd WY + T (save_wy)", lambda A: wy_fwd(cb, A, save_t=True)))
                 for name, fn in [s for s in steps if wanted(s[0])]:
                     line(name, fn, Bk)
-                cnbg, cabg = barriers(cb, True), barriers(cb, False)  # KernelConfig.auto_barriers False / True
+                cnbg, cabg = barriers(cb, True), barriers(cb, False)  # HopperTuning.auto_barriers False / True
                 if wanted("bwd grads own barriers") and cnbg is not None:
                     line("bwd grads own barriers", lambda A: grads(cnbg, A), Bk)
                     line("bwd grads auto barriers", lambda A: grads(cabg, A), Bk)
@@ -531,7 +531,7 @@ def main(argv=None):
                                  dfin=jnp.zeros(F["h0"].shape, jnp.float32))
                         rev = lambda A: HR.reverse_states(cf, A["q"], A["k"], A["w"], None, A["do"], A["eg"], A["ekd"],
                                                           A["dec"], A["dfin"], A["h"], A["fl"], aqk=A["aqk"])
-                        if wanted("bwd reverse K256 [hopper]"):  # KernelConfig.wide_backward="hopper_xla"'s two stages
+                        if wanted("bwd reverse K256 [hopper]"):  # HopperTuning.wide_backward="hopper_xla"'s two stages
                             line("bwd reverse K256 [hopper]", rev, R)
                         if wanted("bwd grads K256 [xla]") or wanted("bwd grads K256 [hopper blocks]"):
                             from gdn_jax.ops.pallas.grads_xla import chunk_grads_xla
@@ -539,7 +539,7 @@ def main(argv=None):
                             R.update({key: val for key, val in jax.jit(rev)(R).items() if key in ("dh", "dvn")})
                             ga = lambda A: (A["q"], A["k"], A["v"], A["do"], A["beta"], A["gc"], A["eg"], A["ekd"],
                                             A["h"], A["dh"], A["vn"], A["dvn"], A["t_hi"], A["t_lo"])
-                            if wanted("bwd grads K256 [xla]"):  # KernelConfig.wide_backward="hopper_xla"
+                            if wanted("bwd grads K256 [xla]"):  # HopperTuning.wide_backward="hopper_xla"
                                 line("bwd grads K256 [xla]", lambda A: chunk_grads_xla(cf, *ga(A)), R)
                             if wanted("bwd grads K256 [hopper blocks]") and hasattr(HG, "chunk_grads_blocks"):
                                 line("bwd grads K256 [hopper blocks]",  # wide_backward="hopper"

@@ -119,7 +119,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (times meaningless)")
     ap.add_argument("--producer", action="store_true",
-                    help="--kernel state: the warp-specialised pass (KernelConfig.state_producer, the default) "
+                    help="--kernel state: the warp-specialised pass (HopperTuning.state_producer, the default) "
                          "instead of the one-warpgroup pass, without the loads' knockouts")
     args = ap.parse_args(argv)
     if args.reps is not None and args.reps < 1:

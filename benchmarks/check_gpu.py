@@ -127,7 +127,7 @@ def main(argv=None):
                     help="only the cases whose name contains one of these, e.g. --cases d256 gva")
     ap.add_argument("--key_dim", type=int, default=None,
                     help="run every case with this key head dim K (names get '@k<K>'), e.g. 64 for kernels that "
-                         "cover K = 64 only (KernelConfig(fwd_form='transition'))")
+                         "cover K = 64 only (HopperTuning(fwd_form='transition'))")
     ap.add_argument("--l2norm", action="store_true",
                     help="run every case with use_qk_l2norm=True (op and reference): unit-norm keys, which the "
                          "gate-free forward needs (--configs gpu_kernels=triton,gatefree=true)")

@@ -20,13 +20,17 @@ With ``--values`` it also saves the interpret-mode outputs and gradients of a fe
 """
 import os
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.ops import KernelConfig, gated_delta_rule
+
+try:  # options named by their flat names (fwd_form=..., fuse_output=...) on either tree compared
+    from gdn_jax.ops.pallas.config import from_flat_names as config_from_names
+except ImportError:  # a tree from before KernelConfig's groups: its flat keywords
+    config_from_names = KernelConfig
 from gdn_jax.ops import pallas as P
 
 out = sys.argv[1]
@@ -58,9 +62,7 @@ def make(plat, extra, form):
     kw = dict(platform=plat, **extra)
     if form == "unfused":
         kw.update(fuse_output=False, merge_state=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return KernelConfig(**kw)
+    return config_from_names(**kw)
 
 
 def inputs(dt, form, shape):

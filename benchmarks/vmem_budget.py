@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule  # noqa: E402
+from gdn_jax.ops import KernelConfig, TritonTuning, gated_delta_rule  # noqa: E402
 
 # (B, T, H, D): the five benchmark shapes and T = 128K
 SHAPES = [(4, 4096, 16, 128), (8, 2048, 16, 128), (1, 16384, 16, 128), (2, 8192, 16, 64), (2, 8192, 8, 256),
@@ -86,7 +86,7 @@ def kernel_budgets(B, T, H, K, V, *, dtype=jnp.bfloat16, chunk_size=64, packed=F
         ((B, T, H, K), dtype), ((B, T, H, K), dtype), ((B, T, H, V), dtype), ((B, T, H), f32), ((B, T, H), dtype),
         ((N, H, K, V), f32))]
     out = {}
-    for cfg in (KernelConfig(platform="tpu"), KernelConfig(platform="tpu", fuse_output=False)):
+    for cfg in (KernelConfig(platform="tpu"), KernelConfig(platform="tpu", triton=TritonTuning(fuse_output=False))):
         def loss(q, k, v, g, b, s, cfg=cfg):
             o, S = gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
                                     chunk_size=chunk_size, cu_seqlens=cu, kernel_config=cfg)

@@ -241,6 +241,16 @@ def cuda_lowering(config, *, B=1, T=256, H=2, D=128, grad=True, triton=False):
     return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=dis)(*sds).mlir_module()
 
 
+def tuned(config, **groups):
+    """``config`` (a ``KernelConfig``) with fields of its groups changed, the groups' other fields kept:
+    ``tuned(cfg, hopper=dict(save_wy=False))`` is
+    ``dataclasses.replace(cfg, hopper=dataclasses.replace(cfg.hopper, save_wy=False))``."""
+    import dataclasses
+
+    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **kw)
+                                          for name, kw in groups.items()})
+
+
 def gatefree_keys(rng, kind, shape, norm=1.0, eps=1e-3):
     """[B, T, H, K] keys of norm ``norm``: "random" (iid directions), "repeated" (one direction per
     (batch, head)), "near" (that direction plus ``eps`` noise: nearly repeated)."""

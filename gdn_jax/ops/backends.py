@@ -83,7 +83,7 @@ def resolve_backend(backend: str, forms: GateForms, *, chunk_size: int, K: int, 
     and on GPU for float32 inputs with :data:`AUTO_F32_MIN_DIM` (32) <= max(K, V) <=
     :data:`AUTO_F32_MAX_DIM` (128); else
     ``"chunk"``; ``"scan"`` for per-value-channel beta (the only backend that takes it).
-    float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``KernelConfig.gpu_f32_*``,
+    float32 on GPU: the kernels' float32 dots default to 1-pass TF32 (``Precision.gpu_f32_*``,
     XLA's default for float32 matmuls, which the chunk form runs with). Measured on an H200 (JAX
     0.11.2, ``benchmarks/bench_train_step.py``, 2-layer MQAR LM, L 512, B 128, 2 heads,
     float32; ``results/hopper_h200/``): a gdn training step takes 4.97 / 11.34 ms with pallas (1-pass

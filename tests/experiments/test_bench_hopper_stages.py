@@ -23,9 +23,9 @@ def _stages(shape, only):
 
 
 def test_bench_hopper_stages_interpret():
-    # the stages of KernelConfig.save_states, the default gradient kernel, the persistent one and
-    # the compact forward WY (KernelConfig.wy_compact)
-    # (KernelConfig.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
+    # the stages of HopperTuning.save_states, the default gradient kernel, the persistent one and
+    # the compact forward WY (HopperTuning.wy_compact)
+    # (HopperVariants.grad_chunks_per_cta=2: T = 70 is two chunks) (every precomputed
     # intermediate runs too: forward WY, backward WY, recompute, reverse pass); T = 70 is not a
     # multiple of the chunk (dO is padded to the kernels' time axis)
     # (--only with ';' separators, so that a label with a comma, "+ h, Vn", is one filter)
@@ -37,7 +37,7 @@ def test_bench_hopper_stages_interpret():
                  "fwd state pass + h, Vn auto barriers", "bwd reverse auto barriers", "bwd grads auto barriers",
                  "bwd WY from saved own barriers", "bwd WY from saved auto barriers"):
         assert re.search(re.escape(name) + r" +[0-9.]+ \(per call [0-9.]+\) ms", text), (name, text)
-    # KernelConfig.wy_compact's lines check their outputs against the default's, auto_barriers False's against True's
+    # HopperTuning.wy_compact's lines check their outputs against the default's, auto_barriers False's against True's
     assert "fwd WY compact: outputs equal to the separate layout's: True" in text, text
     for name in ("fwd WY own barriers", "fwd WY + T own barriers", "fwd state pass own barriers",
                  "fwd state pass + h, Vn own barriers", "bwd reverse own barriers", "bwd grads own barriers",
@@ -117,7 +117,7 @@ def test_bench_knockouts_stale_edit():
 
 
 def test_bench_hopper_stages_transition_lines():
-    """The transition form's stage lines (KernelConfig.fwd_form="transition", K = 64): the state pass
+    """The transition form's stage lines (HopperTuning.fwd_form="transition", K = 64): the state pass
     with and without h / Vn, its values against the default pass, and the whole op."""
     text = _stages("1x130x1x64", "transition")
     for name in ("fwd state transition", "fwd state transition + h, Vn"):

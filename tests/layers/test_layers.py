@@ -193,10 +193,10 @@ def test_caches_live_beside_their_layers():
 def test_kernel_config_reaches_the_op():
     """GatedDeltaNet / LMConfig pass a KernelConfig to the Pallas op (same numbers as the
     defaults: the options change nothing beyond rounding) and reject it where it cannot apply."""
-    from gdn_jax.ops import KernelConfig
+    from gdn_jax.ops import KernelConfig, TritonTuning
 
     x = _x((1, 40, 32))
-    kc = KernelConfig(fuse_output=False, bv_out=16, fwd_chunk=16)
+    kc = KernelConfig(fwd_chunk=16, triton=TritonTuning(fuse_output=False, bv_out=16))
     a = GatedDeltaNet(32, 2, backend="pallas", chunk_size=32, rngs=nnx.Rngs(0))
     b = GatedDeltaNet(32, 2, backend="pallas", chunk_size=32, kernel_config=kc, rngs=nnx.Rngs(0))
     assert b.kernel_config == kc

@@ -213,12 +213,12 @@ def test_recurrent_decode_names_cache_state():
 
 
 def test_kernel_config_numpy_ints_and_warps():
-    from gdn_jax.ops import KernelConfig
+    from gdn_jax.ops import KernelConfig, TritonTuning
 
     k = KernelConfig(fwd_chunk=np.int64(32))
     assert type(k.fwd_chunk) is int and k == KernelConfig(fwd_chunk=32) and hash(k) == hash(KernelConfig(fwd_chunk=32))
     with pytest.raises(ValueError, match="warps_wy"):
-        KernelConfig(warps_wy=64)
+        KernelConfig(triton=TritonTuning(warps_wy=64))
 
 
 def test_layers_and_loader_type_errors():

@@ -11,7 +11,7 @@ import pytest
 from conftest import BF16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
 from reference import reference, reference_grads
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule, gated_delta_rule_step
+from gdn_jax.ops import KernelConfig, TritonTuning, gated_delta_rule, gated_delta_rule_step
 
 
 def gva_inputs(seed, B, T, Hk, group, K, V, *, dtype=F32, N=None, g_per_key=False):
@@ -70,8 +70,9 @@ def test_gva_tpu_layout_packed():
 
 
 @pytest.mark.parametrize("kernel_config", [KernelConfig(platform="tpu_interpret"),
-                                           KernelConfig(fuse_output=False, merge_state=True, bv_state=16),
-                                           KernelConfig(bk_grad=16, bv_grad=16)],
+                                           KernelConfig(triton=TritonTuning(fuse_output=False, merge_state=True,
+                                                                            bv_state=16)),
+                                           KernelConfig(triton=TritonTuning(bk_grad=16, bv_grad=16))],
                          ids=["tpu-layout", "unfused-merged", "grad-k-blocks"])
 def test_gva_pallas_kernel_variants(kernel_config):
     """The key-head index maps in the TPU (head-major) layout, the unfused forward with merged

@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 
 from conftest import (BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, cuda_lowering,
-                      make_inputs, seed_of)
+                      make_inputs, seed_of, tuned)
 from reference import reference, reference_grads
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule
+from gdn_jax.ops import HopperTuning, KernelConfig, Precision, TritonTuning, gated_delta_rule
 from gdn_jax.ops.pallas import hopper, paths
 from gdn_jax.ops.pallas.config import resolve
+from gdn_jax.ops.pallas.hopper.tuning import HopperVariants
 from gdn_jax.ops.pallas.vjp import to_kernel_inputs
 
 MOSAIC = KernelConfig(platform="interpret", gpu_kernels="mosaic")
@@ -108,25 +109,25 @@ def test_mosaic_equals_triton_path_numbers():
 
 
 def test_f32_inputs_bf16_operands():
-    """``KernelConfig(f32_inputs="bf16")``: float32 inputs take the 16-bit path (the Hopper
+    """``Precision(f32_inputs="bf16")``: float32 inputs take the 16-bit path (the Hopper
     kernels included); o, S and gradients are float32 and within the bf16 tolerances of the
     float64 reference on the unrounded inputs."""
     x = make_inputs(seed_of("hopper-f32"), 1, 96, 2, 128, 128, dtype=F32, init=True)
-    cfg = dataclasses.replace(MOSAIC, f32_inputs="bf16")
+    cfg = dataclasses.replace(MOSAIC, precision=Precision(f32_inputs="bf16"))
     assert _mosaic_taken(x, cfg)
     o, S, gr = _run(x, cfg)
     assert o.dtype == F32 and S.dtype == F32 and all(g.dtype == F32 for g in gr.values())
     _check(x, (o, S, gr))
-    assert not _mosaic_taken(x, dataclasses.replace(MOSAIC, f32_inputs="keep"))
+    assert not _mosaic_taken(x, dataclasses.replace(MOSAIC, precision=Precision(f32_inputs="keep")))
 
 
 def test_f16_inputs_bf16_operands():
-    """``KernelConfig(f16_inputs="bf16")``: float16 inputs rounded to bf16 take the Hopper kernels;
+    """``Precision(f16_inputs="bf16")``: float16 inputs rounded to bf16 take the Hopper kernels;
     o, S and gradients come back float16 (S float32: the state's dtype) and within the bf16
     tolerances of the float64 reference on the unrounded inputs; "keep" (the default) leaves
     float16 to the Triton kernels."""
     x = make_inputs(seed_of("hopper-f16"), 1, 96, 2, 128, 128, dtype=F16, init=True)
-    cfg = dataclasses.replace(MOSAIC, f16_inputs="bf16")
+    cfg = dataclasses.replace(MOSAIC, precision=Precision(f16_inputs="bf16"))
     assert _mosaic_taken(x, cfg)
     o, S, gr = _run(x, cfg)
     assert o.dtype == F16 and S.dtype == F32
@@ -134,7 +135,7 @@ def test_f16_inputs_bf16_operands():
     _check(x, (o, S, gr))
     assert not _mosaic_taken(x, MOSAIC)
     with pytest.raises(ValueError, match="f16_inputs"):
-        KernelConfig(f16_inputs="fp16")
+        KernelConfig(precision=Precision(f16_inputs="fp16"))
 
 
 def _call(**kw):
@@ -170,9 +171,9 @@ def _on_hopper_bwd(call):
     (dict(K=128, V=256, K0=128, V0=256, C=32), "chunk 32"),
     (dict(K=512, V=512, K0=512, V0=512), "K=512"),
     (dict(K=32, V=32, K0=32, V0=32), "K=32"),
-    (dict(config=dataclasses.replace(MOSAIC, mid_dtype="f32")), "mid_dt"),
-    (dict(config=dataclasses.replace(MOSAIC, fuse_output=False)), "fuse_output"),
-    (dict(config=dataclasses.replace(MOSAIC, u_dtype="f32")), "u_dt"),
+    (dict(config=dataclasses.replace(MOSAIC, precision=Precision(mid_dtype="f32"))), "mid_dt"),
+    (dict(config=dataclasses.replace(MOSAIC, triton=TritonTuning(fuse_output=False))), "fuse_output"),
+    (dict(config=dataclasses.replace(MOSAIC, precision=Precision(u_dtype="f32"))), "u_dt"),
 ])
 def test_coverage_reasons(kw, reason):
     call = _call(**kw)
@@ -192,25 +193,25 @@ def test_default_block():
 def test_dispatch():
     assert _on_hopper(_call())
     assert _on_hopper(_call(group=2, BH=4, H=2))
-    assert _call(config=dataclasses.replace(MOSAIC, bv_state=32)).bv_mosaic == 32
+    assert _call(config=dataclasses.replace(MOSAIC, triton=TritonTuning(bv_state=32))).bv_mosaic == 32
     assert not _on_hopper(_call(config=KernelConfig(platform="interpret")))  # None: Hopper GPUs only
     assert not _on_hopper(_call(config=KernelConfig(platform="interpret", gpu_kernels="triton")))
     assert not _on_hopper(_call(platform="tpu_interpret", config=dataclasses.replace(MOSAIC, platform="tpu_interpret")))
     with pytest.raises(ValueError, match="gpu_kernels"):
         KernelConfig(gpu_kernels="cuda")
     with pytest.raises(ValueError, match="f32_inputs"):
-        KernelConfig(f32_inputs="tf32")
+        KernelConfig(precision=Precision(f32_inputs="tf32"))
     with pytest.raises(ValueError, match="HopperTuning.wy_inverse must be one of"):
-        KernelConfig(wy_inverse="Blocked")
+        KernelConfig(hopper=HopperTuning(wy_inverse="Blocked"))
     for bad in (None, 1, "yes"):
         with pytest.raises(TypeError, match="HopperTuning.wy_compact must be True or False"):
-            KernelConfig(wy_compact=bad)
+            KernelConfig(hopper=HopperTuning(wy_compact=bad))
     with pytest.raises(TypeError, match="HopperTuning.wy_inverse must be one of"):
-        KernelConfig(wy_inverse=np.array([1, 2]))
+        KernelConfig(hopper=HopperTuning(wy_inverse=np.array([1, 2])))
     with pytest.raises(ValueError, match="HopperTuning.wy_precision must be one of"):
-        KernelConfig(wy_precision="tf32")
+        KernelConfig(hopper=HopperTuning(wy_precision="tf32"))
     with pytest.raises(ValueError, match="HopperTuning.grad_precision must be one of"):
-        KernelConfig(grad_precision="fp8")
+        KernelConfig(hopper=HopperTuning(grad_precision="fp8"))
 
 
 @pytest.mark.parametrize("cu", [(0, 40, 41, 150), (0, 64, 64, 100, 230)], ids=["len1", "empty"])
@@ -241,7 +242,7 @@ def test_cuda_lowering_export(K, V, group, bv, packed):
     """Both Hopper kernels through Mosaic GPU's lowering for CUDA (no GPU needed)."""
     B, T, H = 1, 256, 2
     cu = jnp.asarray([0, 100, 101, 256], jnp.int32) if packed else None
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", bv_state=bv)
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", triton=TritonTuning(bv_state=bv))
     sds = [jax.ShapeDtypeStruct(s, BF16) for s in ((B, T, H, K), (B, T, H, K), (B, T, H * group, V))]
     sds += [jax.ShapeDtypeStruct((B, T, H * group), F32), jax.ShapeDtypeStruct((B, T, H * group), BF16)]
     call = to_kernel_inputs(*[jnp.zeros(s.shape, s.dtype) for s in sds], chunk_size=64, config=cfg,
@@ -291,7 +292,7 @@ def test_default_on_hopper(monkeypatch):
 
 @pytest.mark.parametrize("K,V,save_wy", [(64, 64, False), (128, 64, True)])
 def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
-    """``KernelConfig(wy_inverse="blocked")``: the inverse's rounds inside the 16x16 diagonal blocks
+    """``HopperTuning(wy_inverse="blocked")``: the inverse's rounds inside the 16x16 diagonal blocks
     on those blocks alone (compressed [C, 16] products) give the dense rounds' T: the same nonzero
     bf16x3 products, so o, the final state and every gradient agree to float32 rounding
     (rel_rms <= 1e-5; measured 0 here) -- in the forward's WY and, with ``save_wy=False``, the
@@ -299,12 +300,12 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
     from gdn_jax.ops.pallas.hopper import plan as HP, wy as HW
 
     x = make_inputs(seed_of("hopper-blocked", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
-    dense = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse="dense")
+    dense = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=save_wy, wy_inverse="dense"))
     ref = _run(x, dense)
     calls = []
     real = HW._blocked_rounds
     monkeypatch.setattr(HW, "_blocked_rounds", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    got = _run(x, dataclasses.replace(dense, wy_inverse="blocked"))
+    got = _run(x, tuned(dense, hopper=dict(wy_inverse="blocked")))
     assert len(calls) == (1 if save_wy else 2)  # the forward's WY (and the backward's without save_wy)
     o, S, gr = got
     for a, b in [(o, ref[0]), (S, ref[1])] + [(gr[n], ref[2][n]) for n in gr]:
@@ -316,14 +317,15 @@ def test_blocked_inverse_equals_dense(K, V, save_wy, monkeypatch):
 def test_blocked_inverse_lowers_for_cuda():
     """value_and_grad with ``wy_inverse="blocked"`` (both WY kernels: ``save_wy=False``) through Mosaic
     GPU's CUDA lowering: the m64n16k16 wgmmas of the compressed rounds and the K = 16 expansion."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_inverse="blocked", save_wy=False))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                      hopper=HopperTuning(wy_inverse="blocked", save_wy=False)))
     assert text.count("mosaic_gpu") >= 6
 
 
 @pytest.mark.parametrize("inverse,save_wy,precision", [("blocked", True, "bf16"), ("dense", False, "bf16"),
                                                        ("blocked", False, "bf16_blocks")])
 def test_bf16_rounds(inverse, save_wy, precision):
-    """``KernelConfig(wy_precision="bf16")``: the inverse's doubling rounds with bf16 operands (one
+    """``HopperTuning(wy_precision="bf16")``: the inverse's doubling rounds with bf16 operands (one
     wgmma per product instead of bf16x3's three) -- in the forward's WY and, with ``save_wy=False``,
     the backward's; ``"bf16_blocks"`` in the rounds inside the 16 x 16 diagonal blocks only. The option takes effect (o and the gradients differ from bf16x3's), the change
     stays below the bf16 rounding of the kernels' outputs (rel_rms <= 2e-3 against bf16x3; the
@@ -331,9 +333,9 @@ def test_bf16_rounds(inverse, save_wy, precision):
     result is within the suite's tolerances of float64."""
     x = make_inputs(seed_of("hopper-bf16-rounds", inverse), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
                     init=True)
-    base = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse=inverse, wy_precision="bf16x3")
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=save_wy, wy_inverse=inverse, wy_precision="bf16x3"))
     ref = _run(x, base)
-    got = _run(x, dataclasses.replace(base, wy_precision=precision))
+    got = _run(x, tuned(base, hopper=dict(wy_precision=precision)))
     o, S, gr = got
     errs = []
     for a, b in [(o, ref[0]), (S, ref[1])] + [(gr[n], ref[2][n]) for n in gr]:
@@ -345,7 +347,7 @@ def test_bf16_rounds(inverse, save_wy, precision):
 
 @pytest.mark.parametrize("wgs", [2, 1])
 def test_grad_precision_bf16(wgs):
-    """``KernelConfig(grad_precision="bf16")`` (the default) against ``"bf16x3"``: the gradient
+    """``HopperTuning(grad_precision="bf16")`` (the default) against ``"bf16x3"``: the gradient
     kernel's T phase (default "direct": Y Vn^T) with one bf16 wgmma per product, in both gradient
     kernels. It takes effect (dk, dbeta, dg differ from
     bf16x3's; o, the final state, dq and dv do not: the T phase feeds only dk and the gates), the
@@ -353,8 +355,8 @@ def test_grad_precision_bf16(wgs):
     within the suite's tolerances of float64."""
     x = make_inputs(seed_of("hopper-grad-precision", wgs), 1, 150, 2, 128, 128, gates="strong", dtype=BF16,
                     init=True)
-    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs, grad_precision="bf16x3")
-    got, errs = _t_phase_change(x, base, dataclasses.replace(base, grad_precision="bf16"))
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=wgs, grad_precision="bf16x3"))
+    got, errs = _t_phase_change(x, base, tuned(base, hopper=dict(grad_precision="bf16")))
     assert min(errs) > 0 and max(errs) <= 3e-3, errs
     _check(x, got)
 
@@ -372,7 +374,7 @@ def _t_phase_change(x, base, changed):
 
 @pytest.mark.parametrize("wgs,precision", [(2, "bf16x3"), (1, "bf16"), (2, "bf16")])
 def test_grad_t_phase_direct(wgs, precision):
-    """``KernelConfig(grad_t_phase="direct")`` (the default): dA = -strict((T^T dVn) Vn^T) (exact
+    """``HopperTuning(grad_t_phase="direct")`` (the default): dA = -strict((T^T dVn) Vn^T) (exact
     since (I + A)^T T^T = I) instead of ``"chain"``'s dT = (dVn Vn^T)(I + A)^T, T^T dT T^T, in both gradient
     kernels. It takes effect (dk, dbeta or dg differ from the chain's; with bf16x3 products the two
     forms agree to ~1e-7 in float32 in interpret mode, so often only dg, the float32 output, shows
@@ -381,22 +383,24 @@ def test_grad_t_phase_direct(wgs, precision):
     gates, an initial state, T not a multiple of the chunk)."""
     x = make_inputs(seed_of("hopper-grad-t-phase", wgs, precision), 1, 150, 2, 128, 128, gates="strong",
                     dtype=BF16, init=True)
-    base = dataclasses.replace(MOSAIC, grad_warpgroups=wgs, grad_precision=precision, grad_t_phase="chain")
-    got, errs = _t_phase_change(x, base, dataclasses.replace(base, grad_t_phase="direct"))
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=wgs, grad_precision=precision,
+                                                          grad_t_phase="chain"))
+    got, errs = _t_phase_change(x, base, tuned(base, hopper=dict(grad_t_phase="direct")))
     assert 0 < max(errs) <= 3e-3, errs
     _check(x, got)
     with pytest.raises(ValueError, match="grad_t_phase"):
-        KernelConfig(grad_t_phase="fast")
+        KernelConfig(hopper=HopperTuning(grad_t_phase="fast"))
 
 
 def test_grad_t_phase_direct_lowers_for_cuda():
     """Both Hopper gradient kernels with ``grad_t_phase="direct"`` lower for CUDA (bf16x3 and bf16),
     and so does the Triton backward with it."""
     for wgs, precision in ((2, "bf16x3"), (1, "bf16")):
-        text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_t_phase="direct",
-                                          grad_warpgroups=wgs, grad_precision=precision))
+        text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(
+            grad_t_phase="direct", grad_warpgroups=wgs, grad_precision=precision)))
         assert text.count("custom_call @mosaic_gpu") == 4
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="triton", grad_t_phase="direct"), triton=True)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="triton", hopper=HopperTuning(grad_t_phase="direct")),
+                         triton=True)
     assert "__gpu$xla.gpu.triton" in text  # the Triton gradient kernel's form (tests/ops/test_pallas.py)
 
 
@@ -404,14 +408,14 @@ def test_bf16_rounds_lower_for_cuda():
     """value_and_grad with ``wy_precision="bf16"`` through Mosaic GPU's CUDA lowering, both WY
     kernels (``save_wy=False``), the compact forward WY among them, and the gradient kernel with
     ``grad_precision="bf16"``."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_precision="bf16", wy_compact=True,
-                                      save_wy=False, grad_precision="bf16"))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(
+        wy_precision="bf16", wy_compact=True, save_wy=False, grad_precision="bf16")))
     assert text.count("mosaic_gpu") >= 6
 
 
 @pytest.mark.parametrize("inverse,save_wy,group", [("blocked", True, 1), ("dense", False, 2)])
 def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
-    """``KernelConfig(wy_compact=True)``: the forward WY kernel with v in q's tile (loaded after
+    """``HopperTuning(wy_compact=True)``: the forward WY kernel with v in q's tile (loaded after
     Q K^T), Aqk's staging tile reused as the inverse's L hi tile, W / U formed one after the other
     and leaving through K's / v's tiles gives the separate layout's values bit for bit (the same
     products) -- with and without the saved T (``save_wy``), both inverses, grouped value heads; and
@@ -424,17 +428,17 @@ def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
         y = make_inputs(seed_of("hopper-compact-v", inverse), 1, 150, 2 * group, 128, 128, gates="strong",
                         dtype=BF16, init=True)
         x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
-    base = dataclasses.replace(MOSAIC, save_wy=save_wy, wy_inverse=inverse, wy_compact=False)
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=save_wy, wy_inverse=inverse, wy_compact=False))
     ref = _run(x, base)
     seen = []
     real = HP.wy_compact
     monkeypatch.setattr(HW, "wy_compact", lambda call: seen.append(real(call)) or real(call))
-    got = _run(x, dataclasses.replace(base, wy_compact=True))
+    got = _run(x, tuned(base, hopper=dict(wy_compact=True)))
     assert any(seen) and not HP.wy_compact(_call(config=base))
     for a, b in [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]:
         assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     _check(x, got)
-    call = _call(config=dataclasses.replace(MOSAIC, wy_compact=True))
+    call = _call(config=dataclasses.replace(MOSAIC, hopper=HopperTuning(wy_compact=True)))
     assert HP.wy_smem_bytes(call) <= (227 * 1024) // 3 - 1024 < HP.wy_smem_bytes(dataclasses.replace(
         call, wy_compact=False))
     # K != V: the separate tiles (v cannot share q's)
@@ -445,7 +449,8 @@ def test_compact_wy_equals_separate(inverse, save_wy, group, monkeypatch):
 def test_compact_wy_lowers_for_cuda(save_wy):
     """value_and_grad with ``wy_compact=True`` through Mosaic GPU's CUDA lowering (the forward WY
     kernel with and without the saved T; the backward's WY, when it runs, keeps its layout)."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wy_compact=True, save_wy=save_wy))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                      hopper=HopperTuning(wy_compact=True, save_wy=save_wy)))
     assert text.count("mosaic_gpu") >= 4
 
 
@@ -462,12 +467,12 @@ def _two_wg_case(K, V, group, cu):
                         init=True, N=N)
         x = dict(x, v=y["v"], g=y["g"], beta=y["beta"], S0=y["S0"], do=y["do"], dS=y["dS"])
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
-    one = _run(x, dataclasses.replace(MOSAIC, grad_warpgroups=1), cu_seqlens=cu_j)
+    one = _run(x, dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=1)), cu_seqlens=cu_j)
     calls = []
     real = HG._chunk_grads_2wg
     HG._chunk_grads_2wg = lambda *a: calls.append(1) or real(*a)
     try:
-        two = _run(x, dataclasses.replace(MOSAIC, grad_warpgroups=2), cu_seqlens=cu_j)
+        two = _run(x, dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=2)), cu_seqlens=cu_j)
     finally:
         HG._chunk_grads_2wg = real
     assert calls, "the two-warpgroup kernel did not run"
@@ -480,7 +485,7 @@ def _two_wg_case(K, V, group, cu):
 
 @pytest.mark.parametrize("K,V,group,cu", [(128, 128, 1, None), (64, 128, 2, (0, 70, 71, 150))])
 def test_two_warpgroup_gradient_kernel(K, V, group, cu):
-    """``KernelConfig(grad_warpgroups=2)``: the Hopper gradient kernel split over two warpgroups
+    """``HopperTuning(grad_warpgroups=2)``: the Hopper gradient kernel split over two warpgroups
     (Q path + T phase | dv, dKd + W phase, one barrier) gives the one-warpgroup kernel's gradients
     (rel_rms <= 5e-3: dW and the second warpgroup's dk partial are single bf16 operands there)
     and is within the suite's float64 tolerances; o and the final state are untouched. (Interpret
@@ -494,12 +499,12 @@ def test_two_warpgroup_gradient_kernel_config():
     from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP
 
     with pytest.raises(ValueError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
-        KernelConfig(grad_warpgroups=3)
+        KernelConfig(hopper=HopperTuning(grad_warpgroups=3))
     with pytest.raises(TypeError, match=r"HopperTuning.grad_warpgroups must be one of \(1, 2\)"):
-        KernelConfig(grad_warpgroups=True)
+        KernelConfig(hopper=HopperTuning(grad_warpgroups=True))
     x = make_inputs(seed_of("hopper-2wg-cov"), 1, 64, 1, 128, 128, dtype=BF16)
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
-                            config=dataclasses.replace(MOSAIC, grad_warpgroups=2))
+                            config=dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=2)))
     call = prep.calls[1]
     assert call.grad_wgs == 2 and _on_hopper_bwd(call)
     assert HP.grads_smem_bytes(call) <= HP.SMEM_BYTES
@@ -509,16 +514,16 @@ def test_two_warpgroup_gradient_kernel_config():
 def test_gradient_kernel_lowers_for_cuda(wgs):
     """value_and_grad with ``grad_warpgroups`` 1 and 2 (the default: two warpgroups per CTA, the
     cross-warpgroup barrier) through Mosaic GPU's CUDA lowering."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_warpgroups=wgs))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(grad_warpgroups=wgs)))
     assert text.count("mosaic_gpu") >= 5
 
 
 def _form_against_wu(x, form, save_states, cu):
-    """``KernelConfig(fwd_form=form)`` against the default "wu" forward on inputs ``x``: the Hopper
+    """``HopperTuning(fwd_form=form)`` against the default "wu" forward on inputs ``x``: the Hopper
     kernels take it, it takes effect (o differs), o, the final state and every gradient stay within
     4e-3 rel. RMS of "wu"'s (the kernels' bf16 rounding) and within the suite's tolerances of float64."""
-    base = dataclasses.replace(MOSAIC, save_states=save_states)
-    cfg = dataclasses.replace(base, fwd_form=form)
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_states=save_states))
+    cfg = tuned(base, hopper=dict(fwd_form=form))
     assert _mosaic_taken(x, cfg, cu_seqlens=cu)
     ref = _run(x, base, cu_seqlens=cu)
     got = _run(x, cfg, cu_seqlens=cu)
@@ -531,7 +536,7 @@ def _form_against_wu(x, form, save_states, cu):
 
 @pytest.mark.parametrize("save_states,group,packed", [(True, 1, False), (False, 2, True)])
 def test_fwd_form_t(save_states, group, packed):
-    """``KernelConfig(fwd_form="t")``: the WY kernel hands T (hi, lo) to the state pass, which forms
+    """``HopperTuning(fwd_form="t")``: the WY kernel hands T (hi, lo) to the state pass, which forms
     Vn = T (beta V - beta e^gamma (K S)) instead of U - W S. Strong gates with an initial state,
     then grouped value heads with ``cu_seqlens`` (an empty and a length-1 sequence), with and
     without ``save_states`` (where the forward also writes W for the backward). It takes effect
@@ -553,7 +558,7 @@ def test_fwd_form_t(save_states, group, packed):
 def test_fwd_form_t_lowers_for_cuda(grad):
     """``fwd_form="t"`` through Mosaic GPU's CUDA lowering: value_and_grad (the forward WY kernel
     with W for the backward, the state pass keeping h and Vn) and the forward alone (no W)."""
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form="t")
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(fwd_form="t"))
     if grad:
         assert cuda_lowering(cfg).count("mosaic_gpu") >= 4
         return
@@ -575,7 +580,7 @@ def test_fwd_form_t_k256(packed, form):
     cu = jnp.asarray([0, 1, 64, T], jnp.int32) if packed else None
     x = make_inputs(seed_of("hopper-k256", packed, form), 1, T, 1, 256, 256, gates="strong", dtype=BF16, init=True,
                     N=N)
-    cfg = dataclasses.replace(MOSAIC, fwd_form=form)  # None: "t" where K > 128
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form=form))  # None: "t" where K > 128
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg, cu_seqlens=cu)
     cf, cb = prep.calls
     assert _on_hopper(cf) and hopper.plan.single_q(cf) and cf.bv_mosaic == 32 and not _on_hopper_bwd(cb)
@@ -592,25 +597,26 @@ def test_fwd_form_t_k256(packed, form):
 def test_fwd_form_t_k256_lowers_for_cuda(form):
     """value_and_grad at K = V = 256 (``fwd_form`` None takes "t"): the Hopper forward (chunk 64, one q tile)
     and the Triton backward (``wide_backward="triton"``) lower for CUDA together."""
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, wide_backward="triton")  # None: "t" at K = 256
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic",  # fwd_form None: "t" at K = 256
+                       hopper=HopperTuning(fwd_form=form, wide_backward="triton"))
     text = cuda_lowering(cfg, D=256, triton=True)
     assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
 
 
 def test_approx_math_lowers_for_cuda():
-    """``KernelConfig(approx_math=True)`` (the default): every Hopper kernel compiled with Mosaic GPU's
+    """``HopperTuning(approx_math=True)`` (the default): every Hopper kernel compiled with Mosaic GPU's
     ``approx_math`` (exp as ``ex2.approx``) lowers for CUDA, and the option reaches the kernels (the
     lowered module differs from ``approx_math=False``'s); interpret mode ignores it (same values)."""
-    assert KernelConfig().approx_math and KernelConfig().late_o_store  # the defaults since 2026-12-03
+    assert KernelConfig().hopper.approx_math and KernelConfig().hopper.late_o_store  # the defaults since 2026-12-03
     on = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic"))
-    off = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", approx_math=False))
+    off = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(approx_math=False)))
     assert on.count("custom_call @mosaic_gpu") == off.count("custom_call @mosaic_gpu") >= 4 and on != off
     with pytest.raises(TypeError, match="approx_math"):
-        KernelConfig(approx_math=1)
+        KernelConfig(hopper=HopperTuning(approx_math=1))
 
 
 def test_auto_barriers_lowers_for_cuda():
-    """``KernelConfig.auto_barriers``: the WY kernels, the state pass, the reverse pass and the
+    """``HopperTuning.auto_barriers``: the WY kernels, the state pass, the reverse pass and the
     two-warpgroup gradient kernel compiled with Pallas' ``unsafe_no_auto_barriers`` and their own
     barriers (hopper.common.sync_own_barriers) lower for CUDA, and the option reaches exactly those kernels: the
     lowered modules of False that differ from True's are all four by default (the backward is the
@@ -620,11 +626,12 @@ def test_auto_barriers_lowers_for_cuda():
     default, None, differs from True in all of them but the reverse pass and from False in the
     reverse pass only. A non-bool is refused. Interpret mode has no barriers: the values are
     the same (test_scheduling_options_bit_equal)."""
-    assert KernelConfig().auto_barriers is None
+    assert KernelConfig().hopper.auto_barriers is None
     # (without the location references, which number the call stack's frames)
     kernels = lambda text: [re.sub(r" loc\(#loc\d+\)", "", line) for line in text.splitlines()
                             if "custom_call @mosaic_gpu" in line]
-    lower = lambda **kw: kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw)))
+    lower = lambda **kw: kernels(cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                                            hopper=HopperTuning(**kw))))
     for extra, n_own in (({}, 4), (dict(save_wy=False), 5), (dict(save_states=False), 6), (dict(grad_warpgroups=1), 3)):
         on, off, default = (lower(auto_barriers=ab, **extra) for ab in (True, False, None))
         assert len(on) == len(off) == len(default) >= 4 and on != off
@@ -637,14 +644,16 @@ def test_auto_barriers_lowers_for_cuda():
             assert sum(a != b for a, b in zip(default, off)) == 1  # the reverse pass
             assert sum(a != b for a, b in zip(default, on)) == n_own - 1
     # the persistent forward WY (its per-step TMA-store wait and barrier)
-    cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", auto_barriers=False, wy_chunks_per_cta=2))
+    cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(
+        auto_barriers=False, variants=HopperVariants(wy_chunks_per_cta=2))))
     with pytest.raises(TypeError, match="auto_barriers"):
-        KernelConfig(auto_barriers=0)
+        KernelConfig(hopper=HopperTuning(auto_barriers=0))
 
 
 @pytest.mark.parametrize("opt,form,packed", [
     (dict(auto_barriers=False), "wu", True),
-    (dict(wy_chunks_per_cta=2), "wu", True), (dict(wy_chunks_per_cta=3), "t", True),
+    (dict(variants=HopperVariants(wy_chunks_per_cta=2)), "wu", True),
+    (dict(variants=HopperVariants(wy_chunks_per_cta=3)), "t", True),
     (dict(late_o_store=True), "wu", False), (dict(late_o_store=True), "t", True)])
 def test_scheduling_options_bit_equal(opt, form, packed):
     """Options that move work, not arithmetic: ``wy_chunks_per_cta=m`` (the forward WY kernel
@@ -656,20 +665,20 @@ def test_scheduling_options_bit_equal(opt, form, packed):
     cu = jnp.asarray([0, 1, 100, 150], jnp.int32) if packed else None
     x = make_inputs(seed_of("hopper-scheduling", sorted(opt.items()), form, packed), 1, 150, 2, 128, 128, dtype=BF16,
                     init=True, N=3 if packed else None)
-    base = dataclasses.replace(MOSAIC, fwd_form=form, save_states=packed, wy_chunks_per_cta=None, late_o_store=False)
+    base = dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form=form, save_states=packed, late_o_store=False))
     ref = _run(x, base, cu_seqlens=cu)
-    got = _run(x, dataclasses.replace(base, **opt), cu_seqlens=cu)
+    got = _run(x, tuned(base, hopper=opt), cu_seqlens=cu)
     pairs = [(got[0], ref[0]), (got[1], ref[1])] + [(got[2][n], ref[2][n]) for n in ref[2]]
     assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs)
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, **opt))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(fwd_form=form, **opt)))
     assert text.count("custom_call @mosaic_gpu") >= 4
 
 
 def test_scheduling_options_checked():
     with pytest.raises(ValueError, match="wy_chunks_per_cta"):
-        KernelConfig(wy_chunks_per_cta=0)
+        KernelConfig(hopper=HopperTuning(variants=HopperVariants(wy_chunks_per_cta=0)))
     with pytest.raises(TypeError, match="late_o_store"):
-        KernelConfig(late_o_store=None)
+        KernelConfig(hopper=HopperTuning(late_o_store=None))
 
 
 def test_k256_block_and_reason():
@@ -680,7 +689,7 @@ def test_k256_block_and_reason():
     call = _call(**k256)
     assert _on_hopper(call) and call.bv_mosaic == hopper.plan.block_for(call) == 32
     assert hopper.plan.default_block(4, 256, "interpret") == 64
-    bad = _call(**k256, config=dataclasses.replace(MOSAIC, bv_state=64))
+    bad = _call(**k256, config=dataclasses.replace(MOSAIC, triton=TritonTuning(bv_state=64)))
     assert not _on_hopper(bad) and "bv_state=32 fits" in _fwd_reason(bad)
 
 
@@ -689,7 +698,7 @@ def test_k256_mixed_head_dims(K, V, form):
     """K != V with one of them 256 on the Hopper forward (the WY kernel's separate tiles, W and U
     formed in column blocks of 128): o and the final state against float64."""
     x = make_inputs(seed_of("hopper-k256-mixed", K, V, form), 1, 150, 1, K, V, gates="strong", dtype=BF16, init=True)
-    cfg = dataclasses.replace(MOSAIC, fwd_form=form)
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form=form))
     assert _mosaic_taken(x, cfg)
     o, S = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=jnp.asarray(x["S0"], F32),
                             output_final_state=True, backend="pallas", chunk_size=64, kernel_config=cfg)
@@ -700,13 +709,13 @@ def test_k256_mixed_head_dims(K, V, form):
 @pytest.mark.parametrize("nc,D,form,packed", [(1, 2, "wu", False), (1, 3, "wu", True), (1, 2, "t", True),
                                                (2, 2, "wu", True), (2, 2, "t", False)])
 def test_state_producer_kernel(nc, D, form, packed):
-    """The warp-specialised state pass (``KernelConfig.state_producer``: a producer warpgroup issues
+    """The warp-specialised state pass (``HopperTuning.state_producer``: a producer warpgroup issues
     each chunk's TMA copies into ``state_slots`` = D slots; ``state_warpgroups`` = nc compute
     warpgroups share a chunk's tiles) equals the one-warpgroup pass bit for bit: the forward (o,
     final state, and h, Vn with ``save_states``) and the backward's recompute (h, Vn), with and
     without ``cu_seqlens``, in both forward forms, with one and two compute warpgroups. Called
     kernel by kernel inside ``jax.jit`` (the op itself runs the one-warpgroup pass in interpret
-    mode, see ``KernelConfig.state_producer``; the interpreter needs the 4 CPU devices that
+    mode, see ``HopperTuning.state_producer``; the interpreter needs the 4 CPU devices that
     conftest sets to run three warpgroups); it lowers for CUDA inside the op."""
     from gdn_jax.ops.pallas import vjp as V
 
@@ -714,7 +723,7 @@ def test_state_producer_kernel(nc, D, form, packed):
     x = make_inputs(seed_of("hopper-producer", nc, D, form, packed), 1, 150, 2, 128, 128, dtype=BF16,
                     init=not packed, N=3 if packed else None)
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, cu_seqlens=cu,
-                            config=dataclasses.replace(MOSAIC, fwd_form=form))
+                            config=dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form=form)))
     cf, fargs = prep.kernel_args("fwd")
     A = dict(zip(("q", "k", "v", "beta", "gc", "gr", "eg", "ekd", "dec", "h0", "fl"), fargs))
     assert _on_hopper(cf) and not hopper.plan.producer(cf)  # interpret mode: the op runs the one-warpgroup pass
@@ -743,8 +752,9 @@ def test_state_producer_kernel(nc, D, form, packed):
         got, ref = run(cw, rec), run(base, rec)
         assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n], np.float32),
                                                            np.asarray(ref[n], np.float32)) for n in ref), (rec, got.keys())
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, state_producer=True,
-                                      state_warpgroups=nc, state_slots=D, save_states=packed))
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(
+        fwd_form=form, state_producer=True, save_states=packed,
+        variants=HopperVariants(state_warpgroups=nc, state_slots=D))))
     assert text.count("custom_call @mosaic_gpu") >= 4
 
 
@@ -754,27 +764,29 @@ def test_state_producer_checked():
     (single q / W tiles) the producer does not apply; three slots of two warpgroups fit only at
     value block 16, which the default block finds."""
     with pytest.raises(ValueError, match="state_slots"):
-        KernelConfig(state_producer=True, state_slots=5)
+        KernelConfig(hopper=HopperTuning(state_producer=True, variants=HopperVariants(state_slots=5)))
     with pytest.raises(TypeError, match="state_warpgroups"):
-        KernelConfig(state_producer=True, state_warpgroups=2.0)
+        KernelConfig(hopper=HopperTuning(state_producer=True, variants=HopperVariants(state_warpgroups=2.0)))
     with pytest.raises(ValueError, match="needs the state pass's producer"):
-        KernelConfig(state_producer=False, state_warpgroups=2)
+        KernelConfig(hopper=HopperTuning(state_producer=False, variants=HopperVariants(state_warpgroups=2)))
     with pytest.raises(TypeError, match="state_producer"):
-        KernelConfig(state_producer=1)
-    gpu = KernelConfig(platform="gpu", gpu_kernels="mosaic", state_producer=True)
+        KernelConfig(hopper=HopperTuning(state_producer=1))
+    gpu = KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(state_producer=True))
     call = _call(platform="gpu", config=gpu)
     assert _on_hopper(call) and hopper.plan.producer(call)
-    bad = _call(platform="gpu", V=64, V0=64, config=dataclasses.replace(gpu, state_warpgroups=2, bv_state=64))
+    bad = _call(platform="gpu", V=64, V0=64, config=tuned(gpu, hopper=dict(variants=HopperVariants(state_warpgroups=2)),
+                                                         triton=dict(bv_state=64)))
     assert not _on_hopper(bad) and "state_warpgroups=2" in _fwd_reason(bad)
     assert not hopper.plan.producer(_call(platform="gpu", K=256, V=256, K0=256, V0=256, config=gpu))
-    assert not hopper.plan.producer(_call(config=dataclasses.replace(MOSAIC, state_producer=True)))  # interpret
+    interp = dataclasses.replace(MOSAIC, hopper=HopperTuning(state_producer=True))
+    assert not hopper.plan.producer(_call(config=interp))  # interpret
     c = dataclasses.replace(call, state_wgs=2, state_slots=3, bv_mosaic=64)
     assert hopper.plan.block_for(c) == 16 and hopper.plan.smem_bytes(c, 32) > hopper.plan.SMEM_BYTES
     # two warpgroups at V = 64: the default block halves until two blocks tile V (gpu: 64 -> 32)
     two = _call(platform="gpu", BH=64, H=16, K=64, V=64, K0=64, V0=64,
-                config=dataclasses.replace(gpu, state_warpgroups=2))
+                config=tuned(gpu, hopper=dict(variants=HopperVariants(state_warpgroups=2))))
     assert _on_hopper(two) and two.bv_mosaic == 32, (two.bv_mosaic, _fwd_reason(two))
-    four = _call(platform="gpu", config=dataclasses.replace(gpu, state_slots=4))
+    four = _call(platform="gpu", config=tuned(gpu, hopper=dict(variants=HopperVariants(state_slots=4))))
     assert not _on_hopper(four) and "fewer fit" in _fwd_reason(four)
 
 
@@ -786,14 +798,15 @@ def test_state_two_warpgroups_lower_for_cuda(form):
     interpreted warpgroups blocking on each other's barriers hang on 2 cores). On the H200 it is bit-equal to the one-warpgroup pass at
     1x16384x16x128 (results/hopper_h200/stages_producer_89efcf0.txt) and passes check_gpu 10 of 10
     (check_gpu_producer_89efcf0.txt)."""
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form=form, state_warpgroups=2, save_states=False)
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(
+        fwd_form=form, save_states=False, variants=HopperVariants(state_warpgroups=2)))
     text = cuda_lowering(cfg)
     assert text.count("custom_call @mosaic_gpu") >= 5
 
 
 @pytest.mark.parametrize("save_states,group,packed", [(True, 1, False), (False, 2, True)])
 def test_fwd_form_transition(save_states, group, packed):
-    """``KernelConfig(fwd_form="transition")`` at K = V = 64 (gdn_jax.ops.pallas.hopper.transition):
+    """``HopperTuning(fwd_form="transition")`` at K = V = 64 (gdn_jax.ops.pallas.hopper.transition):
     the state chain as S' = e^{gamma_C} S + K~^T U + M S with M = -K~^T W, the outputs one step late,
     three TMA slots. Strong gates with an initial state and ``save_states``, then grouped value heads
     with ``cu_seqlens`` (an empty and a length-1 sequence). It takes effect (o differs from "wu"'s),
@@ -816,9 +829,9 @@ def test_fwd_form_transition_covers_and_lowers():
 
     x = make_inputs(1, 1, 128, 2, 128, 128, dtype=BF16)
     kern, why = forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
-                                kernel_config=dataclasses.replace(MOSAIC, fwd_form="transition"))[:2]
+                                kernel_config=dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form="transition")))[:2]
     assert "transition" in str(why), (kern, why)
-    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", fwd_form="transition")
+    cfg = KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(fwd_form="transition"))
     sds = [jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)] * 3
     sds += [jax.ShapeDtypeStruct((1, 256, 2), F32), jax.ShapeDtypeStruct((1, 256, 2), BF16)]
     fn = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, backend="pallas", chunk_size=64, kernel_config=cfg)[0]
@@ -835,7 +848,7 @@ def test_fwd_form_default_at_k128(H, form, want):
 
     x = jnp.zeros((1, 64, H, 128), jnp.bfloat16)
     gz = jnp.zeros((1, 64, H), jnp.float32)
-    cfg = dataclasses.replace(MOSAIC, fwd_form=form)
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(fwd_form=form))
     cf = to_kernel_inputs(x, x, x, gz, gz, chunk_size=64, config=cfg).calls[0]
     assert _on_hopper(cf) and cf.fwd_form == want
     assert t_form_default(cf) == (cf.BH * (cf.V // cf.bv_mosaic) >= T_FORM_MIN_CTAS)

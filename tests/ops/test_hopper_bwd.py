@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from conftest import (BF16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, cuda_lowering, make_inputs,
-                      seed_of)
+                      seed_of, tuned)
 from reference import reference, reference_grads
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule
+from gdn_jax.ops import HopperTuning, KernelConfig, Precision, TritonTuning, gated_delta_rule
 from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP, state_bwd as HR, state_fwd as HS, wy as HW
+from gdn_jax.ops.pallas.hopper.tuning import HopperVariants
 from gdn_jax.ops.pallas.grads import chunk_grads
 from gdn_jax.ops.pallas.state_bwd import reverse_states
 from gdn_jax.ops.pallas.state_fwd import forward_states
@@ -47,7 +48,7 @@ def test_stages_match_triton_stages(K, V, cu):
     x = make_inputs(seed_of("hopper-bwd", K, V, cu), 1, 200, 2, K, V, gates="strong", dtype=BF16, init=True, N=N)
     cu_j = None if cu is None else jnp.asarray(cu, jnp.int32)
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, initial_state=x["S0"],
-                            cu_seqlens=cu_j, config=dataclasses.replace(MOSAIC, save_t=True))
+                            cu_seqlens=cu_j, config=dataclasses.replace(MOSAIC, triton=TritonTuning(save_t=True)))
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags) = prep.kernel_args("bwd")
     assert prep.paths[1] == "hopper" and call.C == 64
     do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape), BF16)  # in the kernels' time layout
@@ -121,7 +122,8 @@ def test_reverse_pass_k256_matches_triton(K, V, cu):
 def test_reverse_pass_k256_lowers_for_cuda():
     """The K = 256 reverse pass (single q, k, W tiles, own dVl from Aqk) lowers for CUDA."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(
-        256, 256, None, KernelConfig(platform="gpu", gpu_kernels="mosaic", bwd_chunk=64, bv_state=32))
+        256, 256, None,
+        KernelConfig(platform="gpu", gpu_kernels="mosaic", bwd_chunk=64, triton=TritonTuning(bv_state=32)))
     assert call.C == 64 and HP.reverse_block(call, True) == 32
     n = call.n
     w = jax.ShapeDtypeStruct((call.BH, call.Tp, call.K), BF16)
@@ -135,11 +137,11 @@ def test_reverse_pass_k256_lowers_for_cuda():
 
 @pytest.mark.parametrize("K,V,cu,own", [(128, 128, None, False), (64, 128, (0, 70, 71, 200), True)])
 def test_reverse_producer_bit_equal(K, V, cu, own):
-    """``KernelConfig.reverse_producer`` (a producer warpgroup issues the reverse pass's copies into
+    """``HopperTuning.reverse_producer`` (a producer warpgroup issues the reverse pass's copies into
     two slots; the consumer releases a slot after its last wgmma) gives the one-warpgroup pass's dh,
     dVn, dh0 and d e^{gamma_C} bit for bit, with dVl given or formed from Aqk, with ``cu_seqlens``.
     Called kernel by kernel, jitted (interpret mode runs the one-warpgroup pass inside the op:
-    ``KernelConfig.state_producer``); it lowers for CUDA inside value_and_grad."""
+    ``HopperTuning.state_producer``); it lowers for CUDA inside value_and_grad."""
     call, (q, k, v, beta, gc, gr, eg, ekd, dec, h0, flags, do, dfin) = _reverse_inputs(K, V, cu)
     assert not call.rev_prod  # interpret mode: off inside the op
     wy = HW.wy_backward(call, q, k, v, do, beta, gc, eg)
@@ -150,11 +152,11 @@ def test_reverse_producer_bit_equal(K, V, cu, own):
                                                                          h, flags)
                 for c in (dataclasses.replace(call, rev_prod=True), call))
     assert set(got) == set(ref) and all(np.array_equal(np.asarray(got[n]), np.asarray(ref[n])) for n in ref)
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", reverse_producer=True,
-                                      save_states=own), D=K)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                      hopper=HopperTuning(reverse_producer=True, save_states=own)), D=K)
     assert text.count("custom_call @mosaic_gpu") >= 4
     with pytest.raises(TypeError, match="reverse_producer"):
-        KernelConfig(reverse_producer="yes")
+        KernelConfig(hopper=HopperTuning(reverse_producer="yes"))
 
 
 def test_backward_coverage():
@@ -190,11 +192,11 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, BF16) == 64
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 128, jnp.float16) == 32
     assert kernel_chunk(cfg, "gpu", "bwd", 64, 256, BF16) == 64  # wide_backward None: "hopper", at the forward's chunk
-    assert kernel_chunk(KernelConfig(wide_backward="triton"), "gpu", "bwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(hopper=HopperTuning(wide_backward="triton")), "gpu", "bwd", 64, 256, BF16) == 32
     # the Hopper forward takes K = 256 (either form) at chunk 64; Triton's forward cap stays 32
     assert kernel_chunk(cfg, "gpu", "fwd", 64, 256, BF16) == 64
-    assert kernel_chunk(KernelConfig(fwd_form="wu"), "gpu", "fwd", 64, 256, BF16) == 64
-    assert kernel_chunk(KernelConfig(mid_dtype="f32"), "gpu", "fwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(hopper=HopperTuning(fwd_form="wu")), "gpu", "fwd", 64, 256, BF16) == 64
+    assert kernel_chunk(KernelConfig(precision=Precision(mid_dtype="f32")), "gpu", "fwd", 64, 256, BF16) == 32
     assert kernel_chunk(KernelConfig(gpu_kernels="triton"), "gpu", "fwd", 64, 256, BF16) == 32
     assert kernel_chunk(KernelConfig(gpu_kernels="triton"), "gpu", "bwd", 64, 128, BF16) == 32
     monkeypatch.setattr(plat, "is_hopper", lambda: False)
@@ -203,7 +205,7 @@ def test_gpu_backward_chunk_on_hopper(monkeypatch):
 
 @pytest.mark.parametrize("K,V,cu", [(64, 64, None), (64, 128, (0, 70, 71, 200))])
 def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
-    """KernelConfig.save_wy (on by default): the backward from the forward's saved Aqk and T (no second WY with
+    """HopperTuning.save_wy (on by default): the backward from the forward's saved Aqk and T (no second WY with
     its inverse) gives the gradients of the recomputing backward: both use the same bf16 Aqk and
     T (hi, lo), so they agree to float32 rounding (rel_rms <= 1e-5); its residuals are there.
     (save_states off: with it, on by default, the backward has no WY stage at all -- see below.)"""
@@ -214,7 +216,7 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
     do = jnp.asarray(np.random.default_rng(2).standard_normal(x["v"].shape), F32)
 
     def grads(cfg):
-        cfg = dataclasses.replace(cfg, save_states=False)
+        cfg = tuned(cfg, hopper=dict(save_states=False))
 
         def loss(*a):
             o, S = gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, backend="pallas",
@@ -224,10 +226,10 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args, x["S0"])
 
     prep = to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, initial_state=x["S0"],
-                            config=dataclasses.replace(MOSAIC, save_wy=True))
+                            config=dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=True)))
     from gdn_jax.ops.pallas.vjp import saves_wy
 
-    recompute = dataclasses.replace(MOSAIC, save_wy=False)
+    recompute = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=False))
     assert saves_wy(prep.route) and not saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j,
                                                                    config=recompute).route)
     assert saves_wy(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
@@ -237,7 +239,7 @@ def test_save_wy_equals_recompute(K, V, cu, monkeypatch):
         raise AssertionError("save_wy: the backward must not recompute the WY representation")
 
     monkeypatch.setattr(HW, "wy_backward", no_second_wy)
-    for a, b in zip(grads(dataclasses.replace(MOSAIC, save_wy=True)), ref):
+    for a, b in zip(grads(dataclasses.replace(MOSAIC, hopper=HopperTuning(save_wy=True))), ref):
         assert _rel(a.astype(F32), b.astype(F32)) <= 1e-5
 
 
@@ -257,7 +259,7 @@ def _gva_case(tag, K, V, group, cu):
 
 @pytest.mark.parametrize("K,V,group,cu", [(128, 128, 1, None), (64, 128, 2, (0, 70, 71, 200))])
 def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
-    """KernelConfig.save_states (on by default): the forward's state pass also writes h_n and Vn, and the backward
+    """HopperTuning.save_states (on by default): the forward's state pass also writes h_n and Vn, and the backward
     takes them and the forward's W instead of its forward recompute (which must not run); with
     save_wy there is no backward WY stage at all (neither wy_backward nor wy_from_saved may run):
     the reverse pass forms dVl = Aqk^T dO from the saved Aqk. o is the recomputing path's bit for
@@ -278,23 +280,23 @@ def test_save_states_equals_recompute(K, V, group, cu, monkeypatch):
 
     from gdn_jax.ops.pallas.vjp import saves_states
 
-    keep = dataclasses.replace(MOSAIC, save_states=True)
+    keep = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_states=True))
     assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=keep).route)
     assert saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=MOSAIC).route)  # the default
-    recompute = dataclasses.replace(MOSAIC, save_states=False)
+    recompute = dataclasses.replace(MOSAIC, hopper=HopperTuning(save_states=False))
     assert not saves_states(to_kernel_inputs(*args, chunk_size=64, cu_seqlens=cu_j, config=recompute).route)
 
     def must_not_run(*a, **kw):
         raise AssertionError("save_states: the backward must not run this stage")
 
     for save_wy in (True, False):
-        o_ref, _, ref = run(dataclasses.replace(recompute, save_wy=save_wy))
+        o_ref, _, ref = run(tuned(recompute, hopper=dict(save_wy=save_wy)))
         with monkeypatch.context() as m:
             m.setattr(HS, "recompute_states", must_not_run)
             if save_wy:
                 m.setattr(HW, "wy_from_saved", must_not_run)
                 m.setattr(HW, "wy_backward", must_not_run)
-            o, S, got = run(dataclasses.replace(keep, save_wy=save_wy))
+            o, S, got = run(tuned(keep, hopper=dict(save_wy=save_wy)))
         assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
         for a, b in zip(got, ref):
             assert _rel(a.astype(F32), b.astype(F32)) <= (5e-3 if save_wy else 1e-5)
@@ -313,11 +315,11 @@ def test_save_states_ignored_off_hopper():
     from gdn_jax.ops.pallas.vjp import saves_states
 
     x = make_inputs(seed_of("hopper-save-states-triton"), 1, 64, 1, 64, 64, dtype=BF16)
-    cfg = KernelConfig(platform="interpret", gpu_kernels="triton", save_states=True)
+    cfg = KernelConfig(platform="interpret", gpu_kernels="triton", hopper=HopperTuning(save_states=True))
     assert not saves_states(to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
                                              config=cfg).route)
     with pytest.raises(TypeError, match="HopperTuning.save_states"):
-        KernelConfig(save_states="yes")
+        KernelConfig(hopper=HopperTuning(save_states="yes"))
 
 
 def test_save_states_lowers_for_cuda():
@@ -326,7 +328,7 @@ def test_save_states_lowers_for_cuda():
     CUDA to four Mosaic GPU kernels (fwd WY, fwd state pass, reverse pass, gradients) instead of
     six (save_states=False); without save_wy the backward keeps its WY: five."""
     def kernels(**kw):
-        text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", **kw))
+        text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(**kw)))
         return text.count("custom_call @mosaic_gpu")
 
     assert kernels() == 4 and kernels(save_states=True, save_wy=False) == 5 and kernels(save_states=False) == 6
@@ -335,7 +337,8 @@ def test_save_states_lowers_for_cuda():
 
 def test_save_wy_lowers_for_cuda():
     """With save_wy the backward's WY stage is :func:`wy_from_saved`: still six Mosaic GPU kernels."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", save_wy=True, save_states=False),
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                      hopper=HopperTuning(save_wy=True, save_states=False)),
                          grad="grad")
     assert text.count("mosaic_gpu") >= 6
 
@@ -368,7 +371,7 @@ def test_x64_mode(D, wide):
     (the gradient kernel's block indices) too."""
     x = make_inputs(seed_of("hopper-x64", D), 1, 70, 1, D, D, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    cfg = dataclasses.replace(MOSAIC, wide_backward=wide)
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(wide_backward=wide))
 
     def loss(*a):
         o, S = gated_delta_rule(*a, output_final_state=True, backend="pallas", kernel_config=cfg)
@@ -418,7 +421,7 @@ def test_undifferentiated_call_writes_no_residuals(monkeypatch):
 
 @pytest.mark.parametrize("K,V,group,cu,per_cta", [(64, 64, 1, None, 3), (64, 128, 2, (0, 70, 71, 200), 2)])
 def test_grad_chunks_per_cta_equals_one_chunk_per_cta(K, V, group, cu, per_cta):
-    """KernelConfig.grad_chunks_per_cta: the persistent gradient kernel (each CTA loops over
+    """HopperVariants.grad_chunks_per_cta: the persistent gradient kernel (each CTA loops over
     ``per_cta`` chunks of one head, loading the next chunk's tiles while this one computes) gives
     the one-chunk-per-CTA kernel's results bit for bit: the per-chunk arithmetic is the same. T = 200
     at chunk 64 is 4 chunks, so at 3 per CTA the second CTA has one (a loop that runs past the last
@@ -436,7 +439,7 @@ def test_grad_chunks_per_cta_equals_one_chunk_per_cta(K, V, group, cu, per_cta):
         return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args, jnp.asarray(x["S0"], F32))
 
     ref = grads(MOSAIC)
-    got = grads(dataclasses.replace(MOSAIC, grad_chunks_per_cta=per_cta))
+    got = grads(dataclasses.replace(MOSAIC, hopper=HopperTuning(variants=HopperVariants(grad_chunks_per_cta=per_cta))))
     for name, a, b in zip(GRAD_NAMES, got, ref):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
     rg = reference_grads(*args, initial_state=x["S0"], cu_seqlens=cu_j, do=x["do"], dS=x["dS"])
@@ -447,15 +450,16 @@ def test_grad_chunks_per_cta_lowers_for_cuda():
     """The persistent gradient kernel lowers for CUDA (one Mosaic GPU kernel, grid (B*H, ceil(n / m)),
     two warpgroups); the option needs the two-warpgroup kernel and a positive int."""
     # T = 448: 7 chunks, 3 per CTA leaves a CTA with one
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", grad_chunks_per_cta=3), T=448,
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic",
+                                      hopper=HopperTuning(variants=HopperVariants(grad_chunks_per_cta=3))), T=448,
                          grad="grad")
     assert text.count("custom_call @mosaic_gpu") == 4
     with pytest.raises(ValueError, match="grad_chunks_per_cta=2 needs the two-warpgroup"):
-        KernelConfig(grad_chunks_per_cta=2, grad_warpgroups=1)
+        KernelConfig(hopper=HopperTuning(grad_warpgroups=1, variants=HopperVariants(grad_chunks_per_cta=2)))
     with pytest.raises(ValueError, match="grad_chunks_per_cta"):
-        KernelConfig(grad_chunks_per_cta=0)
+        KernelConfig(hopper=HopperTuning(variants=HopperVariants(grad_chunks_per_cta=0)))
     with pytest.raises(TypeError, match="grad_chunks_per_cta"):
-        KernelConfig(grad_chunks_per_cta=2.0)
+        KernelConfig(hopper=HopperTuning(variants=HopperVariants(grad_chunks_per_cta=2.0)))
 
 
 def _cancelling_inputs(seed, T=128, H=2, D=64):
@@ -484,7 +488,7 @@ def test_grads_where_vn_cancels(wgs):
     -(T^T dVn) S^T (:func:`gdn_jax.ops.pallas.hopper.grads._dx`), the two-warpgroup kernel rounded dW
     to a single bf16 operand: dbeta 1.1-1.8e-1 on the same draws."""
     ins, S0, do, dS = _cancelling_inputs(seed_of("hopper-cancel", wgs), D=128)
-    cfg = dataclasses.replace(MOSAIC, grad_warpgroups=wgs)
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(grad_warpgroups=wgs))
 
     def loss(q, k, v, g, b, s):
         o, S = gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
@@ -502,7 +506,7 @@ def test_grads_where_vn_cancels(wgs):
                                                 ((0, 1, 64, 150), 1, "hopper", None), (None, 2, "hopper", None),
                                                 (None, 1, None, "wu")])
 def test_wide_backward(cu, group, wide, form):
-    """``KernelConfig(wide_backward="hopper_xla" | "hopper")`` at K = V = 256: the backward runs at the
+    """``HopperTuning(wide_backward="hopper_xla" | "hopper")`` at K = V = 256: the backward runs at the
     forward's chunk (64) on its saved residuals -- the Hopper reverse pass (interpret mode) and the
     local gradients as XLA matmuls (``grads_xla.chunk_grads_xla``) or from the Hopper gradient kernel
     on 128 x 128 key / value blocks, summed (``hopper.grads.chunk_grads_blocks``) -- and every gradient
@@ -524,7 +528,7 @@ def test_wide_backward(cu, group, wide, form):
                     init=True, N=N)
     if group > 1:  # one key head for both value heads
         x["q"], x["k"] = x["q"][:, :, :Hk], x["k"][:, :, :Hk]
-    cfg = dataclasses.replace(MOSAIC, wide_backward=wide, fwd_form=form)
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(wide_backward=wide, fwd_form=form))
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     prep = to_kernel_inputs(*args, chunk_size=64, config=cfg, cu_seqlens=cu)
     cf, cb = prep.calls
@@ -545,7 +549,8 @@ def test_wide_backward_dispatch(monkeypatch):
 
     x = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 256, 256, dtype=BF16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    prep = lambda **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(MOSAIC, **kw))
+    prep = lambda gpu_kernels="mosaic", **kw: to_kernel_inputs(*args, chunk_size=64, config=dataclasses.replace(
+        MOSAIC, gpu_kernels=gpu_kernels, hopper=HopperTuning(**kw)))
     cb = lambda **kw: prep(**kw).calls[1]
     path = lambda **kw: prep(**kw).paths[1]
     assert path(wide_backward="hopper_xla") == "hopper_xla"
@@ -562,15 +567,16 @@ def test_wide_backward_dispatch(monkeypatch):
         assert path(**kw) == "portable", kw
     x128 = make_inputs(seed_of("wide-bwd-cov"), 1, 70, 1, 128, 128, dtype=BF16)
     p128 = to_kernel_inputs(*(x128[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=64,
-                            config=dataclasses.replace(MOSAIC, wide_backward="hopper_xla")).paths[1]
+                            config=dataclasses.replace(MOSAIC, hopper=HopperTuning(wide_backward="hopper_xla"))).paths[1]
     assert p128 == "hopper"
     monkeypatch.setattr(plat, "is_hopper", lambda: True)
-    assert kernel_chunk(KernelConfig(wide_backward="hopper_xla"), "gpu", "bwd", 64, 256, BF16) == 64
-    assert kernel_chunk(KernelConfig(wide_backward="hopper_xla", save_states=False), "gpu", "bwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(hopper=HopperTuning(wide_backward="hopper_xla")), "gpu", "bwd", 64, 256, BF16) == 64
+    xla_recompute = KernelConfig(hopper=HopperTuning(wide_backward="hopper_xla", save_states=False))
+    assert kernel_chunk(xla_recompute, "gpu", "bwd", 64, 256, BF16) == 32
     assert kernel_chunk(KernelConfig(), "gpu", "bwd", 64, 256, BF16) == 64
-    assert kernel_chunk(KernelConfig(wide_backward="triton"), "gpu", "bwd", 64, 256, BF16) == 32
+    assert kernel_chunk(KernelConfig(hopper=HopperTuning(wide_backward="triton")), "gpu", "bwd", 64, 256, BF16) == 32
     with pytest.raises(ValueError, match="wide_backward"):
-        KernelConfig(wide_backward="xla")
+        KernelConfig(hopper=HopperTuning(wide_backward="xla"))
 
 
 @pytest.mark.parametrize("wide,n_kernels", [("hopper_xla", 3), ("hopper", 4), (None, 4)])
@@ -579,7 +585,8 @@ def test_wide_backward_lowers_for_cuda(wide, n_kernels):
     forward (WY T-form, state pass) and reverse pass -- three Mosaic GPU kernels -- and no Triton
     kernel; with "hopper" also the gradient kernel on 128 x 128 blocks (TMA boxes inside the whole
     q, k, v, h_n, dh_n, ... arrays)."""
-    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", wide_backward=wide), D=256)
+    text = cuda_lowering(KernelConfig(platform="gpu", gpu_kernels="mosaic", hopper=HopperTuning(wide_backward=wide)),
+                         D=256)
     assert text.count("custom_call @mosaic_gpu") == n_kernels and "triton" not in text
 
 
@@ -591,7 +598,7 @@ def test_wide_backward_hopper_asymmetric(K, V):
     from test_hopper import _check, _run
 
     x = make_inputs(seed_of("wide-asym", K, V), 1, 150, 2, K, V, gates="strong", dtype=BF16, init=True)
-    cfg = dataclasses.replace(MOSAIC, wide_backward="hopper")
+    cfg = dataclasses.replace(MOSAIC, hopper=HopperTuning(wide_backward="hopper"))
     prep = to_kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64, config=cfg)
     cb = prep.calls[1]
     assert prep.paths[1] == "hopper_blocks" and HP.block_call(cb).grad_blocks == (K // 128, V // 128)

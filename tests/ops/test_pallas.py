@@ -23,7 +23,7 @@ import pytest
 from conftest import BF16, F16, F32, GRAD_NAMES, TOL_GATE, TOL_GRAD, TOL_O, TOL_S, check_close, make_inputs, seed_of
 from reference import reference, reference_grads, rel_rms
 
-from gdn_jax.ops import KernelConfig, gated_delta_rule
+from gdn_jax.ops import HopperTuning, KernelConfig, Precision, TritonTuning, gated_delta_rule
 from gdn_jax.ops import pallas as P
 from gdn_jax.ops._common import GateForms
 from gdn_jax.ops.pallas import config as PC
@@ -157,7 +157,7 @@ def test_tpu_variant_interpret_streamed(fuse):
     chunk (5 chunks of 16), the scratch restarts per (bh, value block), the reverse pass walks the
     chunks backwards; fused and unfused forward, initial state, float64 reference."""
     x = make(_seed("tpu-stream", fuse), 2, 70, 2, 32, 32, init=True)
-    cfg = KernelConfig(platform="tpu_interpret", bv_state=16, fuse_output=fuse)
+    cfg = KernelConfig(platform="tpu_interpret", triton=TritonTuning(bv_state=16, fuse_output=fuse))
     check(run(x, chunk_size=16, kernel_config=cfg), ref(x))
 
 
@@ -166,13 +166,13 @@ def test_tpu_variant_interpret_streamed_packed_bf16():
     or spans chunks; an empty one keeps its initial state), two value blocks, bf16 inputs."""
     cu = [0, 5, 5, 40, 41, 77]
     x = make(_seed("tpu-stream-packed"), 1, 77, 2, 32, 32, init=True, N=5, dtype=BF16)
-    cfg = KernelConfig(platform="tpu_interpret", bv_state=16)
+    cfg = KernelConfig(platform="tpu_interpret", triton=TritonTuning(bv_state=16))
     check(run(x, chunk_size=16, cu_seqlens=cu, kernel_config=cfg), ref(x, cu_seqlens=cu))
 
 
 def _export(target, packed, K, V, C, dtype=BF16, group=1, **tune):
     """Lower forward and gradient for `target` ("tpu" / "cuda") with the kernels built for it
-    (``group`` value heads per key head)."""
+    (``group`` value heads per key head; ``tune``: fields of ``TritonTuning``)."""
     B, T, H = 1, 200, 2
     cu = jnp.asarray([0, 50, 120, 200], jnp.int32) if packed else None
     n0 = 3 if packed else B
@@ -180,7 +180,7 @@ def _export(target, packed, K, V, C, dtype=BF16, group=1, **tune):
         ((B, T, H, K), dtype), ((B, T, H, K), dtype), ((B, T, H * group, V), dtype), ((B, T, H * group), F32),
         ((B, T, H * group), dtype), ((n0, H * group, K, V), F32))]
 
-    config = KernelConfig(platform="tpu" if target == "tpu" else "gpu", **tune)
+    config = KernelConfig(platform="tpu" if target == "tpu" else "gpu", triton=TritonTuning(**tune))
 
     def fwd(q, k, v, g, b, s):
         return gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True, backend="pallas",
@@ -242,10 +242,10 @@ def test_packed_sequences():
 
 
 def test_packed_merged_state_passes():
-    """cu_seqlens with both backward state passes in one launch (KernelConfig.merge_state)."""
+    """cu_seqlens with both backward state passes in one launch (TritonTuning.merge_state)."""
     cu = [0, 30, 30, 41]
     x = make(11, 1, 41, 2, 16, 32, init=True, N=3)
-    got = run(x, chunk_size=16, cu_seqlens=cu, kernel_config=KernelConfig(merge_state=True, bv_state=16))
+    got = run(x, chunk_size=16, cu_seqlens=cu, kernel_config=KernelConfig(triton=TritonTuning(merge_state=True, bv_state=16)))
     check(got, ref(x, cu_seqlens=cu))
 
 
@@ -272,11 +272,11 @@ def test_bf16_near_beta_two_without_decay(mid):
     """The hardest bf16 case found: g = 0 and beta = 1.9 (eigenvalue -0.9 along k, no decay, so
     rounding in the state is not forgotten). Default bf16 intermediates / state dots: within the
     documented bf16 bound of 1e-2 for o and S and 1.2e-2 for gradients (measured at B4: o 6.4e-3,
-    S 7.2e-3, dk 8.3e-3; the chunk backend 1.7e-3 / 6e-7 / 2.1e-3). ``KernelConfig(mid_dtype="f32")``
+    S 7.2e-3, dk 8.3e-3; the chunk backend 1.7e-3 / 6e-7 / 2.1e-3). ``Precision(mid_dtype="f32")``
     meets the float32 tolerances of every other test."""
     x = make(_seed("beta19", mid), 2, 200, 2, 64, 64, gates="zero", dtype=BF16, init=True)
     x["beta"] = np.full_like(x["beta"], float(jnp.asarray(1.9, BF16)))
-    got = run(x, chunk_size=16, kernel_config=KernelConfig(mid_dtype=mid))
+    got = run(x, chunk_size=16, kernel_config=KernelConfig(precision=Precision(mid_dtype=mid)))
     errs = check(got, ref(x), tol_scale=1.0 if mid == "f32" else 2.0)
     if mid == "auto":
         assert max(errs["o"], errs["S"]) <= 1e-2 and max(errs[k] for k in ("dq", "dk", "dv")) <= 1.2e-2, errs
@@ -318,10 +318,10 @@ def test_initial_state_gradient():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False),
-    dict(u_dtype="f32", state_dot="f32", out_dot="f32", merge_state=True),
-    dict(bk_grad=16, bv_grad=32, save_t=True),
-    dict(bk_grad=32, save_t=False, num_stages=3),
+    dict(triton=TritonTuning(bv_state=16, bv_out=16, bv_grad=16, fuse_output=False, save_t=False)),
+    dict(precision=Precision(u_dtype="f32", state_dot="f32", out_dot="f32"), triton=TritonTuning(merge_state=True)),
+    dict(triton=TritonTuning(bk_grad=16, bv_grad=32, save_t=True)),
+    dict(triton=TritonTuning(bk_grad=32, save_t=False, num_stages=3)),
 ], ids=["small-blocks-unfused", "f32-U-and-state-dots-merged", "grad-k-blocks", "grad-k-blocks-no-t"])
 def test_kernel_config_variants(variant):
     """Kernel settings the benchmark may pick (blocking; all-bf16 intermediates) stay within tolerance."""
@@ -333,8 +333,8 @@ def test_kernel_config_variants(variant):
 @pytest.mark.parametrize("variant,dtype", [(dict(), F32), (dict(bk_grad=32, save_t=False), F32), (dict(), BF16)],
                          ids=["whole-k-f32", "k-blocks-f32", "whole-k-bf16-keeps-chain"])
 def test_grad_t_phase_direct_triton(variant, dtype):
-    """``KernelConfig(grad_t_phase="direct")`` (the default) against ``"chain"`` in the Triton
-    gradient kernels (interpret mode):
+    """``HopperTuning(grad_t_phase="direct")`` (the default) against ``"chain"`` in the Triton
+    gradient kernels (interpret mode; ``variant``: fields of ``TritonTuning``):
     dA = -strict((T^T dVn) Vn^T) accumulated over the value blocks (whole-K kernel, float32
     intermediates) or -strict(T^T (dVn Vn^T)) (K-split kernel), exact since (I + A)^T T^T = I. It
     takes effect (dk, dbeta or dg differ from the chain's; float32 inputs, since the forms'
@@ -344,9 +344,10 @@ def test_grad_t_phase_direct_triton(variant, dtype):
     direct form would read the bf16-stored Vn): the same outputs bit for bit."""
     x = make(seed_of("triton-grad-t-phase", str(variant), str(dtype)), 1, 75, 2, 64, 64, dtype=dtype, init=True,
              gates="strong")
-    base = KernelConfig(bv_grad=32, grad_t_phase="chain", **variant)
+    base = KernelConfig(triton=TritonTuning(bv_grad=32, **variant), hopper=HopperTuning(grad_t_phase="chain"))
     a = run(x, chunk_size=32, kernel_config=base)
-    b = run(x, chunk_size=32, kernel_config=KernelConfig(grad_t_phase="direct", bv_grad=32, **variant))
+    direct = KernelConfig(triton=TritonTuning(bv_grad=32, **variant), hopper=HopperTuning(grad_t_phase="direct"))
+    b = run(x, chunk_size=32, kernel_config=direct)
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0])) and np.array_equal(np.asarray(a[2]["v"]),
                                                                                     np.asarray(b[2]["v"]))
     changed = [not np.array_equal(np.asarray(a[2][n]), np.asarray(b[2][n])) for n in ("k", "beta", "g")]
@@ -400,7 +401,7 @@ def test_kernel_pieces_vs_vjp(K, bk):
     from gdn_jax.ops.pallas.wy import wy_repr
 
     BH, n, C, V = 2, 3, 16, 64 if K == 64 else 32
-    config = KernelConfig(platform="interpret", bv_state=16, bv_grad=16, bk_grad=bk)
+    config = KernelConfig(platform="interpret", triton=TritonTuning(bv_state=16, bv_grad=16, bk_grad=bk))
     call = PC.resolve(config, platform="interpret", C=C, n=n, BH=BH, H=2, K=K, V=V, K0=K, V0=V, scale=0.3,
                       in_dt=F32, packed=False, nseq=1)
     cfg = dataclasses.replace(call, layout="hm")  # head-major token arrays on the interpret path
@@ -487,14 +488,19 @@ def test_gpu_kernel_chunk_policy():
 
 
 @pytest.mark.parametrize("kw,err", [(dict(fwd_chunk=0), ValueError), (dict(fwd_chunk=48), ValueError),
-                                    (dict(fwd_chunk="64"), TypeError), (dict(warps_out=3), ValueError), (dict(mid_dtype="f16"), ValueError),
-                                    (dict(merge_state="yes"), TypeError), (dict(warps_grad=0), ValueError),
-                                    (dict(state_dot="bf16"), ValueError), (dict(platform="cuda"), ValueError),
-                                    (dict(bwd_chunk=24), ValueError)])
+                                    (dict(fwd_chunk="64"), TypeError), (dict(triton=dict(warps_out=3)), ValueError),
+                                    (dict(precision=dict(mid_dtype="f16")), ValueError),
+                                    (dict(triton=dict(merge_state="yes")), TypeError),
+                                    (dict(triton=dict(warps_grad=0)), ValueError),
+                                    (dict(precision=dict(state_dot="bf16")), ValueError),
+                                    (dict(platform="cuda"), ValueError), (dict(bwd_chunk=24), ValueError)])
 def test_bad_kernel_config_rejected_when_made(kw, err):
-    """Bad kernel settings fail when the KernelConfig is made, naming the field."""
-    with pytest.raises(err, match=rf"\.{next(iter(kw))} must"):
-        KernelConfig(**kw)
+    """Bad kernel settings fail when the KernelConfig, or its group (``triton`` / ``precision``: a dict
+    of the group's fields here), is made, naming the field."""
+    (name, val), = kw.items()
+    group = {"triton": TritonTuning, "precision": Precision}.get(name)
+    with pytest.raises(err, match=rf"\.{next(iter(val)) if group else name} must"):
+        KernelConfig(**{name: group(**val)}) if group else KernelConfig(**kw)
 
 
 def test_kernel_config_argument_checked():
@@ -505,7 +511,7 @@ def test_kernel_config_argument_checked():
     with pytest.raises(TypeError, match="kernel_config must be a gdn_jax.ops.KernelConfig"):
         gated_delta_rule(q, k, v, g, b, backend="pallas", kernel_config=dict(bv_state=16))
     with pytest.raises(ValueError, match="bv_state=48 must divide the head dim 64"):
-        gated_delta_rule(q, k, v, g, b, backend="pallas", kernel_config=KernelConfig(bv_state=48))
+        gated_delta_rule(q, k, v, g, b, backend="pallas", kernel_config=KernelConfig(triton=TritonTuning(bv_state=48)))
 
 
 def test_two_configs_two_compilations():
@@ -521,9 +527,10 @@ def test_two_configs_two_compilations():
                                 chunk_size=32, kernel_config=kernel_config)
 
     jf = jax.jit(f, static_argnames="kernel_config")
-    c1, c2 = KernelConfig(fuse_output=False, bv_out=16), KernelConfig(fwd_chunk=16, bv_state=16)
+    c1 = KernelConfig(triton=TritonTuning(fuse_output=False, bv_out=16))
+    c2 = KernelConfig(fwd_chunk=16, triton=TritonTuning(bv_state=16))
     want = ref(x, grads=False)
-    for c in (c1, c2, c1, KernelConfig(fuse_output=False, bv_out=16)):
+    for c in (c1, c2, c1, KernelConfig(triton=TritonTuning(fuse_output=False, bv_out=16))):
         o, S = jf(q, k, v, g, b, S0, kernel_config=c)
         check((o, S, {}), want)
     assert traces == [c1, c2]  # equal configs hit the cache, different ones compile anew
@@ -536,7 +543,7 @@ def test_merge_state_policy():
     """Both backward state passes share one launch on GPU only when they would have <= 128
     programs (fewer than an H200's 132 SMs); explicit settings win; never on TPU."""
     def mk(p, BH, V, K=128, **t):
-        return PC.resolve(KernelConfig(**t), platform=p, C=32, n=8, BH=BH, H=16, K=K, V=V, K0=K, V0=V, scale=1.0,
+        return PC.resolve(KernelConfig(triton=TritonTuning(**t)), platform=p, C=32, n=8, BH=BH, H=16, K=K, V=V, K0=K, V0=V, scale=1.0,
                           in_dt=BF16, packed=False, nseq=1)
 
     assert mk("gpu", 16, 128).merge_state  # B1 H16 D128: bv 16 -> 128 programs
@@ -603,9 +610,9 @@ def test_block_messages_name_the_value_given():
     x = jnp.zeros((1, 64, 2, 64), BF16)
     g, b = jnp.zeros((1, 64, 2)), jnp.ones((1, 64, 2))
     for fn in (P.forward_kernels, P.backward_kernels):
-        cfg = KernelConfig(platform="interpret", gpu_kernels="mosaic", bv_state=256)
+        cfg = KernelConfig(platform="interpret", gpu_kernels="mosaic", triton=TritonTuning(bv_state=256))
         assert fn(x, x, x, g, b, kernel_config=cfg)[:2] == ("interpret", "value block 256 with V=64 "
                                                          "(needs 16, 32 or 64 dividing V)")
     v48 = jnp.zeros((1, 64, 2, 48), BF16)
     with pytest.raises(ValueError, match=r"bv_grad=24 must divide the head dim 64 \(V=48 zero-padded"):
-        P.forward_kernels(x, x, v48, g, b, kernel_config=KernelConfig(platform="interpret", bv_grad=24))
+        P.forward_kernels(x, x, v48, g, b, kernel_config=KernelConfig(platform="interpret", triton=TritonTuning(bv_grad=24)))
