@@ -270,7 +270,7 @@ def test_forward_kernels_reports_the_path():
     assert name == "interpret" and "chunk 32" in why
     # the path table's report: every other entry and why it does not run, in the table's order
     assert rep.path == "fused" and [n for n, _ in rep.not_taken] == ["hopper_t", "hopper_transition", "hopper_wu",
-                                                                     "unfused"]
+                                                                     "gatefree", "unfused"]
     assert "chunk 32" in dict(rep.not_taken)["hopper_wu"] and "comes first" in dict(rep.not_taken)["unfused"]
     y = [a.astype(F16) for a in args]
     assert "float16" in forward_kernels(*y, kernel_config=MOSAIC)[1]
