@@ -28,12 +28,24 @@ from .layout import hm_spec, run, sds, token_shape, token_spec
 F32 = _t.F32
 
 
-def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, e_gam_last_ref, h0_ref,
+def forward_state_loop(call: KernelCall, *, k_ref, e_gam_end_ref, e_gam_last_ref, h0_ref, w_ref=None, u_ref=None,
                        flags_ref=None, final_ref=None, vn_ref=None, h_ref=None, q_ref=None, e_gam_ref=None,
-                       aqk_ref=None, o_ref=None):
+                       aqk_ref=None, o_ref=None, t0_ref=None, v_ref=None, beta_ref=None, gam_ref=None,
+                       gam_row_ref=None):
     """The loop of the forward state pass. Writes, where given: ``h_ref`` (the state entering each
     chunk), ``vn_ref`` (Vn), ``o_ref`` (O; needs ``q_ref``, ``e_gam_ref``, ``aqk_ref``) and
-    ``final_ref`` (the final state of each sequence)."""
+    ``final_ref`` (the final state of each sequence).
+
+    Vn of each chunk, with S the state entering it: ``U - W S`` from ``w_ref``, ``u_ref`` (the WY
+    form), or with ``t0_ref`` (the gate-free form, path ``gatefree``: also ``v_ref``, ``beta_ref``,
+    ``gam_ref``, ``gam_row_ref``; T0 the chunk's gate-free inverse, D_ij = e^{gamma_i - gamma_j},
+    i >= j)::
+
+        Vn = (T0 * D) (beta * (V - e^gamma * (K S)))       (= U - W S of the WY form)
+
+    K S, the T0 * D product and the update then sit on the S -> S' dependency chain (one C x C x bv
+    dot more than W S; no W, U round trip through HBM); the T0 * D product is a float32 dot whatever
+    the intermediates' dtype (the WY kernel's T products are float32 too)."""
     C = call.C
 
     def body(i, S):
@@ -45,14 +57,25 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
             h_ref[i] = S.astype(h_ref.dtype)
         rows = pl.ds(t0, C)
         sdt = call.state_dt
-        vn = _t.load_f32(u_ref, rows, slice(None)) - _t.mm(call, w_ref[rows, :], S, dt=sdt)
+        k = None
+        if t0_ref is None:
+            vn = _t.load_f32(u_ref, rows, slice(None)) - _t.mm(call, w_ref[rows, :], S, dt=sdt)
+        else:
+            k = _t.load_f32(k_ref, rows, slice(None))
+            ks = _t.mm(call, k, S, dt=sdt)
+            x = beta_ref[rows, :] * (_t.load_f32(v_ref, rows, slice(None)) - e_gam_ref[rows, :] * ks)
+            tm = t0_ref[i] * _t.decay_matrix(gam_ref[rows, :], gam_row_ref[i], incl=True)
+            # a float32 dot, as the WY kernel forms U = T (beta V) and W: with bf16 operands the rounding
+            # of each of the C entries of x adds up in Vn (measured: o 4-8 % and the final state up to
+            # 22 % further from float64 than the WY form's, bf16 inputs at K = V = 64 and 128)
+            vn = _t.mm(call, tm, x, dt=F32)
         if vn_ref is not None:
             vn_ref[rows, :] = vn.astype(vn_ref.dtype)
         if o_ref is not None:
             qg = _t.load_f32(q_ref, rows, slice(None)) * (e_gam_ref[rows, :] * call.scale)
             o = _t.mm(call, qg, S, dt=call.out_dt) + _t.mm(call, aqk_ref[i], vn, dt=call.out_dt)
             o_ref[rows, :] = o.astype(o_ref.dtype)
-        kd = _t.load_f32(k_ref, rows, slice(None)) * e_gam_end_ref[rows, :]
+        kd = (_t.load_f32(k_ref, rows, slice(None)) if k is None else k) * e_gam_end_ref[rows, :]
         S = e_gam_last_ref[i] * S + _t.mm(call, kd, vn, ta=True, dt=sdt)
         if call.packed and final_ref is not None:
 
@@ -65,53 +88,6 @@ def forward_state_loop(call: KernelCall, *, w_ref, u_ref, k_ref, e_gam_end_ref, 
     S0 = jnp.zeros(h0_ref.shape[1:], F32) if call.packed else _t.load_f32(h0_ref, 0)
     S = lax.fori_loop(0, call.n, body, S0)
     if not call.packed and final_ref is not None:
-        final_ref[0] = S.astype(final_ref.dtype)
-
-
-def gatefree_state_loop(call: KernelCall, *, k_ref, v_ref, beta_ref, gam_ref, gam_row_ref, e_gam_end_ref,
-                        e_gam_last_ref, h0_ref, q_ref, e_gam_ref, t0_ref, aqk_ref, o_ref, final_ref, flags_ref=None):
-    """The loop of the gate-free forward state pass (path ``gatefree``): per chunk, with S the
-    state entering it, T0 the chunk's gate-free inverse and D_ij = e^{gamma_i - gamma_j} (i >= j)::
-
-        Vn = (T0 * D) (beta * (V - e^gamma * (K S)))       (= U - W S of the WY form)
-        O  = (Q * e^gamma) S + Aqk Vn
-        S <- e^{gamma_C} S + (K * e^{gamma_C - gamma})^T Vn
-
-    K S, the T0 * D product and the update sit on the S -> S' dependency chain (one C x C x bv
-    dot more than the WY form's W S; no W, U round trip through HBM). The T0 * D product is a
-    float32 dot whatever the intermediates' dtype (the WY kernel's T products are float32 too)."""
-    C = call.C
-
-    def body(i, S):
-        t0 = pl.multiple_of(i * C, C)
-        if call.packed:
-            sid, first, last = _t.chunk_flags(flags_ref, i)
-            S = lax.cond(first, lambda: _t.load_f32(h0_ref, sid), lambda: S)
-        rows = pl.ds(t0, C)
-        sdt = call.state_dt
-        k = _t.load_f32(k_ref, rows, slice(None))
-        ks = _t.mm(call, k, S, dt=sdt)
-        x = beta_ref[rows, :] * (_t.load_f32(v_ref, rows, slice(None)) - e_gam_ref[rows, :] * ks)
-        tm = t0_ref[i] * _t.decay_matrix(gam_ref[rows, :], gam_row_ref[i], incl=True)
-        # a float32 dot, as the WY kernel forms U = T (beta V) and W: with bf16 operands the rounding
-        # of each of the C entries of x adds up in Vn (measured: o 4-8 % and the final state up to
-        # 22 % further from float64 than the WY form's, bf16 inputs at K = V = 64 and 128)
-        vn = _t.mm(call, tm, x, dt=F32)
-        qg = _t.load_f32(q_ref, rows, slice(None)) * (e_gam_ref[rows, :] * call.scale)
-        o = _t.mm(call, qg, S, dt=call.out_dt) + _t.mm(call, aqk_ref[i], vn, dt=call.out_dt)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
-        S = e_gam_last_ref[i] * S + _t.mm(call, k * e_gam_end_ref[rows, :], vn, ta=True, dt=sdt)
-        if call.packed:
-
-            @pl.when(last)
-            def _():
-                final_ref[sid] = S.astype(final_ref.dtype)
-
-        return S
-
-    S0 = jnp.zeros(h0_ref.shape[1:], F32) if call.packed else _t.load_f32(h0_ref, 0)
-    S = lax.fori_loop(0, call.n, body, S0)
-    if not call.packed:
         final_ref[0] = S.astype(final_ref.dtype)
 
 
@@ -200,7 +176,7 @@ def output(call: KernelCall, q, k, gam, gam_row, e_gam, h, vn):
 
 def forward_states_and_output_gatefree(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last,
                                        h0, flags, t0, aqk):
-    """The gate-free forward state pass (path ``gatefree``, :func:`gatefree_state_loop`): reads v,
+    """The gate-free forward state pass (path ``gatefree``, :func:`forward_state_loop` with ``t0_ref``): reads v,
     beta and the chunks' T0 and Aqk (:func:`.inverse_gatefree.t0_and_aqk`) instead of W and U.
     Returns ``o`` (token layout, input dtype) and ``final`` [BH | H, nseq, K, V] f32. GPU /
     interpret layout only."""
@@ -215,5 +191,5 @@ def forward_states_and_output_gatefree(call: KernelCall, q, k, v, beta, gam, gam
                   flags=flags_input(call, flags))
     outputs = dict(o=(token_shape(call, V, call.in_dt), token_spec(call, call.Tp, bv, lambda b, j: (b, 0, j))),
                    final=(sds(h0.shape, F32), sp["state"]))
-    return run(call, functools.partial(gatefree_state_loop, call), name="gdn_fwd_h_o_gatefree", grid=(BH, V // bv),
+    return run(call, functools.partial(forward_state_loop, call), name="gdn_fwd_h_o_gatefree", grid=(BH, V // bv),
                inputs=inputs, outputs=outputs, warps=call.warps_state)
