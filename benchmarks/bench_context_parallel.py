@@ -4,6 +4,13 @@ single map, the float32 composition, then the ordinary pass) against the plain o
 shapes of ``benchmarks/bench_pallas.py``, forward and forward+backward, bf16, the default
 backend ("auto": pallas on a GPU). Also times ``state_map`` alone (the extra pass).
 
+Both sides return the final state and the loss of forward+backward reads it (sum(o w) + sum(S w_S)):
+on one device the state entering the shard is the given one, so without the final state XLA would
+drop the map pass as dead code and the "overhead" would leave out the very pass a shard past the
+first pays for. The shard_map runs with ``shard_gated_delta_rule``'s default ``check_vma`` (on
+where the kernels compile: a GPU run also checks that the compiled kernels type-check under it);
+``max_abs_diff_o`` / ``rel_rms_state`` / ``rel_rms_grads`` compare the context path with the plain op.
+
 Timing: "pipelined" as bench_pallas.py (20 calls back to back, one sync; median of 5 rounds), ms.
 
 Usage:  python benchmarks/bench_context_parallel.py [--shapes 0,2] [--out results/context_parallel_gpu]
@@ -57,6 +64,11 @@ def inputs(B, T, H, D, dtype, seed=0):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + tuple(jnp.asarray(x, jnp.float32) for x in (g, beta))
 
 
+def rel(x, ref):
+    x, ref = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, ref))
+    return float(np.sqrt(np.mean((x - ref) ** 2) / max(np.mean(ref ** 2), 1e-30)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="", help="indices into the five shapes, e.g. 0,2 (default all)")
@@ -74,14 +86,19 @@ def main(argv=None):
     for B, T, H, D in shapes:
         x = inputs(B, T, H, D, dtype)
         w = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, D)), dtype)
-        plain = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, **kw)[0]
-        cp = lambda q, k, v, g, b: shard_gated_delta_rule(q, k, v, g, b, mesh=mesh, axis="seq", **kw)[0]
+        ws = jnp.asarray(np.random.default_rng(2).standard_normal((B, H, D, D)), jnp.float32)
+        plain = lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, output_final_state=True, **kw)
+        cp = lambda q, k, v, g, b: shard_gated_delta_rule(q, k, v, g, b, mesh=mesh, axis="seq",
+                                                          output_final_state=True, **kw)
         maps = lambda q, k, v, g, b: state_map(k, v, g, b, **kw)
-        grad = lambda f: jax.jit(jax.value_and_grad(lambda *z: jnp.sum((f(*z) * w).astype(jnp.float32)),
-                                                    argnums=(0, 1, 2, 3, 4)))
+        loss = lambda o, S: jnp.sum((o * w).astype(jnp.float32)) + jnp.sum(S.astype(jnp.float32) * ws)
+        grad = lambda f: jax.jit(jax.value_and_grad(lambda *z: loss(*f(*z)), argnums=(0, 1, 2, 3, 4)))
         row = dict(shape=[B, T, H, D], device=dev.device_kind, dtype=str(jnp.dtype(dtype)), backend=a.backend)
-        o0, o1 = jax.jit(plain)(*x), jax.jit(cp)(*x)
+        (o0, s0), (o1, s1) = jax.jit(plain)(*x), jax.jit(cp)(*x)
         row["max_abs_diff_o"] = float(jnp.max(jnp.abs(o0.astype(jnp.float32) - o1.astype(jnp.float32))))
+        row["rel_rms_state"] = rel(s1, s0)
+        g0, g1 = grad(plain)(*x)[1], grad(cp)(*x)[1]
+        row["rel_rms_grads"] = max(rel(b, a) for a, b in zip(g0, g1))
         for name, f in (("plain", plain), ("cp", cp), ("state_map", maps)):
             row[name + "_fwd_ms"] = pipelined_ms(jax.jit(f), x, reps, rounds)
             if name != "state_map":
@@ -90,12 +107,14 @@ def main(argv=None):
         row["overhead_fwdbwd"] = row["cp_fwdbwd_ms"] / row["plain_fwdbwd_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| B,T,H,D | plain fwd / fwd+bwd ms | context path (1 device) | state_map fwd | overhead fwd / fwd+bwd |")
-    print("|---|---|---|---|---|")
+    print("\n| B,T,H,D | plain fwd / fwd+bwd ms | context path (1 device) | state_map fwd | overhead fwd / fwd+bwd "
+          "| o max diff / S, grads rel. rms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {','.join(map(str, r['shape']))} | {r['plain_fwd_ms']:.3f} / {r['plain_fwdbwd_ms']:.3f} | "
               f"{r['cp_fwd_ms']:.3f} / {r['cp_fwdbwd_ms']:.3f} | {r['state_map_fwd_ms']:.3f} | "
-              f"{r['overhead_fwd']:.2f}x / {r['overhead_fwdbwd']:.2f}x |")
+              f"{r['overhead_fwd']:.2f}x / {r['overhead_fwdbwd']:.2f}x | {r['max_abs_diff_o']:.1e} / "
+              f"{r['rel_rms_state']:.1e}, {r['rel_rms_grads']:.1e} |")
     os.makedirs(a.out, exist_ok=True)
     name = "overhead_" + ("cpu_tiny" if a.tiny else dev.device_kind.replace(" ", "_")) + ".json"
     with open(os.path.join(a.out, name), "w") as f:

@@ -229,6 +229,7 @@ def shard_gated_delta_rule(
     batch_axis=None,
     initial_state: Optional[jax.Array] = None,
     cu_seqlens: Optional[jax.Array] = None,
+    check_vma: Optional[bool] = None,
     **kwargs,
 ) -> Tuple[jax.Array, Optional[jax.Array]]:
     """:func:`gated_delta_rule` on GLOBAL ``[B, T, ...]`` arrays with T split over ``mesh``'s ``axis``.
@@ -236,11 +237,12 @@ def shard_gated_delta_rule(
     A ``jax.shard_map`` around :func:`context_parallel_gated_delta_rule`: T must be a multiple of
     the axis size; ``batch_axis`` (optional) splits B over another mesh axis (data parallelism).
     Other keywords as :func:`gated_delta_rule` (``output_final_state``, ``scale``, ``backend``...).
-    With ``backend`` "pallas" or "auto" the ``shard_map`` runs with ``check_vma=False``. A
-    ``shard_map`` of your own around :func:`context_parallel_gated_delta_rule` needs it where the
-    Pallas kernels run in JAX's interpreter (the CPU: else ``ValueError`` naming it); the compiled
-    kernels' outputs (Triton, Mosaic TPU, Hopper) carry the varying mesh axes and type-check under
-    ``check_vma=True`` (docs/context_parallel.md).
+    ``check_vma``: the ``shard_map``'s; None (default) turns it on except where the Pallas kernels
+    run in JAX's interpreter (``backend="pallas"`` on the CPU, or a ``kernel_config`` whose platform
+    is an interpreter), which cannot run under it. A ``shard_map`` of your own around
+    :func:`context_parallel_gated_delta_rule` needs ``check_vma=False`` there too (else
+    ``ValueError`` naming it); the compiled kernels' outputs (Triton, Hopper, Mosaic TPU) carry the
+    varying mesh axes and type-check under ``check_vma=True`` (docs/context_parallel.md).
 
     Returns:
       ``(o, final_state)`` as :func:`gated_delta_rule` (o sharded like v, the state over
@@ -264,7 +266,20 @@ def shard_gated_delta_rule(
                                                  **kwargs)
 
     out_fin = st if kwargs.get("output_final_state", False) else None
-    # check_vma off where the Pallas kernels may run: JAX's interpreter (CPU) cannot run them under the
-    # check; the compiled kernels' outputs are typed for it, but have not run under it on a GPU yet
-    check = kwargs.get("backend", "auto") in ("scan", "chunk")
+    check = not _kernels_interpreted(kwargs) if check_vma is None else check_vma
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, out_fin), check_vma=check)(*args)
+
+
+def _kernels_interpreted(kwargs) -> bool:
+    """Whether a call with these keywords runs the Pallas kernels in JAX's interpreter, which cannot
+    run inside ``shard_map(check_vma=True)``: ``backend="pallas"`` (or ``"auto"``, which takes the
+    kernels only on a GPU or TPU) where the kernel platform (``kernel_config.platform``, else the
+    default device's) is an interpreter."""
+    from .pallas.platform import default_platform, interpreted
+
+    backend = kwargs.get("backend", "auto")
+    if backend in ("scan", "chunk") or (backend == "auto" and interpreted(default_platform())):
+        return False
+    config = kwargs.get("kernel_config")
+    platform = getattr(config, "platform", None) or default_platform()
+    return interpreted(platform)
