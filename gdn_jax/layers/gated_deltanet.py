@@ -18,10 +18,9 @@ from ..ops.context_parallel import context_parallel_gated_delta_rule
 from . import _checks
 from .recurrent import GDNCache, RecurrentMixer
 
-# Whether decode_backend="auto" takes the fused layer kernel on a one-device GPU process. Off until
-# the kernel has run on a GPU against the per-op path (it is checked on CPU in interpret mode, and its
-# Triton and TPU lowerings are tested); "fused_layer" asks for it explicitly meanwhile.
-AUTO_FUSED_LAYER = False
+# Whether decode_backend="auto" takes the fused layer kernel on a one-device GPU process (on since its
+# GPU check against the per-op path: results/decode_h100/NOTE.md); False keeps the per-op decode.
+AUTO_FUSED_LAYER = True
 
 DECAY_KINDS = ("mamba2", "sigmoid", "none")
 
@@ -348,8 +347,7 @@ class GatedDeltaNet(RecurrentMixer):
         """Whether :meth:`decode` runs the fused layer kernel: ``decode_backend="fused_layer"``, or
         ``"auto"`` on a one-device GPU process for a layer the kernel takes (the kernel is not
         partitioned over devices; with several, ``"auto"`` keeps the per-op path whose step kernel is)
-        once :data:`AUTO_FUSED_LAYER` is on: it stays off until the kernel's GPU check (prefill +
-        decode against the per-op path on the device) is committed (docs/inference.md)."""
+        while :data:`AUTO_FUSED_LAYER` is on (docs/inference.md)."""
         if self.decode_backend == "fused_layer":
             return True
         if not AUTO_FUSED_LAYER or self.decode_backend != "auto" or self.fused_decode_reason() is not None:

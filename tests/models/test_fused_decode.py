@@ -111,10 +111,11 @@ def test_auto_picks_the_fused_layer_on_a_gpu_and_declines_by_name(monkeypatch):
     monkeypatch.setattr(plat, "default_platform", lambda: "gpu")
     monkeypatch.setattr(jax, "device_count", lambda *a: 4)  # several devices: the per-op path (partitioned)
     assert not layer.uses_fused_decode()
-    monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # a one-GPU process: the fused layer, once on
-    assert not layer.uses_fused_decode()  # gated_deltanet.AUTO_FUSED_LAYER off until the GPU check
-    monkeypatch.setattr(gdn_mod, "AUTO_FUSED_LAYER", True)
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # a one-GPU process: the fused layer
     assert layer.uses_fused_decode() and layer.decode_view()["w_in"].shape == (32, 4 * 32 + 2 * 2)
+    monkeypatch.setattr(gdn_mod, "AUTO_FUSED_LAYER", False)  # the switch back to the per-op decode
+    assert not layer.uses_fused_decode() and layer.decode_view() is None
+    monkeypatch.setattr(gdn_mod, "AUTO_FUSED_LAYER", True)
     assert not kda.uses_fused_decode() and "Kimi Delta Attention" in kda.fused_decode_reason()
     assert not noconv.uses_fused_decode() and "use_short_conv=False" in noconv.fused_decode_reason()
     with pytest.raises(ValueError, match="Kimi Delta Attention"):
