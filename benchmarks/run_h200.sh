@@ -21,8 +21,10 @@
 #              (STAGES_ARGS replaces its flags, e.g. "--shapes 0 --only kernel,WG,pallas,jla";
 #              STAGES_ONLY adds --only with spaces kept, e.g. "fwd WY approx,late o,pallas")
 #   ab         bench_hopper_stages.py (STAGES_ARGS) once per source tree in AB_TREES (default ". .base/old":
-#              the working tree and a copy of another commit's gdn_jax/, e.g. `mkdir -p .base/old &&
-#              git archive HEAD~1 gdn_jax | tar x -C .base/old`, carried in .base), each tree's gdn_jax
+#              the working tree and a copy of another commit's gdn_jax/ and benchmarks/, e.g. `rm -rf
+#              .base/old && mkdir -p .base/old && git archive HEAD~1 gdn_jax benchmarks | tar x -C
+#              .base/old` (rm first: a stale copy's extra files shadow the commit's), carried in
+#              .base; a tree's own benchmarks/ run when it has them), each tree's gdn_jax
 #              first on the path, with ptxas' register / spill lines of its kernels (A/B of a kernel
 #              change in one call; LIMIT_AB bounds each tree's run). AB_BENCH runs another benchmark
 #              per tree instead, e.g. AB_BENCH="bench_train_step.py --mixers mamba2 gla --d_models 64"
@@ -214,8 +216,10 @@ for s in $STEPS; do
     ab) for tree in ${AB_TREES:-. .base/old}; do
           echo "=== tree $tree" | tee -a "$OUT/ab.txt"
           # the benchmarks put their checkout's root first on sys.path: each tree runs from a copy
-          # of this checkout's benchmarks/ beside that tree's gdn_jax/
-          rm -rf /tmp/ab_tree && mkdir -p /tmp/ab_tree && cp -r benchmarks "$tree/gdn_jax" /tmp/ab_tree/
+          # of its own benchmarks/ when it has one (an older tree's may not import this one's: e.g.
+          # bench_pallas' FLAT_NAMES), else of this checkout's, beside that tree's gdn_jax/
+          rm -rf /tmp/ab_tree && mkdir -p /tmp/ab_tree && cp -r "$tree/gdn_jax" /tmp/ab_tree/
+          if [ -d "$tree/benchmarks" ]; then cp -r "$tree/benchmarks" /tmp/ab_tree/; else cp -r benchmarks /tmp/ab_tree/; fi
           if [ -n "${AB_BENCH:-}" ]; then  # another benchmark than the Hopper stages, e.g. the train step
             (cd /tmp/ab_tree && timeout "${LIMIT_AB:-200}" python benchmarks/$AB_BENCH 2>&1 | grep -v -i warning) \
               | tee -a "$OUT/ab.txt" | tail -12; continue
