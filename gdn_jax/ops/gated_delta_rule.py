@@ -1,4 +1,6 @@
-"""The public operator: ``gated_delta_rule`` and its backend dispatch."""
+"""The public operator: ``gated_delta_rule`` and its backend dispatch; and :func:`final_state`, the op's
+final state alone (internal: the state-map passes of :mod:`gdn_jax.ops.state_maps` and
+:mod:`gdn_jax.ops.seq_split`)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -11,7 +13,7 @@ from . import chunk as _chunk
 from . import scan as _scan
 from ._warnings import warn_head_first, warn_pallas_interpreter
 from ._common import (acc_dtype, check_flags, check_inputs, chunk_for, clamp_log_decay, finish_outputs,
-                      nonfinite_guard, prepare, repeat_key_heads, value_group)
+                      nonfinite_guard, poison_if_invalid, prepare, repeat_key_heads, value_group)
 
 from .backends import (AUTO_F32_MAX_DIM, AUTO_F32_MIN_DIM, BACKENDS, _pallas_module,  # noqa: F401  (importable here)
                        check_kernel_config, resolve_backend)
@@ -134,25 +136,8 @@ def gated_delta_rule(
         backend that takes it).
     """
     check_flags(use_qk_l2norm=use_qk_l2norm, output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
-    # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
-    # backend sees the same dtypes
-    q, k, v, g, beta = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v, g, beta))
-    if isinstance(initial_state, np.ndarray):
-        initial_state = jnp.asarray(initial_state)
-    forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
-    check_kernel_config(kernel_config, backend)
-    warn_head_first("gated_delta_rule", q)  # direct calls only (layers call inside _warnings.internal_call)
-    K, V = q.shape[-1], v.shape[-1]
-    dt = acc_dtype(q, k, v, g, beta, initial_state)
-    # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)
-    which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V,
-                            dtype=jnp.float64 if dt == jnp.float64 else v.dtype)
-    if which == "pallas" and q.shape[0] == 0:  # an empty batch: nothing to compute, no kernel to launch
-        which = "chunk"
-    if which == "pallas":
-        warn_pallas_interpreter(kernel_config)  # on the CPU: the slow interpreter
-    if cu_seqlens is not None:
-        cu_seqlens = jnp.asarray(cu_seqlens)
+    (q, k, v, g, beta, initial_state, cu_seqlens), forms, dt, which = _checked_call(
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, backend, kernel_config)
     group = value_group(q, v)
     if group > 1 and (which != "pallas" or mask_nonfinite):  # the Pallas kernels share key heads in-kernel
         q, k = repeat_key_heads(q, group), repeat_key_heads(k, group)
@@ -184,3 +169,78 @@ def gated_delta_rule(
             )
     return finish_outputs(o, fin, v.dtype, guard_finish=guard_finish if mask_nonfinite else None, valid=valid,
                           packed=cu_seqlens is not None, output_final_state=output_final_state)
+
+
+def _checked_call(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, backend, kernel_config):
+    """The op's checks and backend choice: ``((q, k, v, g, beta, initial_state, cu_seqlens) as JAX
+    arrays where NumPy ones came, forms, accumulation dtype, the backend that runs)``; warns as
+    :func:`gated_delta_rule` says."""
+    # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
+    # backend sees the same dtypes
+    q, k, v, g, beta = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v, g, beta))
+    if isinstance(initial_state, np.ndarray):
+        initial_state = jnp.asarray(initial_state)
+    forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
+    check_kernel_config(kernel_config, backend)
+    warn_head_first("gated_delta_rule", q)  # direct calls only (layers call inside _warnings.internal_call)
+    K, V = q.shape[-1], v.shape[-1]
+    dt = acc_dtype(q, k, v, g, beta, initial_state)
+    # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)
+    which = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=V,
+                            dtype=jnp.float64 if dt == jnp.float64 else v.dtype)
+    if which == "pallas" and q.shape[0] == 0:  # an empty batch: nothing to compute, no kernel to launch
+        which = "chunk"
+    if which == "pallas":
+        warn_pallas_interpreter(kernel_config)  # on the CPU: the slow interpreter
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens)
+    return (q, k, v, g, beta, initial_state, cu_seqlens), forms, dt, which
+
+
+def final_state(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[jax.Array] = None,
+    cu_seqlens: Optional[jax.Array] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    kernel_config=None,
+) -> jax.Array:
+    """The final state of :func:`gated_delta_rule` alone (internal: the maps' pass of
+    :func:`gdn_jax.ops.state_maps.state_map`, which reads nothing else).
+
+    Where the backend resolves to ``"pallas"`` it runs the kernels' final-state-only forward
+    (:func:`gdn_jax.ops.pallas.pallas_final_state`, with the sequence split where
+    ``kernel_config.seq_split`` asks for it: :func:`gdn_jax.ops.seq_split.pallas_final_state`): no
+    o is written, and the query-side work is skipped on the kernel paths that have that mode
+    (:mod:`gdn_jax.ops.pallas.paths`). The scan and chunk backends run :func:`gated_delta_rule`
+    itself, whose o XLA drops as dead code. Differentiable as the op.
+
+    Args: as :func:`gated_delta_rule` (no ``output_final_state``, ``mask_nonfinite``: off).
+
+    Returns:
+      final_state ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) in float32 (float64 for
+      float64 inputs); the op's to float32 rounding (bit for bit on the kernel paths tested,
+      ``tests/ops/test_final_state.py``); all-NaN for a malformed traced ``cu_seqlens``.
+
+    Raises: as :func:`gated_delta_rule`.
+    """
+    check_flags(use_qk_l2norm=use_qk_l2norm)
+    (q, k, v, g, beta, initial_state, cu_seqlens), forms, dt, which = _checked_call(
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, backend, kernel_config)
+    if which != "pallas":
+        return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                backend=backend, kernel_config=kernel_config)[1]
+    from .seq_split import pallas_final_state
+
+    fin, valid = pallas_final_state(q, k, v, clamp_log_decay(g, dt), beta, scale=scale, initial_state=initial_state,
+                                    cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                    forms=forms, kernel_config=kernel_config)
+    return poison_if_invalid(fin, valid) if cu_seqlens is not None else fin

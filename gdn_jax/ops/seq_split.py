@@ -8,7 +8,8 @@ them as extra batch rows, by composition of the Pallas op (above its ``custom_vj
 
 1. the maps ``S_end = M S_start + N`` of pieces 0 .. P - 2 from ONE call of the op on augmented
    values ``[0 | V]`` from ``[I | 0]`` (:func:`gdn_jax.ops.piece_maps.affine_state_map`; two calls
-   where the width K + V is above what the kernels take);
+   where the width K + V is above what the kernels take), the final-state-only entry of the kernels
+   (:func:`gdn_jax.ops.pallas.pallas_final_state`: no o of width K + V written);
 2. a float32 scan over the pieces of each sequence (:func:`~gdn_jax.ops.piece_maps.entering_states`)
    from the true initial state: the state entering every piece;
 3. the op on all pieces from those states: o, and the final state from the last piece.
@@ -20,6 +21,11 @@ boundaries clipped to it, :func:`~gdn_jax.ops.piece_maps.piece_documents`), the 
 ``jax.vmap``; a document that starts inside a piece makes its M zero from there, and each
 document's final state comes from the piece of its last token, as in
 :mod:`gdn_jax.ops.context_parallel`. Exact to float32 rounding of the composed maps.
+
+The final state alone (:func:`pallas_final_state`, the maps' pass of
+:func:`gdn_jax.ops.state_maps.state_map` with the split asked for): the same maps and scan, then
+the final-state-only entry on the last piece of each sequence (packed: on every piece, each
+document's state from the piece of its last token).
 
 Planning (how many pieces, or why none) is :func:`gdn_jax.ops.pallas.split_plan.decide`.
 """
@@ -65,16 +71,32 @@ def pallas_op(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2no
                                   cu_seqlens=cu_seqlens, kernel_config=kernel_config, **kw)
 
 
+def pallas_final_state(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms,
+                       kernel_config=None):
+    """:func:`pallas_op`'s final state alone: ``(final_state, valid)``, from the final-state-only
+    kernels (:func:`gdn_jax.ops.pallas.pallas_final_state`), with the sequence split where
+    :func:`pallas_op` would split."""
+    pieces, _ = pieces_for(q, v, chunk_size=chunk_size, forms=forms, kernel_config=kernel_config)
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, forms=forms)
+    if pieces == 1:
+        return _pallas.pallas_final_state(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                          kernel_config=kernel_config, **kw)
+    _, fin, valid = split_gated_delta_rule(q, k, v, g, beta, pieces=pieces, initial_state=initial_state,
+                                           cu_seqlens=cu_seqlens, kernel_config=kernel_config, final_only=True, **kw)
+    return fin, valid
+
+
 def _pad_time(x, Tp):
     return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def split_gated_delta_rule(q, k, v, g, beta, *, pieces: int, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                           chunk_size, forms, kernel_config):
+                           chunk_size, forms, kernel_config, final_only: bool = False):
     """The Pallas op with every sequence cut into ``pieces`` (the module docstring says how).
 
     Args: as :func:`gdn_jax.ops.pallas.pallas_gated_delta_rule` (validated, g floored; q, k
-    ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]``), ``pieces`` >= 2.
+    ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]``), ``pieces`` >= 2; ``final_only``:
+    the final state alone (o None; the pieces' runs are final-state-only too).
 
     Returns:
       ``(o [B, T, H, V] in the kernels' output dtype, final state [B | N, H, K, V] float32, valid)``.
@@ -89,27 +111,35 @@ def split_gated_delta_rule(q, k, v, g, beta, *, pieces: int, scale, initial_stat
     augmented = _pallas.supports(forms, chunk_size=chunk_size, K=K, V=K + V, dtype=v.dtype) is None
     q, k, v, g, beta = (_pad_time(x, Tp) for x in (q, k, v, g, beta))
     if cu_seqlens is None:
-        return _split_dense(q, k, v, g, beta, B, T, P, L, initial_state, augmented, kw)
-    return _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmented, kw)
+        return _split_dense(q, k, v, g, beta, B, T, P, L, initial_state, augmented, kw, final_only)
+    return _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmented, kw, final_only)
 
 
 def _op(q, k, v, g, beta, start, cu, kw):
     return _pallas.pallas_gated_delta_rule(q, k, v, g, beta, initial_state=start, cu_seqlens=cu, **kw)
 
 
-def _split_dense(q, k, v, g, beta, B, T, P, L, initial_state, augmented, kw):
+def _final(q, k, v, g, beta, start, cu, kw):
+    """The final-state-only op: ``(None, final state, valid)``, as :func:`_op`'s results."""
+    return (None,) + tuple(_pallas.pallas_final_state(q, k, v, g, beta, initial_state=start, cu_seqlens=cu, **kw))
+
+
+def _split_dense(q, k, v, g, beta, B, T, P, L, initial_state, augmented, kw, final_only=False):
     H, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     rows = lambda x: x.reshape(B * P, L, *x.shape[2:])  # row b P + p: piece p of sequence b
     head = lambda x: x.reshape(B, P, L, *x.shape[2:])[:, :P - 1].reshape(B * (P - 1), L, *x.shape[2:])
     km, vm, gm, bm = (head(x) for x in (k, v, g, beta))
 
     def final_state(values, start):  # k as the query of a state-only pass
-        return _op(km, km, values, gm, bm, start, None, kw)[1]
+        return _final(km, km, values, gm, bm, start, None, kw)[1]
 
     M, N = affine_state_map(final_state, km, vm, dtype=F32, augmented=augmented)
     to_pieces = lambda x: jnp.swapaxes(x.reshape(B, P - 1, *x.shape[1:]), 0, 1)  # [P - 1, B, H, ...]
     x0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     x_last, entering = entering_states(to_pieces(M), to_pieces(N), x0)
+    if final_only:  # the last piece of each sequence alone, from the state entering it
+        last = lambda x: x.reshape(B, P, L, *x.shape[2:])[:, -1]
+        return _final(*(last(x) for x in (q, k, v, g, beta)), x_last, None, kw)
     starts = jnp.concatenate([entering, x_last[None]], 0)  # [P, B, H, K, V]
     starts = jnp.swapaxes(starts, 0, 1).reshape(B * P, H, K, V)
     o, fin, valid = _op(*(rows(x) for x in (q, k, v, g, beta)), starts, None, kw)
@@ -117,7 +147,7 @@ def _split_dense(q, k, v, g, beta, B, T, P, L, initial_state, augmented, kw):
     return o, fin.reshape(B, P, H, K, V)[:, -1], valid
 
 
-def _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmented, kw):
+def _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmented, kw, final_only=False):
     H, K, V = v.shape[2], k.shape[-1], v.shape[-1]
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     N = cu.shape[0] - 1
@@ -131,7 +161,7 @@ def _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmente
 
     def piece_map(kp, vp, gp, bp, lcu, cont):
         def final_state(values, start):
-            return _op(kp, kp, values, gp, bp, start, lcu, kw)[1]
+            return _final(kp, kp, values, gp, bp, start, lcu, kw)[1]
         return affine_state_map(final_state, kp, vp, dtype=F32, initial_state=init, cu_seqlens=lcu, continues=cont,
                                 augmented=augmented)
 
@@ -141,9 +171,14 @@ def _split_packed(q, k, v, g, beta, T, P, L, initial_state, cu_seqlens, augmente
 
     def piece_run(qp, kp, vp, gp, bp, lcu, f, cont, s):
         local_init = init.at[f].set(jnp.where(cont, s, init[f]))
+        if final_only:
+            return _final(qp, kp, vp, gp, bp, local_init, lcu, kw)[1:]
         return _op(qp, kp, vp, gp, bp, local_init, lcu, kw)
 
-    o, fin, ok = jax.vmap(piece_run)(q, k, v, g, beta, local_cu, first, continues, starts)
-    o = o.reshape(1, P * L, H, V)[:, :T]
+    if final_only:
+        o, (fin, ok) = None, jax.vmap(piece_run)(q, k, v, g, beta, local_cu, first, continues, starts)
+    else:
+        o, fin, ok = jax.vmap(piece_run)(q, k, v, g, beta, local_cu, first, continues, starts)
+        o = o.reshape(1, P * L, H, V)[:, :T]
     fin = fin[document_owners(cu, L)[:N], jnp.arange(N)]  # each document's from the piece of its last token
     return o, fin, valid & jnp.all(ok)

@@ -8,8 +8,11 @@ state pass of the op itself over the augmented values ``[0 | V]`` (width K + V) 
 ``[I | 0]`` yields ``[M | N]`` (``../shared/REFERENCE.md`` section 10, "Sequence split").
 Maps of consecutive pieces compose, ``(M2, N2) o (M1, N1) = (M2 M1, M2 N1 + N2)``.
 
-This module builds the maps with :func:`gated_delta_rule` on any backend (scan, chunk, pallas),
-so it is differentiable wherever the op is. It is used by :mod:`gdn_jax.ops.context_parallel`
+This module builds the maps with the op on any backend (scan, chunk, pallas), so it is
+differentiable wherever the op is: :func:`gdn_jax.ops.gated_delta_rule.final_state`, the op's final
+state alone -- on the pallas backend the kernels' final-state-only forward (no o of width K + V
+written, no query-side work on the paths that have that mode: ``gdn_jax/ops/pallas/paths.py``), on
+scan and chunk the op itself (XLA drops its o as dead code). It is used by :mod:`gdn_jax.ops.context_parallel`
 (pieces on different devices). The algebra with no op in it (:func:`affine_state_map`,
 :func:`compose`, :func:`apply_map`, the scan over pieces) lives in :mod:`gdn_jax.ops.piece_maps`,
 which the one-device sequence split of the Pallas op (:mod:`gdn_jax.ops.seq_split`) also uses.
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 
 from ._warnings import internal_call
 from ._common import GateForms, acc_dtype
-from .gated_delta_rule import gated_delta_rule, resolve_backend
+from .gated_delta_rule import final_state as _final_state, resolve_backend
 from .piece_maps import affine_state_map, apply_map, compose  # noqa: F401  (importable here)
 
 
@@ -100,12 +103,11 @@ def state_map(
     forms = GateForms(g_per_channel=g.ndim == 4, beta_per_channel=False)
     K, V = k.shape[-1], v.shape[-1]
     vdt = jnp.float64 if dt == jnp.float64 else v.dtype
-    kw = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config,
-              output_final_state=True)
+    kw = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
 
     def final_state(values, start):
         with internal_call():  # k as the query of a state-only pass: no head-first layout warning
-            return gated_delta_rule(k, k, values, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kw)[1]
+            return _final_state(k, k, values, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kw)
 
     return affine_state_map(final_state, k, v, g, beta, dtype=dt, initial_state=initial_state,
                             cu_seqlens=cu_seqlens, continues=continues,

@@ -67,9 +67,10 @@ from .hopper.tuning import HopperTuning
 from .tuning import TritonTuning
 from . import split_plan
 from .platform import PLATFORMS, default_platform, is_hopper
-from .vjp import KernelInputs, chunk_gated_delta_rule, to_kernel_inputs
+from .vjp import KernelInputs, chunk_final_state, chunk_gated_delta_rule, to_kernel_inputs
 
 __all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
+           "pallas_final_state",
            "to_kernel_inputs",
            "auto_mid_dtype", "BF16_MID_MIN_DIM", "SUPPORTED_CHUNK_SIZES", "MAX_DIM", "PLATFORMS"]
 
@@ -211,6 +212,35 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
     [B,H,K,V] or [N,H,K,V] float32, valid: bool scalar, False for a malformed traced
     ``cu_seqlens``).
     """
+    prep, args = _kernel_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms,
+                              kernel_config)
+    o, fin = chunk_gated_delta_rule(prep.route, *args)
+    o, fin = prep.finish(o, fin)
+    return o, fin, prep.valid
+
+
+def pallas_final_state(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms,
+                       kernel_config: Optional[KernelConfig] = None):
+    """The final state of :func:`pallas_gated_delta_rule` alone, from the forward kernels' final-state-only
+    runs (:func:`.vjp.chunk_final_state`; per kernel path, :data:`.paths.FORWARD`'s ``run_final``: no o
+    written, no query-side work where the path has that mode). The pass that builds the state maps of
+    :func:`gdn_jax.ops.state_maps.state_map` and of the sequence split reads only the final state.
+    Same arguments (q is read only by the kernel paths that fall back to the full forward; the
+    caller may pass k); the same kernel path as the full op for these arrays; differentiable (the
+    full op's backward with a zero output cotangent).
+
+    Returns (final_state [B,H,K,V] or [N,H,K,V] float32 -- to float32 rounding the full op's, bit for
+    bit on the paths tested --, valid: bool scalar, False for a malformed traced ``cu_seqlens``).
+
+    Raises: NotImplementedError for a call the kernels do not take (:func:`supports`)."""
+    prep, args = _kernel_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms,
+                              kernel_config)
+    _, fin = prep.finish(None, chunk_final_state(prep.route, *args))
+    return fin, prep.valid
+
+
+def _kernel_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms, kernel_config):
+    """:func:`to_kernel_inputs` of a call the kernels take, and the custom_vjp's array arguments."""
     reason = supports(forms, chunk_size=chunk_size, K=q.shape[-1], V=v.shape[-1], dtype=v.dtype)
     if reason is not None:
         raise NotImplementedError(f"backend='pallas' {reason}")
@@ -222,6 +252,4 @@ def pallas_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlen
     # made varying outside it; that cast's transpose sums its gradient over the axes)
     args = list(prep.args)
     args[:6] = [match_vma(a, *args[:6]) for a in args[:6]]
-    o, fin = chunk_gated_delta_rule(prep.route, *args)
-    o, fin = prep.finish(o, fin)
-    return o, fin, prep.valid
+    return prep, args

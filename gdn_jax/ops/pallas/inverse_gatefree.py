@@ -321,8 +321,8 @@ def gatefree_inverse(k, beta, *, chunk_size: int = GATEFREE_CHUNK, cu_seqlens=No
 # the kernel-path stage (paths.py "gatefree"): T0 and Aqk on the kernels' own layout
 
 
-def _t0_aqk_kernel(call, *, q_ref, k_ref, beta_ref, beta_row_ref, gam_ref, gam_row_ref, t0_ref, aqk_ref):
-    """One chunk of the ``gatefree`` forward path: T0 [C, C] (float32) and
+def _t0_aqk_kernel(call, *, k_ref, beta_ref, beta_row_ref, gam_ref, gam_row_ref, t0_ref, q_ref=None, aqk_ref=None):
+    """One chunk of the ``gatefree`` forward path: T0 [C, C] (float32) and, with q,
     Aqk = tril(scale Q K^T * Gamma) [C, C] (``call.out_dt``)."""
     kdt = jnp.dtype(call.in_dt)
     prec_kk = _plat.dot_precision(call.platform, kdt, call.f32_inv)
@@ -330,6 +330,8 @@ def _t0_aqk_kernel(call, *, q_ref, k_ref, beta_ref, beta_row_ref, gam_ref, gam_r
     nb = call.C // SUB
     _store(t0_ref, _t0_blocks(k_ref, beta_ref, beta_row_ref, nb=nb, prec_kk=prec_kk, prec_f32=prec_f32,
                               diag="substitution"), nb)
+    if q_ref is None:
+        return
     q = _t.load_f32(q_ref) * call.scale
     aqk = _t.mm(call, q, k_ref[...], tb=True) * _t.decay_matrix(gam_ref[...], gam_row_ref[...], incl=True)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
@@ -344,7 +346,8 @@ def t0_and_aqk(call, q, k, beta, gam, gam_row):
       ("bthd") and ``C`` a multiple of 16; q, k in the token layout [B, Tp, Hk, K] (K a power of
       two >= 16, as :func:`gdn_jax.ops.pallas.vjp.to_kernel_inputs` pads it); beta, gamma columns
       [BH, Tp, 1] f32; gamma row [BH, n, 1, C].
-    Returns ``{"t0": [BH, n, C, C] f32, "aqk": [BH, n, C, C] out_dt}``.
+    Returns ``{"t0": [BH, n, C, C] f32, "aqk": [BH, n, C, C] out_dt}``; with ``q`` None (the
+    final-state-only forward) ``{"t0": ...}`` alone.
     """
     C, BH, n = call.C, call.BH, call.n
     if call.layout != "bthd" or C % SUB:
@@ -354,8 +357,11 @@ def t0_and_aqk(call, q, k, beta, gam, gam_row):
     col = hm_spec(C, 1, lambda b, c: (b, c, 0))
     row = pl.BlockSpec((None, None, 1, C), lambda b, c: (b, c, 0, 0))
     tile = pl.BlockSpec((None, None, C, C), lambda b, c: (b, c, 0, 0))
-    inputs = dict(q=(q, tk), k=(k, tk), beta=(beta, col), beta_row=(beta.reshape(BH, n, 1, C), row),
-                  gam=(gam, col), gam_row=(gam_row, row))
+    inputs = dict(q=None if q is None else (q, tk), k=(k, tk), beta=(beta, col),
+                  beta_row=(beta.reshape(BH, n, 1, C), row), gam=(gam, col), gam_row=(gam_row, row))
     outputs = dict(t0=(sds((BH, n, C, C), F32), tile), aqk=(sds((BH, n, C, C), call.out_dt), tile))
-    return run(call, functools.partial(_t0_aqk_kernel, call), name="gdn_inverse_gatefree_aqk", grid=(BH, n),
+    if q is None:
+        del outputs["aqk"]
+    return run(call, functools.partial(_t0_aqk_kernel, call),
+               name="gdn_inverse_gatefree_aqk" if q is not None else "gdn_inverse_gatefree", grid=(BH, n),
                inputs=inputs, outputs=outputs, warps=call.warps_wy)

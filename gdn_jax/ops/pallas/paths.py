@@ -27,10 +27,27 @@ Backward (:data:`BACKWARD`):
    (:func:`.grads_xla.chunk_grads_xla`);
 4. ``portable``: the portable kernels (WY, the two state passes, merged or apart, gradient kernel).
 
+Final state only (:func:`gdn_jax.ops.pallas.pallas_final_state`: the maps' pass of
+:func:`gdn_jax.ops.state_maps.state_map` and of the sequence split, which read only the final
+state): each forward entry's ``run_final`` runs the same path with no output, chosen by the same
+``covers`` (one table, one choice):
+
+* ``hopper_t``, ``hopper_wu``: the Hopper state pass in its final-only mode
+  (:func:`.hopper.state_fwd.forward_final_state`: no Q S, no Aqk Vn, no o tile or store); the WY
+  kernel is the full one (it still forms and writes Aqk, which nothing reads: a WY mode without q is
+  not built);
+* ``gatefree``: the inverse stage forms T0 alone (no Aqk) and the state pass writes no o
+  (:func:`.state_fwd.forward_final_state_gatefree`);
+* ``fused``, ``unfused``: the WY kernel without q (W, U; no Aqk) and the final-only state pass
+  (:func:`.state_fwd.forward_final_state`; on TPU :func:`.state_tpu.forward_final_state`), no
+  output kernel;
+* ``hopper_transition`` (opt-in): no final-only mode (its one wgmma group per chunk carries the output
+  products with the chain): the full kernels run and o is dropped (``run_final`` None).
+
 Each entry is a :class:`Path`: ``covers(call, forward)`` -> None or why not (``forward``: the
 forward's :class:`Chosen`, for the backward entries that need the forward's residuals), ``prepare(call)``
--> the call its kernels read (the Hopper entries resolve their form and value block there), and
-``run``. Adding a path is adding one entry. :func:`choose` picks the entry and keeps every other
+-> the call its kernels read (the Hopper entries resolve their form and value block there), ``run``
+and, for the forward entries, ``run_final``. Adding a path is adding one entry. :func:`choose` picks the entry and keeps every other
 entry's reason; ``gdn_jax.ops.pallas.forward_kernels`` / ``backward_kernels`` report them.
 """
 from __future__ import annotations
@@ -46,7 +63,8 @@ from .hopper import grads as hopper_grads, state_bwd as hopper_state_bwd, state_
 from .hopper import plan as hopper_plan, transition as hopper_transition, wy as hopper_wy
 from .inverse_gatefree import GATEFREE_CHUNK, gatefree_covers, t0_and_aqk
 from .state_bwd import merged_states, reverse_states
-from .state_fwd import forward_states, forward_states_and_output, forward_states_and_output_gatefree, output
+from .state_fwd import (forward_final_state, forward_final_state_gatefree, forward_states, forward_states_and_output,
+                        forward_states_and_output_gatefree, output)
 from .wy import wy_repr
 
 
@@ -59,13 +77,16 @@ class Path:
     gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states)`` -> (o, final,
     residual dict); backward: ``run(call, inputs, do, dfin, saved)`` -> (local gradients dict,
     d h0, d e^{gamma_C})); ``hopper``: it runs the Hopper kernels (the forward keeps residuals only
-    where both directions do)."""
+    where both directions do); ``run_final`` (forward entries): the same path writing the final state
+    alone, ``run_final(<run's arguments>)`` -> (final, residual dict), or None where the path has no
+    such mode (:func:`run_final_state` then runs ``run`` and drops o)."""
 
     name: str
     covers: Callable
     run: Callable
     prepare: Callable = lambda call: call
     hopper: bool = False
+    run_final: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +188,23 @@ def _run_hopper_t(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_las
     return out["o"], out["final"], _saved(wy, out, save_wy, save_states)
 
 
+def _final_hopper_t(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
+    """Hopper, T form, final state only: the full WY kernel, the state pass without the output."""
+    wy = hopper_wy.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
+    out = hopper_state_fwd.forward_final_state(call, None, None, k, e_gam_end, e_gam_last, h0, flags,
+                                               save_states=save_states, v=v, t=(wy["t_hi"], wy["t_lo"]), beta=beta,
+                                               e_gam=e_gam)
+    return out["final"], _saved(wy, out, save_wy, save_states)
+
+
+def _final_hopper_wu(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
+    """Hopper, W/U form, final state only: the full WY kernel, the state pass without the output."""
+    wy = hopper_wy.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
+    out = hopper_state_fwd.forward_final_state(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags,
+                                               save_states=save_states)
+    return out["final"], _saved(wy, out, save_wy, save_states)
+
+
 def _run_hopper_wu(state_pass):
     def run(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
         wy = hopper_wy.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
@@ -187,6 +225,14 @@ def _run_fused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, 
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam, q=q)
     out = forward_states_and_output(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags, q, e_gam, wy["aqk"])
     return out["o"], out["final"], {}
+
+
+def _final_fused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
+    """The portable kernels, final state only (the ``fused`` and ``unfused`` entries): the WY kernel
+    without q (no Aqk), the state pass writing the final state alone."""
+    _no_residuals("fused", save_wy, save_states)
+    wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam)
+    return forward_final_state(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags)["final"], {}
 
 
 def _gatefree_covers(call: KernelCall, forward=None) -> Optional[str]:
@@ -218,6 +264,15 @@ def _run_gatefree(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_las
     return out["o"], out["final"], {}
 
 
+def _final_gatefree(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy,
+                    save_states):
+    _no_residuals("gatefree", save_wy, save_states)
+    t = t0_and_aqk(call, None, k, beta, gam, gam_row)
+    out = forward_final_state_gatefree(call, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags,
+                                       t["t0"])
+    return out["final"], {}
+
+
 def _run_unfused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
     _no_residuals("unfused", save_wy, save_states)
     wy = wy_repr(call, k, v, beta, gam, gam_row, e_gam)
@@ -226,16 +281,29 @@ def _run_unfused(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last
 
 
 FORWARD: Tuple[Path, ...] = (
-    Path("hopper_t", _hopper_forward_covers("t"), _run_hopper_t, hopper_call, hopper=True),
+    Path("hopper_t", _hopper_forward_covers("t"), _run_hopper_t, hopper_call, hopper=True, run_final=_final_hopper_t),
     # the module attribute is read at call time (tests replace the kernels)
     Path("hopper_transition", _hopper_forward_covers("transition"),
          _run_hopper_wu(lambda: hopper_transition.forward_states_transition), hopper_call, hopper=True),
     Path("hopper_wu", _hopper_forward_covers("wu"),
-         _run_hopper_wu(lambda: hopper_state_fwd.forward_states_and_output), hopper_call, hopper=True),
-    Path("gatefree", _gatefree_covers, _run_gatefree),
-    Path("fused", lambda call, forward=None: None if call.fuse_output else "fuse_output=False", _run_fused),
-    Path("unfused", lambda call, forward=None: None, _run_unfused),
+         _run_hopper_wu(lambda: hopper_state_fwd.forward_states_and_output), hopper_call, hopper=True,
+         run_final=_final_hopper_wu),
+    Path("gatefree", _gatefree_covers, _run_gatefree, run_final=_final_gatefree),
+    Path("fused", lambda call, forward=None: None if call.fuse_output else "fuse_output=False", _run_fused,
+         run_final=_final_fused),
+    Path("unfused", lambda call, forward=None: None, _run_unfused, run_final=_final_fused),
 )
+
+
+def run_final_state(path: str, call: KernelCall, *args):
+    """The forward entry ``path`` writing only the final state: its ``run_final``, or where it has none
+    its ``run`` with o dropped. ``args``: ``run``'s arguments after ``call``. Returns (final,
+    residual dict)."""
+    p = FORWARD_BY_NAME[path]
+    if p.run_final is not None:
+        return p.run_final(call, *args)
+    _, fin, saved = p.run(call, *args)
+    return fin, saved
 
 
 # ---------------------------------------------------------------------------------------------

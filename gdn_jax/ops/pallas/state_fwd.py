@@ -151,6 +151,23 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                inputs=inputs, outputs=outputs, warps=call.warps_state)
 
 
+def forward_final_state(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
+    """The final-state-only forward state pass (the maps' pass of :func:`gdn_jax.ops.state_maps.state_map`
+    and of the sequence split): :func:`forward_state_loop` writing neither o nor Vn nor the per-chunk
+    states, and reading no q or Aqk (the WY stage then forms no Aqk either). Returns ``final``
+    [BH | H, nseq, K, V] f32. On TPU: :func:`.state_tpu.forward_final_state` (streamed by chunk)."""
+    if _plat.is_tpu_layout(call.platform):
+        return state_tpu.forward_final_state(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
+    bv = call.bv_state
+    BH, V = call.BH, call.V
+    sp = state_specs(call, bv)
+    inputs = dict(w=(w, sp["hm_k"]), u=(u, sp["hm_v"]), k=(k, sp["tok_k"]), e_gam_end=(e_gam_end, sp["col"]),
+                  e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), flags=flags_input(call, flags))
+    outputs = dict(final=(sds(h0.shape, F32), sp["state"]))
+    return run(call, functools.partial(forward_state_loop, call), name="gdn_fwd_h_final", grid=(BH, V // bv),
+               inputs=inputs, outputs=outputs, warps=call.warps_state)
+
+
 def _output_kernel(call: KernelCall, *, q_ref, k_ref, gam_ref, gam_row_ref, e_gam_ref, h_ref, vn_ref, o_ref):
     q = _t.load_f32(q_ref) * call.scale
     Aqk = _t.mm(call, q, k_ref[...], tb=True) * _t.decay_matrix(gam_ref[...], gam_row_ref[...], incl=True)
@@ -179,17 +196,30 @@ def forward_states_and_output_gatefree(call: KernelCall, q, k, v, beta, gam, gam
     """The gate-free forward state pass (path ``gatefree``, :func:`forward_state_loop` with ``t0_ref``): reads v,
     beta and the chunks' T0 and Aqk (:func:`.inverse_gatefree.t0_and_aqk`) instead of W and U.
     Returns ``o`` (token layout, input dtype) and ``final`` [BH | H, nseq, K, V] f32. GPU /
-    interpret layout only."""
+    interpret layout only. With ``q`` and ``aqk`` None (:func:`forward_final_state_gatefree`) no
+    output: ``final`` alone."""
     bv = call.bv_state
     BH, V, n, C = call.BH, call.V, call.n, call.C
     sp = state_specs(call, bv)
     tile = pl.BlockSpec((None, n, C, C), lambda b, j: (b, 0, 0, 0))
+    with_o = q is not None
     inputs = dict(k=(k, sp["tok_k"]), v=(v, sp["tok_v"]), beta=(beta, sp["col"]), gam=(gam, sp["col"]),
                   gam_row=(gam_row, pl.BlockSpec((None, n, 1, C), lambda b, j: (b, 0, 0, 0))),
                   e_gam_end=(e_gam_end, sp["col"]), e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]),
-                  q=(q, sp["tok_k"]), e_gam=(e_gam, sp["col"]), t0=(t0, tile), aqk=(aqk, tile),
-                  flags=flags_input(call, flags))
+                  q=(q, sp["tok_k"]) if with_o else None, e_gam=(e_gam, sp["col"]), t0=(t0, tile),
+                  aqk=(aqk, tile) if with_o else None, flags=flags_input(call, flags))
     outputs = dict(o=(token_shape(call, V, call.in_dt), token_spec(call, call.Tp, bv, lambda b, j: (b, 0, j))),
                    final=(sds(h0.shape, F32), sp["state"]))
-    return run(call, functools.partial(forward_state_loop, call), name="gdn_fwd_h_o_gatefree", grid=(BH, V // bv),
+    if not with_o:
+        del outputs["o"]
+    return run(call, functools.partial(forward_state_loop, call),
+               name="gdn_fwd_h_o_gatefree" if with_o else "gdn_fwd_h_final_gatefree", grid=(BH, V // bv),
                inputs=inputs, outputs=outputs, warps=call.warps_state)
+
+
+def forward_final_state_gatefree(call: KernelCall, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags,
+                                 t0):
+    """The final-state-only gate-free forward state pass: :func:`forward_states_and_output_gatefree`
+    without q, Aqk and o. Returns ``final`` [BH | H, nseq, K, V] f32."""
+    return forward_states_and_output_gatefree(call, None, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0,
+                                              flags, t0, None)

@@ -170,6 +170,20 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                semantics=SEMANTICS)
 
 
+def forward_final_state(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags):
+    """:func:`.state_fwd.forward_final_state` streamed: grid (B*H, V/bv_state, chunks); no q, Aqk,
+    o, Vn or per-chunk states. Returns ``final`` [BH | H, nseq, K, V] f32."""
+    bv = call.bv_state
+    V, n = call.V, call.n
+    sp = _specs(call, bv, reverse=False)
+    inputs = dict(w=(w, sp["hm_k"]), u=(u, sp["hm_v"]), k=(k, sp["tok_k"]), e_gam_end=(e_gam_end, sp["col"]),
+                  e_gam_last=(e_gam_last, sp["last"]), h0=(h0, sp["state"]), flags=_flags_input(call, flags, sp))
+    outputs = dict(final=(sds(h0.shape, F32), sp["state"]))
+    return run(call, functools.partial(_forward_chunk, call), name="gdn_fwd_h_final_tpu", grid=(call.BH, V // bv, n),
+               inputs=inputs, outputs=outputs, warps=call.warps_state, scratch=_scratch(call, bv),
+               semantics=SEMANTICS)
+
+
 def _reverse_chunk(call: KernelCall, *, q_ref, k_ref, w_ref, dvl_ref, do_ref, e_gam_ref, e_gam_end_ref,
                    e_gam_last_ref, dfinal_ref, dh_ref, dvn_ref, dh0_ref, s_ref, flags_ref=None, sem_ref=None):
     """One chunk (chunk n - 1 - i at step i) of the reverse state pass; dS in the scratch ``s_ref``."""

@@ -65,19 +65,23 @@ def gate_terms(call: KernelCall, beta_hm, g_hm):
 
 
 def forward(call: KernelCall, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy=False,
-            save_states=False, path=None):
+            save_states=False, path=None, final_only=False):
     """The forward kernels of one chunking: (o in the token layout, final state [G, nseq, K, V] f32).
     ``flags``: per-chunk flags (``cu_seqlens``) or a dummy. ``path``: the :data:`.paths.FORWARD`
     entry to run, with ``call`` as that entry prepared it (:class:`.paths.Chosen`); None: the
     table's choice for ``call``. With ``save_wy`` and / or ``save_states`` (Hopper paths only) a
     third result, the residuals the Hopper backward reuses: a dict with the WY products ``aqk,
     t_hi, t_lo`` (``save_wy``), the states entering each chunk ``h`` with ``vn``
-    (``save_states``) and ``w`` (both)."""
+    (``save_states``) and ``w`` (both). With ``final_only`` the entry's final-state-only run
+    (:func:`.paths.run_final_state`): o is None."""
     if path is None:
         chosen = _paths.choose("fwd", call)
         call, path = chosen.call, chosen.path
-    o, fin, saved = _paths.FORWARD_BY_NAME[path].run(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last,
-                                                    h0, flags, save_wy, save_states)
+    args = (q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states)
+    if final_only:
+        o, (fin, saved) = None, _paths.run_final_state(path, call, *args)
+    else:
+        o, fin, saved = _paths.FORWARD_BY_NAME[path].run(call, *args)
     if call.packed:
         fin = jnp.where(_packing.sequences_with_chunks(flags, call.nseq)[None, :, None, None], fin, h0)
     if save_wy or save_states:
@@ -176,16 +180,19 @@ def _split_tok(call: KernelCall, x, B: int):
 
 def _forward_block(static, q, k, v, beta, g, h0, flags):
     """The forward kernels on one block of batch rows and heads (split layout in and out):
-    o, final state [B,H,nseq,K,V] and the residuals named by :func:`saved_names`."""
-    chosen, save, keep = static
+    o, final state [B,H,nseq,K,V] and the residuals named by :func:`saved_names`. ``static``: (the
+    forward's :class:`.paths.Chosen`, save_wy, save_states) and, for the final-state-only forward, a
+    fourth entry True: no o in the results."""
+    chosen, save, keep, *final = static
+    final_only = bool(final and final[0])
     B, H = beta.shape[:2]
     call = _local(chosen.call, B, H)
     q, k, v, beta, g, h0 = _merge(call, q, k, v, beta, g, h0)
     out = forward(call, q, k, v, *gate_terms(call, beta, g), h0, flags, save_wy=save, save_states=keep,
-                  path=chosen.path)
+                  path=chosen.path, final_only=final_only)
     saved = out[2] if (save or keep) else {}
-    return (_split_tok(call, out[0], B), _split(out[1], B, H)) + tuple(_split(saved[n], B, H)
-                                                                       for n in saved_names(save, keep))
+    o = () if final_only else (_split_tok(call, out[0], B),)
+    return o + (_split(out[1], B, H),) + tuple(_split(saved[n], B, H) for n in saved_names(save, keep))
 
 
 def _backward_block(static, q, k, v, beta, g, h0, flags, do, dfin, *saved):
@@ -208,13 +215,19 @@ def _backward_block(static, q, k, v, beta, g, h0, flags, do, dfin, *saved):
             _split(dg, B, H), _split(dh0, B, H))
 
 
-def _run_forward(route, q, k, v, beta, g, h0, flags, save=False, keep=False):
+def _run_forward(route, q, k, v, beta, g, h0, flags, save=False, keep=False, final_only=False):
+    """The forward kernels through :func:`.partition.run_sharded`: (o, final, residual dict); o is
+    None with ``final_only``."""
     cf = route[0].call
     qk, vo = _TOK[cf.layout]
     n = len(saved_names(save, keep))
-    outs = _partition.run_sharded(_forward_block, (route[0], save, keep), (q, k, v, beta, g, h0, flags),
-                       (qk, qk, vo, "bv.", "bv.", "bv*", "."), (vo, "bv*") + ("bv*",) * n, group=cf.group,
+    static = (route[0], save, keep) + ((True,) if final_only else ())
+    out_labels = (() if final_only else (vo,)) + ("bv*",) + ("bv*",) * n
+    outs = _partition.run_sharded(_forward_block, static, (q, k, v, beta, g, h0, flags),
+                       (qk, qk, vo, "bv.", "bv.", "bv*", "."), out_labels, group=cf.group,
                        interpreted=_plat.interpreted(cf.platform))
+    if final_only:
+        outs = (None,) + tuple(outs)
     return outs[0], outs[1], dict(zip(saved_names(save, keep), outs[2:]))
 
 
@@ -258,6 +271,32 @@ def _bwd(route, res, cts):
 chunk_gated_delta_rule.defvjp(_fwd, _bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunk_final_state(route, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
+    """:func:`chunk_gated_delta_rule`'s final state alone (``final_state f32 [B,H,nseq,K,V]``), from
+    the forward kernels' final-state-only runs (:func:`.paths.run_final_state`: no o, and no
+    query-side work where the path has that mode). Same arguments. Differentiable: the residuals are
+    those of :func:`chunk_gated_delta_rule` (the Hopper forward keeps the same ones, from the same
+    kernels without the output), the backward is its backward with a zero output cotangent."""
+    _, fin, _ = _run_forward(route, q, k, v, beta, g, h0, flags_fwd, final_only=True)
+    return fin
+
+
+def _final_fwd(route, q, k, v, beta, g, h0, flags_fwd, flags_bwd):
+    save, keep = saves_wy(route), saves_states(route)
+    _, fin, saved = _run_forward(route, q, k, v, beta, g, h0, flags_fwd, save, keep, final_only=True)
+    return fin, (q, k, v, beta, g, h0, flags_fwd, flags_bwd, saved)
+
+
+def _final_bwd(route, res, dfin):
+    v = res[2]
+    # o has v's shape and dtype in the split layout (both in the kernels' input dtype, V padded alike)
+    return _bwd(route, res, (jnp.zeros_like(v), dfin))
+
+
+chunk_final_state.defvjp(_final_fwd, _final_bwd)
+
+
 # ---------------------------------------------------------------------------
 # from the public layout to the kernels' and back
 # ---------------------------------------------------------------------------
@@ -293,7 +332,7 @@ class KernelInputs:
     read), ``args`` of :func:`chunk_gated_delta_rule` in its split layout (q, k, v; beta and g
     [B,H,Tp]; h0 [B,H,nseq,K,V]; the flags of each chunking), ``valid`` (False for a malformed traced
     ``cu_seqlens``) and ``finish(o, final)`` mapping its outputs back to [B, T, H, V] /
-    [B | N, H, K, V]. :meth:`kernel_args` gives the arrays in the kernels' own layout; ``calls``
+    [B | N, H, K, V] (o None: the final state alone). :meth:`kernel_args` gives the arrays in the kernels' own layout; ``calls``
     and ``paths`` the two calls and the two path names."""
 
     route: tuple
@@ -381,12 +420,13 @@ def to_kernel_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     mk = lambda c: resolve(config, platform=p, C=c, n=Tp // c, BH=BH, H=H, K=K, V=V, K0=K0, V0=V0, scale=sc,
                            in_dt=in_dt, packed=packed, nseq=N, group=G, unit_keys=use_qk_l2norm)
 
-    def finish(o, fin):
-        if tpu:
-            o = jnp.moveaxis(o, 1, 2)
-        o = _packing.from_chunk_layout(o, T, packing).astype(out_dt)
-        if V != V0:
-            o = o[..., :V0]
+    def finish(o, fin):  # o None: the final state alone (chunk_final_state)
+        if o is not None:
+            if tpu:
+                o = jnp.moveaxis(o, 1, 2)
+            o = _packing.from_chunk_layout(o, T, packing).astype(out_dt)
+            if V != V0:
+                o = o[..., :V0]
         fin = fin.reshape(B, H, K, V) if not packed else jnp.swapaxes(fin.reshape(H, N, K, V), 0, 1)
         if K != K0 or V != V0:
             fin = fin[:, :, :K0, :V0]

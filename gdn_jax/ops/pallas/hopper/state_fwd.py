@@ -32,7 +32,7 @@ from .plan import producer, single_q
 
 
 def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, q=None, e_gam=None,
-                              aqk=None, save_states: bool = False, v=None, t=None, beta=None):
+                              aqk=None, save_states: bool = False, v=None, t=None, beta=None, final_only: bool = False):
     """The fused forward state pass on Hopper; arguments and result as
     :func:`gdn_jax.ops.pallas.state_fwd.forward_states_and_output`. With ``cu_seqlens``
     (``call.packed``) the per-chunk ``flags`` ride in the gates row of each chunk: at a sequence's
@@ -40,7 +40,10 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     Without ``q`` (the backward's recompute, :func:`gdn_jax.ops.pallas.hopper.state_fwd.recompute_states`)
     no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
-    (bf16) leave by TMA instead of ``o`` and the final state. With ``q`` and ``save_states``
+    (bf16) leave by TMA instead of ``o`` and the final state. With ``final_only`` (``q``, ``e_gam``
+    and ``aqk`` None: the final-state-only forward, :func:`forward_final_state`) no output either
+    and only the final state leaves (with ``save_states`` also ``h`` and ``vn``): per chunk only
+    W S (or K S), Vn and the state update, no Q S, no Aqk Vn, no o tile. With ``q`` and ``save_states``
     (``HopperTuning.save_states``) they leave as well as ``o`` and the final state, the same
     values the recompute writes (the result has all four).
 
@@ -62,10 +65,13 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     # per-chunk scalars, one TMA row each: e^gamma * scale, e^{gamma_C - gamma}, last_row and, for
     # fwd_form "t", beta and beta e^gamma
     last_row = chunk_last_row(call, e_gam_last, flags)
-    rec = q is None
+    if final_only and q is not None:
+        raise ValueError("forward_states_and_output(final_only=True) takes no q (it forms no output)")
+    noq = q is None  # no output: the recompute (rec) or the final-state-only forward
+    rec = noq and not final_only
     tf = t is not None
     keep = rec or save_states  # h and Vn leave by TMA
-    e_o = jnp.zeros((BH, n, C), F32) if rec else e_gam.reshape(BH, n, C) * call.scale
+    e_o = jnp.zeros((BH, n, C), F32) if noq else e_gam.reshape(BH, n, C) * call.scale
     rows_ = [e_o, e_gam_end.reshape(BH, n, C), last_row]
     if tf:
         rows_ += [beta.reshape(BH, n, C), (beta * e_gam).reshape(BH, n, C)]
@@ -78,9 +84,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     D, nc = (call.state_slots, call.state_wgs) if wspec else (2, 1)
     per_wg = lambda shape: (nc,) + tuple(shape) if wspec else tuple(shape)
     # per-chunk tiles (D TMA slots each; U's D * nc), in fetch order
-    one_q = not rec and single_q(call)  # one q tile, refilled once Q S has read it
+    one_q = not noq and single_q(call)  # one q tile, refilled once Q S has read it
     one_w = not tf and single_q(call)  # "wu": one W tile, refilled once W S has read it
-    slots = {} if (rec or one_q) else dict(q_s=smem((D, C, K), in_dt, sw))
+    slots = {} if (noq or one_q) else dict(q_s=smem((D, C, K), in_dt, sw))
     slots["k_s"] = smem((D, C, K), in_dt, sw)
     if tf:
         slots.update(th_s=smem((D, C, C), BF16, sw), tl_s=smem((D, C, C), BF16, sw),
@@ -88,12 +94,14 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     else:
         slots.update({} if one_w else dict(w_s=smem((D, C, K), BF16, sw)))
         slots.update(u_s=smem((D * nc, C, bv), BF16, sw))
-    if not rec:
+    if not noq:
         slots["a_s"] = smem((D, C, C), BF16, sw)
     slots["g_s"] = plgpu.SMEM((D, len(rows_), C), F32)
-    scratch = dict(slots, s_s=smem(per_wg((K, bv)), BF16, sw), vn_s=smem(per_wg((C, bv)), BF16, sw),
-                   vs_s=smem(per_wg((C, bv)), BF16, sw))
-    if not rec:
+    scratch = dict(slots, s_s=smem(per_wg((K, bv)), BF16, sw))
+    if keep or not noq:  # Vn's tile: the h / Vn stores or the Aqk Vn product read it
+        scratch["vn_s"] = smem(per_wg((C, bv)), BF16, sw)
+    scratch["vs_s"] = smem(per_wg((C, bv)), BF16, sw)
+    if not noq:
         scratch["o_s"] = smem(per_wg((C, bv)), in_dt, sw)
     scratch.update(f_s=smem(per_wg((K, bv)), F32),
                    bars=[plgpu.Barrier(num_barriers=D * (nc if name == "u_s" else 1)) for name in slots],
@@ -104,9 +112,12 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         scratch.update(q_s=smem((C, K), in_dt, sw), q_bar=plgpu.Barrier(num_barriers=1))
     if one_w:
         scratch.update(w_s=smem((C, K), BF16, sw), w_bar=plgpu.Barrier(num_barriers=1))
-    in_names = ([] if rec else ["q_ref"]) + ["k_ref"] + (["th_ref", "tl_ref", "v_ref"] if tf else ["w_ref", "u_ref"])
-    in_names += ([] if rec else ["a_ref"]) + ["g_ref", "h0_ref"]
-    out_names = ["h_ref", "vno_ref"] if rec else ["o_ref", "fin_ref"] + (["h_ref", "vno_ref"] if save_states else [])
+    in_names = ([] if noq else ["q_ref"]) + ["k_ref"] + (["th_ref", "tl_ref", "v_ref"] if tf else ["w_ref", "u_ref"])
+    in_names += ([] if noq else ["a_ref"]) + ["g_ref", "h0_ref"]
+    if rec:
+        out_names = ["h_ref", "vno_ref"]
+    else:
+        out_names = ([] if noq else ["o_ref"]) + ["fin_ref"] + (["h_ref", "vno_ref"] if save_states else [])
 
     def body(*refs):
         r = dict(zip(in_names + out_names + list(scratch), refs))
@@ -164,8 +175,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         pick = (lambda x: x.at[w]) if wspec else (lambda x: x)
         q_s, k_s, w_s, a_s, g_s, th_s, tl_s = (r.get(x) for x in ("q_s", "k_s", "w_s", "a_s", "g_s", "th_s", "tl_s"))
         u_s = r["u_s"]
-        s_s, vn_s, vs_s, f_s = (pick(r[x]) for x in ("s_s", "vn_s", "vs_s", "f_s"))
-        o_s = None if rec else pick(r["o_s"])
+        s_s, vs_s, f_s = (pick(r[x]) for x in ("s_s", "vs_s", "f_s"))
+        vn_s = pick(r["vn_s"]) if "vn_s" in r else None
+        o_s = None if noq else pick(r["o_s"])
         bars, h0_bar = r["bars"], r["h0_bar"].at[w]
         h0_ref, h_ref, vno_ref, o_ref, fin_ref = (r.get(x) for x in ("h0_ref", "h_ref", "vno_ref", "o_ref", "fin_ref"))
         bh = lax.axis_index("bh")
@@ -200,7 +212,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
         row = plgpu.Layout.WGMMA.reduce(1)
         bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-        late = call.late_o and not rec  # HopperTuning.late_o_store: chunk i-1's o leaves during step i's wgmmas
+        late = call.late_o and not noq  # HopperTuning.late_o_store: chunk i-1's o leaves during step i's wgmmas
 
         def store_o(o, j):  # o of chunk j through o_s by TMA
             tile_out(o, o_s, o_ref.at[b, pl.ds(j * C, C), h, vsl])
@@ -226,7 +238,7 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
                 plgpu.copy_smem_to_gmem(s_s, h_ref.at[bh, i, :, vsl])
             # W S (or K S for fwd_form "t") and Q S, issued together
             x_s = k_s.at[slot] if tf else (w_s if one_w else w_s.at[slot])
-            if rec:
+            if noq:
                 (ws,) = mmas([((C, bv), x_s, s_s)], interp)
             else:
                 prev = (lambda: pl.when(i > 0)(lambda: store_o(o_prev, i - 1))) if late else None
@@ -250,16 +262,19 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
             # the slot at its next step, and without the automatic barriers (HopperTuning.auto_barriers,
             # the default for this pass) nothing else orders those reads before that TMA copy
             g_end = g_s[slot, 2, 0]
-            e_o = None if rec else load_tile(g_s.at[slot, 0], row, interp)
-            vn_s[...] = vn.astype(BF16)
+            e_o = None if noq else load_tile(g_s.at[slot, 0], row, interp)
+            if vn_s is not None:
+                vn_s[...] = vn.astype(BF16)
             vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)
             plgpu.commit_smem()
             if keep:
                 plgpu.copy_smem_to_gmem(vn_s, vno_ref.at[bh, pl.ds(i * C, C), vsl])
             release = (lambda: plgpu.barrier_arrive(r["free"].at[slot])) if wspec else (lambda: None)
-            if rec:
+            if noq:
                 (S,) = mmas([(S * g_end, Transposed(k_s.at[slot]), vs_s)], interp)
                 release()  # the slot's last read
+                if call.packed and final_only:
+                    pl.when(last)(lambda: store_state(S, seq))
                 return S
             o0 = qs * bcast(e_o, qs.shape)
             o, S = mmas([(o0, a_s.at[slot], vn_s), (S * g_end, Transposed(k_s.at[slot]), vs_s)], interp)
@@ -286,17 +301,19 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
     if rec:
         out_type = states
     else:
-        out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt), jax.ShapeDtypeStruct(h0.shape, F32))
-        out_type += states if save_states else ()
+        out_type = () if noq else (jax.ShapeDtypeStruct((B, Tp, H, V), in_dt),)
+        out_type += (jax.ShapeDtypeStruct(h0.shape, F32),) + (states if save_states else ())
     if wspec:
         kw.update(num_threads=nc + 1, thread_name="wg")
     fn = varying_kernel(plgpu.kernel, body, out_type=out_type, scratch_types=list(scratch.values()), grid=(BH, V // (bv * nc)),
                         grid_names=("bh", "vb"), **kw)
-    args = ([] if rec else [q]) + [k] + ([t[0], t[1], v] if tf else [w.astype(BF16), u.astype(BF16)])
-    args += ([] if rec else [aqk.astype(BF16)]) + [gates, h0]
+    args = ([] if noq else [q]) + [k] + ([t[0], t[1], v] if tf else [w.astype(BF16), u.astype(BF16)])
+    args += ([] if noq else [aqk.astype(BF16)]) + [gates, h0]
     out = fn(*args)
     if rec:
         return dict(h=out[0], vn=out[1])
+    if final_only:
+        return dict(zip(("final", "h", "vn"), out))
     if save_states:
         return dict(o=out[0], final=out[1], h=out[2], vn=out[3])
     return dict(o=out[0], final=out[1])
@@ -306,3 +323,14 @@ def recompute_states(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags
     """The backward's forward recompute on Hopper: ``h`` [BH, n, K, V] (the state entering each
     chunk) and ``vn`` [BH, T, V], bf16 (:func:`forward_states_and_output` without q)."""
     return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags)
+
+
+def forward_final_state(call: KernelCall, w, u, k, e_gam_end, e_gam_last, h0, flags, save_states: bool = False,
+                        v=None, t=None, beta=None, e_gam=None):
+    """The final-state-only forward state pass on Hopper (the maps' pass of
+    :func:`gdn_jax.ops.state_maps.state_map` and of the sequence split): :func:`forward_states_and_output`
+    without q, Aqk and o, in either form ("wu": ``w``, ``u``; "t": ``v``, ``t``, ``beta``, ``e_gam``). Returns
+    ``final`` [BH | H, nseq, K, V] float32 and, with ``save_states``, ``h`` and ``vn`` as the fused
+    pass writes them (for the Hopper backward)."""
+    return forward_states_and_output(call, w, u, k, e_gam_end, e_gam_last, h0, flags, e_gam=e_gam,
+                                     save_states=save_states, v=v, t=t, beta=beta, final_only=True)
