@@ -11,7 +11,10 @@ Cases (tracing only, CPU, about a minute):
 * the transition form (K = V = 64) and the wide backward (K = V = 256: "hopper" blocks,
   "hopper_xla", "triton") on "gpu" with ``gpu_kernels="mosaic"``, bf16;
 * the five benchmark shapes of ``benchmarks/bench_pallas.py`` (bf16) on "gpu" (Triton default),
-  "gpu" with ``gpu_kernels="mosaic"`` and "tpu".
+  "gpu" with ``gpu_kernels="mosaic"`` and "tpu";
+* where the tree has it, the final-state-only entry (``gdn_jax.ops.gated_delta_rule.final_state``,
+  the maps' pass of ``state_map``) at every case but the benchmark shapes: files ``*_finalonly.txt``
+  (``value_and_grad`` of a loss of the final state), plus the gate-free path (bf16, unit keys).
 
 With ``--values`` it also saves the interpret-mode outputs and gradients of a few small cases
 (Triton semantics and Mosaic GPU's interpreter) in ``values.npz``, to compare bit for bit::
@@ -32,6 +35,11 @@ try:  # options named by their flat names (fwd_form=..., fuse_output=...) on eit
 except ImportError:  # a tree from before KernelConfig's groups: its flat keywords
     config_from_names = KernelConfig
 from gdn_jax.ops import pallas as P
+
+try:  # the final-state-only entry, where the tree has one
+    from gdn_jax.ops.gated_delta_rule import final_state
+except ImportError:
+    final_state = None
 
 out = sys.argv[1]
 values = "--values" in sys.argv[2:]
@@ -118,6 +126,29 @@ for plat, extra, dt, form, shape in cases:
     except Exception as e:
         report.append(f"{name}: ERROR {type(e).__name__}: {e}")
     n += 1
+
+def final_loss_fn(c, cu):
+    def loss(q, k, v, g, b, s):
+        S = final_state(q, k, v, g, b, initial_state=s, backend="pallas", chunk_size=64, cu_seqlens=cu, kernel_config=c,
+                        use_qk_l2norm=True)
+        return jnp.sum(S * jnp.cos(jnp.arange(S.shape[-1], dtype=F32)))
+    return loss
+
+
+if final_state is not None:
+    finals = [c for c in cases if c[3] != "bench"]
+    finals += [("gpu", {"gpu_kernels": "triton", "gatefree": True}, BF16, "plain", small),
+               ("interpret", {"gatefree": True}, BF16, "packed", small)]
+    for plat, extra, dt, form, shape in finals:
+        name = label(plat, extra, dt, form, shape) + "_finalonly"
+        args, cu = inputs(dt, form, shape)
+        try:
+            txt = str(jax.make_jaxpr(jax.value_and_grad(final_loss_fn(make(plat, extra, form), cu),
+                                                        argnums=(0, 1, 2, 3, 4, 5)))(*args))
+        except Exception as e:
+            txt = f"ERROR {type(e).__name__}: {e}"
+        open(os.path.join(out, name + ".txt"), "w").write(txt)
+        n += 1
 open(os.path.join(out, "kernels.txt"), "w").write("\n".join(report) + "\n")
 print("dumped", n)
 
