@@ -3,8 +3,8 @@
 interpret mode.
 
 * every forward kernel path that runs in interpret mode (fused, unfused, gate-free, TPU streamed,
-  Hopper "wu", "t" and the transition form, which falls back to the full kernels): the final state
-  and the gradient of a loss of it with respect to q, k, v, g, beta and the initial state equal the
+  Hopper "wu", "t" and the transition form, which falls back to the full kernels): the final state,
+  undifferentiated (no residuals written) and under differentiation, and the gradient of a loss of it with respect to q, k, v, g, beta and the initial state equal the
   full op's BIT FOR BIT (the same kernels' arithmetic without the output; the backward is the full
   op's with a zero output cotangent, which the full op gets too when the loss reads only the final
   state), with an initial state, packed ``cu_seqlens`` (an empty document) and grouped value heads,
@@ -104,6 +104,8 @@ def test_final_state_equals_full_op(name, dense, monkeypatch):
         monkeypatch.setitem(paths.FORWARD_BY_NAME, want_path, dataclasses.replace(p, run=_raising_run(want_path)))
     got = _value_and_grads(_final(kw), x)
     _assert_same(got, ref)
+    # undifferentiated (no residuals: on the Hopper paths the WY kernel forms no Aqk either)
+    _assert_same(jax.jit(_final(kw))(x.q, x.k, x.v, x.g, x.beta, x.S0), ref[0])
     assert float(jnp.max(jnp.abs(ref[0]))) > 0.1 and float(jnp.max(jnp.abs(ref[1][3]))) > 0  # a real state, dg
 
 

@@ -24,7 +24,8 @@ Same semantics as ``backend="chunk"`` (decay first; GDN paper §3.3, DeltaNet pa
   package);
 * :mod:`.paths`: the table of kernel paths (which kernels run each direction, tried in a stated
   order, each entry with ``covers(call)`` and ``run``);
-* :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring;
+* :mod:`.vjp`: preparation in plain JAX and the ``custom_vjp`` wiring (the op's, and the
+  final-state-only forward's, :func:`pallas_final_state`);
 * :mod:`.partition`: the kernels' sharding rules (``custom_partitioning``): under ``jit`` on
   inputs split along the batch and / or the heads each device runs its own block, nothing is
   gathered (docs/data_parallel.md);
@@ -225,9 +226,9 @@ def pallas_final_state(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, us
     runs (:func:`.vjp.chunk_final_state`; per kernel path, :data:`.paths.FORWARD`'s ``run_final``: no o
     written, no query-side work where the path has that mode). The pass that builds the state maps of
     :func:`gdn_jax.ops.state_maps.state_map` and of the sequence split reads only the final state.
-    Same arguments (q is read only by the kernel paths that fall back to the full forward; the
-    caller may pass k); the same kernel path as the full op for these arrays; differentiable (the
-    full op's backward with a zero output cotangent).
+    Same arguments (q is read only where Aqk is still formed -- the Hopper WY kernel -- or the path
+    falls back to the full forward; a caller with no query may pass k); the same kernel path as the
+    full op for these arrays; differentiable (the full op's backward with a zero output cotangent).
 
     Returns (final_state [B,H,K,V] or [N,H,K,V] float32 -- to float32 rounding the full op's, bit for
     bit on the paths tested --, valid: bool scalar, False for a malformed traced ``cu_seqlens``).

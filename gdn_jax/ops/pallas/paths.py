@@ -32,10 +32,12 @@ Final state only (:func:`gdn_jax.ops.pallas.pallas_final_state`: the maps' pass 
 state): each forward entry's ``run_final`` runs the same path with no output, chosen by the same
 ``covers`` (one table, one choice):
 
-* ``hopper_t``, ``hopper_wu``: the Hopper state pass in its final-only mode
-  (:func:`.hopper.state_fwd.forward_final_state`: no Q S, no Aqk Vn, no o tile or store); the WY
-  kernel is the full one (it still forms and writes Aqk, which nothing reads: a WY mode without q is
-  not built);
+* ``hopper_t``, ``hopper_wu``: the Hopper WY kernel without q (no Q K^T, no Aqk written;
+  :func:`.hopper.wy.wy_forward` with q None) and the state pass in its final-only mode
+  (:func:`.hopper.state_fwd.forward_final_state`: no Q S, no Aqk Vn, no o tile or store). Under
+  differentiation with ``HopperTuning.save_wy`` the WY kernel forms Aqk as the full op's does (the
+  backward reads it among the saved WY products), and with ``save_states`` the state pass also
+  writes h and Vn;
 * ``gatefree``: the inverse stage forms T0 alone (no Aqk) and the state pass writes no o
   (:func:`.state_fwd.forward_final_state_gatefree`);
 * ``fused``, ``unfused``: the WY kernel without q (W, U; no Aqk) and the final-only state pass
@@ -189,8 +191,10 @@ def _run_hopper_t(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_las
 
 
 def _final_hopper_t(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
-    """Hopper, T form, final state only: the full WY kernel, the state pass without the output."""
-    wy = hopper_wy.wy_forward(call, q, k, None, beta, gam, e_gam, t_form=True, with_w=save_wy and save_states)
+    """Hopper, T form, final state only: the WY kernel without Aqk (with it where the backward keeps
+    the WY products, ``save_wy``: the full op's residuals), the state pass without the output."""
+    wy = hopper_wy.wy_forward(call, q if save_wy else None, k, None, beta, gam, e_gam, t_form=True,
+                              with_w=save_wy and save_states)
     out = hopper_state_fwd.forward_final_state(call, None, None, k, e_gam_end, e_gam_last, h0, flags,
                                                save_states=save_states, v=v, t=(wy["t_hi"], wy["t_lo"]), beta=beta,
                                                e_gam=e_gam)
@@ -198,8 +202,9 @@ def _final_hopper_t(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_l
 
 
 def _final_hopper_wu(call, q, k, v, beta, gam, gam_row, e_gam, e_gam_end, e_gam_last, h0, flags, save_wy, save_states):
-    """Hopper, W/U form, final state only: the full WY kernel, the state pass without the output."""
-    wy = hopper_wy.wy_forward(call, q, k, v, beta, gam, e_gam, save_t=save_wy)
+    """Hopper, W/U form, final state only: the WY kernel without Aqk (with it under ``save_wy``, as
+    :func:`_final_hopper_t`), the state pass without the output."""
+    wy = hopper_wy.wy_forward(call, q if save_wy else None, k, v, beta, gam, e_gam, save_t=save_wy)
     out = hopper_state_fwd.forward_final_state(call, wy["w"], wy["u"], k, e_gam_end, e_gam_last, h0, flags,
                                                save_states=save_states)
     return out["final"], _saved(wy, out, save_wy, save_states)

@@ -176,7 +176,8 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     with ``save_t`` (the forward of ``HopperTuning.save_wy``) ``t_hi``, ``t_lo`` besides ``aqk``.
     With ``t_form`` (``HopperTuning.fwd_form="t"``: the state pass forms Vn from T, v and the
     state; ``v`` is not read and may be None) ``aqk``, ``t_hi``, ``t_lo`` and, with ``with_w``,
-    ``w`` (for the backward), no U.
+    ``w`` (for the backward), no U. With ``q`` None (the final-state-only forward, whose state pass
+    reads no Aqk; not with ``do``) no Q K^T and no ``aqk``: the same results without it.
     """
     plgpu = plgpu_api()
     interp = call.platform == "interpret"
@@ -190,6 +191,9 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
     scale = call.scale
 
     backward = do is not None
+    noq = q is None  # no Aqk (the final-state-only forward)
+    if noq and backward:
+        raise ValueError("wy_forward: the backward's WY stage (do) needs q")
     blocked = call.wy_inverse == "blocked" and C % 16 == 0 and C >= 32
     # HopperTuning.wy_compact (the forward only): q's tile takes v once Q K^T has read q, Aqk's
     # staging tile is L's hi tile of the inverse's rounds once Aqk has left
@@ -226,12 +230,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         if lo_in:
             scratch.update(tc_lo=smem((C, 16), BF16), lc_lo=smem((C, 16), BF16))
     scratch["bars"] = [plgpu.Barrier(num_barriers=S) for _ in range(5 if backward else 4)]  # one per source
-    in_names = ["q_ref", "k_ref"] + (["v_ref"] if has_v else []) + ["g_ref"] + (["do_ref"] if backward else [])
+    in_names = ([] if noq else ["q_ref"]) + ["k_ref"] + (["v_ref"] if has_v else []) + ["g_ref"]
+    in_names += ["do_ref"] if backward else []
+    a_out = [] if noq else ["a_ref"]
     if t_form:
-        out_names = ["a_ref", "thi_ref", "tlo_ref"] + (["w_ref"] if with_w else [])
+        out_names = a_out + ["thi_ref", "tlo_ref"] + (["w_ref"] if with_w else [])
     else:
         out_names = ["w_ref", "u_ref"] + (["dvl_ref", "thi_ref", "tlo_ref"] if backward else
-                                          ["a_ref"] + (["thi_ref", "tlo_ref"] if save_t else []))
+                                          a_out + (["thi_ref", "tlo_ref"] if save_t else []))
 
     def body(*refs):
         r = dict(zip(in_names + out_names + list(scratch), refs))
@@ -246,15 +252,16 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
 
         def sources(c):
             rows = pl.ds(c * C, C)
-            srcs = [q_ref.at[b, rows, hk], k_ref.at[b, rows, hk], v_ref.at[b, rows, h] if has_v else None,
-                    g_ref.at[bh, c]]
+            srcs = [None if noq else q_ref.at[b, rows, hk], k_ref.at[b, rows, hk],
+                    v_ref.at[b, rows, h] if has_v else None, g_ref.at[bh, c]]
             return srcs + ([do_ref.at[b, rows, h]] if backward else [])
 
         def issue(c, slot):  # the chunk's first copies (compact: v after Q K^T, into q's tile)
             srcs = sources(c)
             dsts = [x.at[slot] for x in slot_refs] + ([do_s] if backward else [])
             for i in (0, 1, 3) if compact else range(len(srcs)):
-                plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars[i].at[slot])
+                if srcs[i] is not None:  # no q without Aqk
+                    plgpu.copy_gmem_to_smem(srcs[i], dsts[i], bars[i].at[slot])
 
         if per == 1:
             c = lax.axis_index("c")
@@ -290,12 +297,14 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         v_s = q_s if compact else r["v_s"].at[slot]
         bar = lambda i: bars[i].at[slot] if i < 4 else bars[i].at[0]
         for i in (0, 1, 3) if compact else range(4):
-            plgpu.barrier_wait(bar(i))
+            if not (noq and i == 0):
+                plgpu.barrier_wait(bar(i))
         # Q K^T first, Aqk formed and stored, then K K^T: one [C, C] accumulator live at a time (185
         # registers instead of 196; H200 whole forward 0.274 -> 0.265 ms at 4x4096x16x128, 0.475 ->
         # 0.461 at 1x16384x16x128, results/hopper_h200/, measured
         # before W and U took T as t_hi + t_lo, a change not yet timed or checked on the GPU)
-        (qk,) = mmas([((C, C), q_s, Transposed(k_s))], interp)
+        if not noq:
+            (qk,) = mmas([((C, C), q_s, Transposed(k_s))], interp)
         if compact and has_v:  # the wgmmas reading q have completed: v lands in its tile during the inverse
             plgpu.copy_gmem_to_smem(srcs[2], v_s, bar(2))
         i, j = iota((C, C), 0, interp), iota((C, C), 1, interp)
@@ -306,16 +315,17 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
         lower, incl = i > j, i >= j
         beta_r = load_tile(g_s.at[0], row, interp)
         e = jnp.exp(jnp.where(incl, dg, 0.0))  # one exp for both: the strict lower part is A's
-        aqk = jnp.where(incl, qk * (scale * e), 0.0)
-        a_s[...] = aqk.astype(BF16)
-        plgpu.commit_smem()
+        if not noq:
+            aqk = jnp.where(incl, qk * (scale * e), 0.0)
+            a_s[...] = aqk.astype(BF16)
+            plgpu.commit_smem()
         if backward:  # dVl = Aqk^T dO; dO's tile then carries dVl out
             plgpu.barrier_wait(bar(4))
             (dvl,) = mmas([((C, V), Transposed(a_s), do_s)], interp)
             do_s[...] = dvl.astype(do_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(do_s, dvl_ref.at[bh, rows])
-        else:
+        elif not noq:
             plgpu.copy_smem_to_gmem(a_s, a_ref.at[bh, c])
         (kk,) = mmas([((C, C), k_s, Transposed(k_s))], interp)
         A = jnp.where(lower, kk * bcast_r(beta_r) * e, 0.0)
@@ -386,27 +396,25 @@ def wy_forward(call: KernelCall, q, k, v, beta, gam, e_gam, do=None, save_t=Fals
                       sequential=max(K, V) > 128)  # K or V = 256: one [C, 128] accumulator at a time
 
     kw = kernel_kw(call, "wy")  # HopperTuning.auto_barriers (see sync_own_barriers)
+    qa = () if noq else (q,)
     if t_form:
-        out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 3
+        out_type = [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (2 if noq else 3)
         out_type += [jax.ShapeDtypeStruct((BH, Tp, K), in_dt)] if with_w else []
         fn = varying_kernel(plgpu.kernel, body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
                             grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
-        return dict(zip(("aqk", "t_hi", "t_lo", "w"), fn(q, k, gates)))
+        return dict(zip((() if noq else ("aqk",)) + ("t_hi", "t_lo", "w"), fn(*qa, k, gates)))
     out_type = [jax.ShapeDtypeStruct((BH, Tp, K), in_dt), jax.ShapeDtypeStruct((BH, Tp, V), in_dt)]
     if backward:
         out_type += [jax.ShapeDtypeStruct((BH, Tp, V), in_dt)] + [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * 2
     else:
-        out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * (3 if save_t else 1)
+        out_type += [jax.ShapeDtypeStruct((BH, n, C, C), BF16)] * ((2 if save_t else 0) + (0 if noq else 1))
     fn = varying_kernel(plgpu.kernel, body, out_type=tuple(out_type), scratch_types=list(scratch.values()),
                         grid=(BH, pl.cdiv(n, per)), grid_names=("bh", "c"), **kw)
     if backward:
         w, u, dvl, t_hi, t_lo = fn(q, k, v, gates, do)
         return dict(w=w, u=u, dvl=dvl, t_hi=t_hi, t_lo=t_lo)
-    if save_t:
-        w, u, aqk, t_hi, t_lo = fn(q, k, v, gates)
-        return dict(w=w, u=u, aqk=aqk, t_hi=t_hi, t_lo=t_lo)
-    w, u, aqk = fn(q, k, v, gates)
-    return dict(w=w, u=u, aqk=aqk)
+    names = ("w", "u") + (() if noq else ("aqk",)) + (("t_hi", "t_lo") if save_t else ())
+    return dict(zip(names, fn(*qa, k, v, gates)))
 
 
 def wy_from_saved(call: KernelCall, k, v, do, beta, e_gam, aqk, t_hi, t_lo):
