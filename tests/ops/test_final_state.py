@@ -102,10 +102,15 @@ def test_final_state_equals_full_op(name, dense, monkeypatch):
     p = paths.FORWARD_BY_NAME[want_path]
     if p.run_final is not None:  # the final-only kernels must be what runs, forward and under grad
         monkeypatch.setitem(paths.FORWARD_BY_NAME, want_path, dataclasses.replace(p, run=_raising_run(want_path)))
+    seen = []  # the Hopper WY kernel: called without q (no Aqk) where no residuals are kept
+    wy = paths.hopper_wy.wy_forward
+    monkeypatch.setattr(paths.hopper_wy, "wy_forward", lambda c, q, *a, **k: seen.append(q is None) or wy(c, q, *a, **k))
     got = _value_and_grads(_final(kw), x)
     _assert_same(got, ref)
     # undifferentiated (no residuals: on the Hopper paths the WY kernel forms no Aqk either)
     _assert_same(jax.jit(_final(kw))(x.q, x.k, x.v, x.g, x.beta, x.S0), ref[0])
+    if p.hopper and p.run_final is not None:
+        assert seen == [False, True], seen  # Aqk kept for the backward (save_wy), then none
     assert float(jnp.max(jnp.abs(ref[0]))) > 0.1 and float(jnp.max(jnp.abs(ref[1][3]))) > 0  # a real state, dg
 
 
