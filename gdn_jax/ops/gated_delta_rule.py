@@ -174,7 +174,7 @@ def gated_delta_rule(
 def _checked_call(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, backend, kernel_config):
     """The op's checks and backend choice: ``((q, k, v, g, beta, initial_state, cu_seqlens) as JAX
     arrays where NumPy ones came, forms, accumulation dtype, the backend that runs)``; warns as
-    :func:`gated_delta_rule` says."""
+    :func:`gated_delta_rule` says, naming the caller of the function that calls this."""
     # NumPy arrays as JAX would take them (float64 -> float32 unless jax_enable_x64), so that every
     # backend sees the same dtypes
     q, k, v, g, beta = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v, g, beta))
@@ -182,7 +182,8 @@ def _checked_call(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale
         initial_state = jnp.asarray(initial_state)
     forms = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale)
     check_kernel_config(kernel_config, backend)
-    warn_head_first("gated_delta_rule", q)  # direct calls only (layers call inside _warnings.internal_call)
+    # direct calls only (layers call inside _warnings.internal_call); stacklevel 3: the op's caller
+    warn_head_first("gated_delta_rule", q, stacklevel=3)
     K, V = q.shape[-1], v.shape[-1]
     dt = acc_dtype(q, k, v, g, beta, initial_state)
     # any float64 input makes the call float64 (the kernels take none: pallas refuses, auto picks chunk)
@@ -191,7 +192,7 @@ def _checked_call(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale
     if which == "pallas" and q.shape[0] == 0:  # an empty batch: nothing to compute, no kernel to launch
         which = "chunk"
     if which == "pallas":
-        warn_pallas_interpreter(kernel_config)  # on the CPU: the slow interpreter
+        warn_pallas_interpreter(kernel_config, stacklevel=3)  # on the CPU: the slow interpreter
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens)
     return (q, k, v, g, beta, initial_state, cu_seqlens), forms, dt, which
