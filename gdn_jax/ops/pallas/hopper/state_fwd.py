@@ -40,8 +40,9 @@ def forward_states_and_output(call: KernelCall, w, u, k, e_gam_end, e_gam_last, 
 
     Without ``q`` (the backward's recompute, :func:`gdn_jax.ops.pallas.hopper.state_fwd.recompute_states`)
     no output is formed: the state entering each chunk ``h`` [BH, n, K, V] and ``vn`` [BH, T, V]
-    (bf16) leave by TMA instead of ``o`` and the final state. With ``final_only`` (``q``, ``e_gam``
-    and ``aqk`` None: the final-state-only forward, :func:`forward_final_state`) no output either
+    (bf16) leave by TMA instead of ``o`` and the final state. With ``final_only`` (``q`` and ``aqk``
+    None, ``e_gam`` read by the "t" form only: the final-state-only forward,
+    :func:`forward_final_state`) no output either
     and only the final state leaves (with ``save_states`` also ``h`` and ``vn``): per chunk only
     W S (or K S), Vn and the state update, no Q S, no Aqk Vn, no o tile. With ``q`` and ``save_states``
     (``HopperTuning.save_states``) they leave as well as ``o`` and the final state, the same
