@@ -498,10 +498,19 @@ def parse_kernel_config(overrides: Sequence[str], **fields) -> Any:
 
 def as_flags(message: str, cls: Type) -> str:
     """``message`` with every ``Cls.field`` of dataclass ``cls`` (its class name, a dot and a field
-    name) written as the command-line flag ``--field``."""
+    name) written as the command-line flag ``--field``; ``Cls.field=True`` / ``Cls.field=False`` (a
+    boolean setting) as ``--field`` / ``--no-field``, the flags the parser takes."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return re.sub(rf"\b{re.escape(cls.__name__)}\.(\w+)",
-                  lambda m: f"--{m.group(1)}" if m.group(1) in names else m.group(0), message)
+
+    def flag(m):
+        name, value = m.group(1), m.group(2)
+        if name not in names:
+            return m.group(0)
+        if value is None:
+            return f"--{name}"
+        return f"--{name}" if value == "True" else f"--no-{name}"
+
+    return re.sub(rf"\b{re.escape(cls.__name__)}\.(\w+)(?:=(True|False)\b)?", flag, message)
 
 
 @contextlib.contextmanager

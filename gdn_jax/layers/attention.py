@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from ..ops._common import poison_if_invalid
+from ..ops.context_parallel import axis_size
 from ..ops.packing import seq_info
 from . import _checks
 from .norm import NORM_STYLES, rms_norm
@@ -206,7 +207,7 @@ class Attention(nnx.Module):
     def _sharded_sequence(self, x, cu_seqlens, axis):
         """This shard's causal attention over the keys / values of every shard (all-gathered)."""
         Ts = x.shape[1]
-        n_dev = jax.lax.axis_size(axis)
+        n_dev = axis_size(axis, "context_axis")
         T = n_dev * Ts
         t = jax.lax.axis_index(axis) * Ts + jnp.arange(Ts)  # global positions of this shard's queries
         s = jnp.arange(T)

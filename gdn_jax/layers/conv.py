@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..ops.context_parallel import axis_size
 from ..ops.packing import seq_info
 from . import _checks
 
@@ -92,7 +93,7 @@ class ShortConv(nnx.Module):
         """The convolution of this shard of a sequence split over mesh axis ``axis`` (halo exchange)."""
         W = self.kernel_size
         B, T, D = x.shape
-        n_dev = jax.lax.axis_size(axis)
+        n_dev = axis_size(axis, "context_axis")
         me = jax.lax.axis_index(axis)
         if W > 1 and W - 1 > T:
             raise ValueError(f"ShortConv: each shard needs at least kernel_size - 1 = {W - 1} tokens, got {T}")

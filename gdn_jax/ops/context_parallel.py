@@ -38,6 +38,32 @@ from .piece_maps import affine_state_map, document_owners, entering_states, piec
 from .state_maps import state_map
 
 
+def axis_size(axis_name, argument: str = "axis_name") -> int:
+    """The size of mesh axis ``axis_name`` (a name or a tuple of names) of the enclosing
+    ``jax.shard_map``; ``ValueError`` naming ``argument`` where no enclosing ``shard_map`` binds it
+    (a misspelt axis, or a call outside ``shard_map``), instead of JAX's ``NameError``."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"{argument}={axis_name!r} is not a mesh axis of an enclosing jax.shard_map ({e}): call "
+                         f"inside a shard_map whose mesh has that axis (a layer's or LM's context_axis, the "
+                         f"context-parallel ops' axis_name)") from None
+
+
+def _check_initial_state(initial_state, k, v, cu_seqlens) -> None:
+    """``initial_state`` ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), checked before the
+    state maps use it (the op checks it only for the shard's own call, after them)."""
+    if initial_state is None:
+        return
+    if not hasattr(initial_state, "shape"):
+        raise TypeError(f"initial_state must be an array, got {type(initial_state).__name__}")
+    n = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    want = (n, v.shape[2], k.shape[-1], v.shape[-1])
+    if tuple(initial_state.shape) != want:
+        what = "[N, H, K, V] (N = len(cu_seqlens) - 1)" if cu_seqlens is not None else "[B, H, K, V]"
+        raise ValueError(f"initial_state must have shape {what} = {want}, got shape {tuple(initial_state.shape)}")
+
+
 def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
     if beta.ndim == v.ndim:
         raise ValueError(f"context parallelism takes per-head beta [B, T, H]; per-value-channel beta of shape "
@@ -101,16 +127,18 @@ def context_parallel_gated_delta_rule(
       final_state as :func:`gated_delta_rule`'s, or None.
 
     Raises:
-      ValueError: per-value-channel beta, ``mask_nonfinite=True``, concrete ``cu_seqlens`` not from
-        0 to ``P T_s`` or decreasing, B != 1 with ``cu_seqlens``; and what :func:`gated_delta_rule`
-        raises for the shard's arguments.
+      ValueError: ``axis_name`` not bound by an enclosing ``shard_map``; per-value-channel beta,
+        ``mask_nonfinite=True``, concrete ``cu_seqlens`` not from 0 to ``P T_s`` or decreasing, B != 1
+        with ``cu_seqlens``, ``initial_state`` not ``[B, H, K, V]`` (``[N, H, K, V]``); and what
+        :func:`gated_delta_rule` raises for the shard's arguments.
       TypeError: non-integer ``cu_seqlens``, non-bool flags.
 
     Source: ``../shared/REFERENCE.md`` section 10 ("Across devices"); FLA's KCP and
     jax-linear-attention's ``context_parallel_linear_attention`` use the same maps.
     """
     check_flags(output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
-    _check_call(v, beta, cu_seqlens, mask_nonfinite, jax.lax.axis_size(axis_name) * v.shape[1])
+    _check_call(v, beta, cu_seqlens, mask_nonfinite, axis_size(axis_name) * v.shape[1])
+    _check_initial_state(initial_state, k, v, cu_seqlens)
     op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
 
     def run(s, cu, fin):
@@ -193,10 +221,13 @@ def context_parallel_linear_attention(
     :func:`context_parallel_gated_delta_rule`, whose arguments these are (``g`` None: no decay).
 
     Raises: as :func:`gdn_jax.ops.gated_linear_attention` for the shard's arguments; ValueError for
-    a concrete ``cu_seqlens`` not from 0 to ``P T_s``."""
+    ``axis_name`` not bound by an enclosing ``shard_map``, a concrete ``cu_seqlens`` not from 0 to
+    ``P T_s``, an ``initial_state`` not ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``)."""
     check_flags(output_final_state=output_final_state)
+    n_dev = axis_size(axis_name)
     if cu_seqlens is not None:
-        check_cu_values(cu_seqlens, jax.lax.axis_size(axis_name) * v.shape[1])
+        check_cu_values(cu_seqlens, n_dev * v.shape[1])
+    _check_initial_state(initial_state, k, v, cu_seqlens)
     op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend)
 
     def run(s, cu, fin):
@@ -249,9 +280,17 @@ def shard_gated_delta_rule(
       ``batch_axis``).
 
     Raises:
-      ValueError: T not a multiple of the size of ``axis``; as :func:`context_parallel_gated_delta_rule`.
+      ValueError: ``axis`` or ``batch_axis`` not axes of ``mesh`` (or sharing one); T not a multiple
+        of the size of ``axis``; as :func:`context_parallel_gated_delta_rule`.
     """
-    n = int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
+    axes, batch_axes = _mesh_axes(mesh, "axis", axis), _mesh_axes(mesh, "batch_axis", batch_axis)
+    if not axes:
+        raise ValueError(f"axis must name the mesh axis (or axes) T is split over, got None; the mesh's axes are "
+                         f"{tuple(mesh.axis_names)}")
+    if set(axes) & set(batch_axes):
+        raise ValueError(f"axis={axis!r} and batch_axis={batch_axis!r} must be different mesh axes (T and B "
+                         f"cannot be split over the same devices)")
+    n = int(np.prod([mesh.shape[a] for a in axes]))
     if v.shape[1] % n:
         raise ValueError(f"T = {v.shape[1]} must be a multiple of the {n} devices of mesh axis {axis!r}")
     if cu_seqlens is not None:  # concrete values checked here: inside shard_map they are traced
@@ -268,6 +307,16 @@ def shard_gated_delta_rule(
     out_fin = st if kwargs.get("output_final_state", False) else None
     check = not _kernels_interpreted(kwargs) if check_vma is None else check_vma
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, out_fin), check_vma=check)(*args)
+
+
+def _mesh_axes(mesh, argument: str, value) -> Tuple[str, ...]:
+    """``value`` (None, a mesh axis name or a tuple of them) as a tuple of names; ``ValueError``
+    naming ``argument`` for a name that is not one of ``mesh``'s axes."""
+    axes = () if value is None else (value,) if isinstance(value, str) else tuple(value) \
+        if isinstance(value, (tuple, list)) else (value,)
+    if any(a not in mesh.axis_names for a in axes):
+        raise ValueError(f"{argument}={value!r} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}")
+    return axes
 
 
 def _kernels_interpreted(kwargs) -> bool:

@@ -332,6 +332,9 @@ def test_library_errors_become_exit_messages():
     """Scripts turn a library ValueError/TypeError into an exit message, fields written as flags."""
     assert as_flags("_Cfg.lr must be > 0 (_Cfg.nope, Other.lr, x_Cfg.steps)", _Cfg) == \
         "--lr must be > 0 (_Cfg.nope, Other.lr, x_Cfg.steps)"
+    # a boolean setting as the flag the parser takes (argparse refuses --resume=False)
+    assert as_flags("or _Cfg.progress=False; _Cfg.resume=True; _Cfg.nope=False", _Cfg) == \
+        "or --no-progress; --resume; _Cfg.nope=False"
     for exc in (ValueError, TypeError):
         with pytest.raises(SystemExit, match=r"^prog: error: --steps must be >= 1$"):
             with exit_on_error("prog", _Cfg):

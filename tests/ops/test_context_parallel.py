@@ -92,6 +92,41 @@ def test_refusals():
         shard_gated_delta_rule(*_inputs(), mesh=mesh, axis="seq", backend="scan", cu_seqlens=jnp.array([0, 3, 4]))
 
 
+def test_refusals_name_the_argument():
+    """A mesh axis that does not exist (shard_gated_delta_rule's axis / batch_axis; axis_name and a
+    layer's context_axis that no enclosing shard_map binds, or a call outside one) and an
+    initial_state of the wrong shape (checked before the state maps use it) are ValueErrors naming
+    the argument, not JAX's KeyError / NameError or a concatenate's TypeError."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from gdn_jax.layers import Attention, GatedDeltaNet
+
+    mesh, x = _mesh(), _inputs(T=16, H=2)
+    with pytest.raises(ValueError, match=r"axis='sequence' is not an axis of the mesh, whose axes are \('seq',\)"):
+        shard_gated_delta_rule(*x, mesh=mesh, axis="sequence", backend="scan")
+    with pytest.raises(ValueError, match="batch_axis='data' is not an axis of the mesh"):
+        shard_gated_delta_rule(*x, mesh=mesh, axis="seq", batch_axis="data", backend="scan")
+    with pytest.raises(ValueError, match="must be different mesh axes"):
+        shard_gated_delta_rule(*x, mesh=mesh, axis="seq", batch_axis="seq", backend="scan")
+    spec = P(None, "seq")
+    own = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    with pytest.raises(ValueError, match="axis_name='sequence' is not a mesh axis of an enclosing jax.shard_map"):
+        jax.shard_map(lambda *a: context_parallel_gated_delta_rule(*a, axis_name="sequence", backend="scan")[0],
+                      mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(*x)
+    for layer in (GatedDeltaNet(32, 2, 16, backend="chunk", chunk_size=16, rngs=nnx.Rngs(0)),
+                  Attention(32, 2, 16, rngs=nnx.Rngs(0))):
+        with pytest.raises(ValueError, match="context_axis='sequence' is not a mesh axis"):
+            own(lambda h: layer(h, context_axis="sequence"))(jnp.ones((1, 16, 32)))
+        with pytest.raises(ValueError, match="context_axis='seq' is not a mesh axis"):  # outside any shard_map
+            layer(jnp.ones((1, 16, 32)), context_axis="seq")
+    cu = jnp.asarray([0, 5, 16], jnp.int32)
+    for s0, cus, want in ((jnp.zeros((3, 2, 16, 16)), cu, r"\[N, H, K, V\].*\(2, 2, 16, 16\), got shape \(3,"),
+                          (jnp.zeros((1, 2, 16, 8)), None, r"\[B, H, K, V\] = \(1, 2, 16, 16\), got shape \(1, 2, 16, 8\)")):
+        with pytest.raises(ValueError, match=want):
+            shard_gated_delta_rule(*x, mesh=mesh, axis="seq", backend="chunk", initial_state=s0, cu_seqlens=cus)
+
+
 def test_user_shard_map():
     """context_parallel_gated_delta_rule inside a shard_map of one's own (batch over 'data', T over 'seq')."""
     from jax.sharding import PartitionSpec as P
