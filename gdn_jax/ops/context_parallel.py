@@ -64,6 +64,11 @@ def _check_initial_state(initial_state, k, v, cu_seqlens) -> None:
         raise ValueError(f"initial_state must have shape {what} = {want}, got shape {tuple(initial_state.shape)}")
 
 
+def _as_array(cu_seqlens):
+    """A list or tuple of boundaries as a NumPy array (what :func:`gated_delta_rule` accepts)."""
+    return np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
+
+
 def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
     if beta.ndim == v.ndim:
         raise ValueError(f"context parallelism takes per-head beta [B, T, H]; per-value-channel beta of shape "
@@ -73,7 +78,7 @@ def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
                          "over the whole sequence); call without it")
     if cu_seqlens is not None:
         if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-            raise TypeError("cu_seqlens must be an integer array")
+            raise TypeError(f"cu_seqlens must be an integer array, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
         if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
         if v.shape[0] != 1:
@@ -137,6 +142,7 @@ def context_parallel_gated_delta_rule(
     jax-linear-attention's ``context_parallel_linear_attention`` use the same maps.
     """
     check_flags(output_final_state=output_final_state, mask_nonfinite=mask_nonfinite)
+    cu_seqlens = _as_array(cu_seqlens)
     _check_call(v, beta, cu_seqlens, mask_nonfinite, axis_size(axis_name) * v.shape[1])
     _check_initial_state(initial_state, k, v, cu_seqlens)
     op = dict(use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend, kernel_config=kernel_config)
@@ -224,6 +230,7 @@ def context_parallel_linear_attention(
     ``axis_name`` not bound by an enclosing ``shard_map``, a concrete ``cu_seqlens`` not from 0 to
     ``P T_s``, an ``initial_state`` not ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``)."""
     check_flags(output_final_state=output_final_state)
+    cu_seqlens = _as_array(cu_seqlens)
     n_dev = axis_size(axis_name)
     if cu_seqlens is not None:
         check_cu_values(cu_seqlens, n_dev * v.shape[1])
@@ -293,6 +300,7 @@ def shard_gated_delta_rule(
     n = int(np.prod([mesh.shape[a] for a in axes]))
     if v.shape[1] % n:
         raise ValueError(f"T = {v.shape[1]} must be a multiple of the {n} devices of mesh axis {axis!r}")
+    cu_seqlens = _as_array(cu_seqlens)
     if cu_seqlens is not None:  # concrete values checked here: inside shard_map they are traced
         _check_call(v, beta, cu_seqlens, False, v.shape[1])
     seq = P(batch_axis, axis)
