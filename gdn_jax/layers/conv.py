@@ -96,7 +96,9 @@ class ShortConv(nnx.Module):
         n_dev = axis_size(axis, "context_axis")
         me = jax.lax.axis_index(axis)
         if W > 1 and W - 1 > T:
-            raise ValueError(f"ShortConv: each shard needs at least kernel_size - 1 = {W - 1} tokens, got {T}")
+            raise ValueError(f"ShortConv: each shard of context_axis={axis!r} needs at least kernel_size - 1 = {W - 1} "
+                             f"tokens (the halo of the layer's conv_size = {W}, taken from the previous shard only), "
+                             f"got {T}: use fewer devices, longer sequences or use_short_conv=False")
         halo = jax.lax.ppermute(x[:, T - (W - 1):], axis, [(i, i + 1) for i in range(n_dev - 1)]) if W > 1 \
             else x[:, :0]
         xx = jnp.concatenate([halo, x], axis=1)  # the first shard receives zeros: the sequence start
