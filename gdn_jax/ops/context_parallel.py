@@ -78,7 +78,8 @@ def _check_call(v, beta, cu_seqlens, mask_nonfinite, T_total):
                          "over the whole sequence); call without it")
     if cu_seqlens is not None:
         if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-            raise TypeError(f"cu_seqlens must be an integer array, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+            got = getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)
+            raise TypeError(f"cu_seqlens must be an integer array, got {got}")
         if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
         if v.shape[0] != 1:

@@ -123,8 +123,9 @@ def test_refusals_name_the_argument():
         with pytest.raises(ValueError, match="context_axis='seq' is not a mesh axis"):  # outside any shard_map
             layer(jnp.ones((1, 16, 32)), context_axis="seq")
     cu = jnp.asarray([0, 5, 16], jnp.int32)
-    for s0, cus, want in ((jnp.zeros((3, 2, 16, 16)), cu, r"\[N, H, K, V\].*\(2, 2, 16, 16\), got shape \(3,"),
-                          (jnp.zeros((1, 2, 16, 8)), None, r"\[B, H, K, V\] = \(1, 2, 16, 16\), got shape \(1, 2, 16, 8\)")):
+    wrong_n = r"\[N, H, K, V\].*\(2, 2, 16, 16\), got shape \(3,"
+    wrong_v = r"\[B, H, K, V\] = \(1, 2, 16, 16\), got shape \(1, 2, 16, 8\)"
+    for s0, cus, want in ((jnp.zeros((3, 2, 16, 16)), cu, wrong_n), (jnp.zeros((1, 2, 16, 8)), None, wrong_v)):
         with pytest.raises(ValueError, match=want):
             shard_gated_delta_rule(*x, mesh=mesh, axis="seq", backend="chunk", initial_state=s0, cu_seqlens=cus)
 
