@@ -84,7 +84,8 @@ STATE_EDITS = {
     "no S store (W S reads stale)": [("            s_s[...] = S.astype(BF16)\n            plgpu.commit_smem()\n"
                                       "            if keep:\n                plgpu.copy_smem_to_gmem(s_s, h_ref",
                                       "            if keep:\n                plgpu.copy_smem_to_gmem(s_s, h_ref")],
-    "no Vn stores (stale vn_s, vs_s)": [("            vn_s[...] = vn.astype(BF16)\n            vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)\n"
+    "no Vn stores (stale vn_s, vs_s)": [("            if vn_s is not None:\n                vn_s[...] = vn.astype(BF16)\n"
+                                         "            vs_s[...] = (vn * bcast(e_end, vn.shape)).astype(BF16)\n"
                                          "            plgpu.commit_smem()\n", "")],
     # last: reading slots whose copies were never waited for can crash the GPU (it did at 4x4096,
     # once), which ends the run
