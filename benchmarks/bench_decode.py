@@ -19,7 +19,7 @@ Floor: ``bytes / bandwidth``, with ``bytes`` the bytes one token must move at le
 read once (the tied embedding once, as the LM head), each GDN layer's state and conv cache read and
 written, each attention layer's full KV cache read and one slot written (activations, logits and
 the sampled tokens are not counted). ``bandwidth``: by default the device's copy bandwidth measured
-at the start of the same run (:func:`measure_copy_bandwidth`: a jitted, donated ``x + 1`` over a
+at the start of the same run (``hbm.measure_copy_bandwidth``: a jitted, donated ``x + 1`` over a
 1 GiB float32 array, read + write, median of 10), or ``--bandwidth`` bytes/s; the floor at the
 fixed H200 figure of 4.3e12 B/s (the benchmark's former floor) is reported beside it
 (``floor@4.3T``). ``ratio`` = ms/token / floor.
@@ -71,6 +71,7 @@ MIXERS = {
     "hybrid": dict(mixer="gdn", hybrid_every=4, hybrid_mixer="gated_attention"),
 }
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's gdn_jax, uninstalled too
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/hbm.py
 
 NOMINAL_BANDWIDTH = 4.3e12  # an H200's attainable HBM bandwidth (B/s): the floor's former fixed figure
 FILL_NOTE = ("caches filled with random values of the right shapes (no prefill; one random batch row broadcast "
@@ -215,29 +216,6 @@ def variants(mixer, args):
     if mixer == "attention":
         return [("-", "-", u) for u in args.unroll]
     return [(b, s, u) for b in args.decode_backend for s in args.state_dtype for u in args.unroll]
-
-
-def measure_copy_bandwidth(nbytes: int, reps: int = 10):
-    """The device's copy bandwidth (bytes/s): a jitted ``x + 1`` over a float32 array of ``nbytes``
-    (donated: read once, written once in place, 2 x nbytes moved), synchronised and timed ``reps``
-    times after a warm-up. Returns dict(bandwidth = 2 nbytes / median time, best = 2 nbytes / min
-    time, times_s, nbytes)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    n = nbytes // 4
-    f = jax.jit(lambda x: x + jnp.float32(1), donate_argnums=0)
-    x = jax.block_until_ready(f(jnp.zeros((n,), jnp.float32)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    x.delete()
-    t = np.asarray(times)
-    return dict(bandwidth=float(2 * 4 * n / np.median(t)), best=float(2 * 4 * n / t.min()), times_s=t.tolist(),
-                nbytes=4 * n)
 
 
 NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
@@ -591,6 +569,8 @@ def main(argv=None):
     need = slots_needed(args.tokens, args.reps, args.traced_count) + (2 * args.tokens if args.profile else 0)
     copy = None
     if args.bandwidth == "measure":
+        from hbm import measure_copy_bandwidth
+
         copy = measure_copy_bandwidth(args.copy_bytes)
         args.bandwidth = copy["bandwidth"]
     limit = memory_limit()

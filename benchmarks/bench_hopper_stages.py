@@ -40,7 +40,10 @@ name contains one of its comma-separated substrings (semicolon-separated if it h
 such as "bwd grads, 1 WG" contain commas). ``--blocks`` times the forward state pass at each value
 block (``KernelCall.bv_mosaic``) besides the default. One line per kernel, flushed as it goes (a
 device call's time limit keeps what was printed), with the bytes the stage must move at least
-(:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at 4.3 TB/s (not in
+(:func:`stage_bytes`) and its pipelined time as a multiple of that HBM floor at the card's copy
+bandwidth measured at the start of the run (``--bandwidth measure``, the default: a donated ``x + 1``
+over 1 GiB, ``hbm.measure_copy_bandwidth``, as bench_decode.py's floor) or at ``--bandwidth`` bytes/s,
+and at 4.3 TB/s (an H200's data-sheet figure, the floor of the earlier stage files) beside it (not in
 interpret mode). Used for
 results/hopper_h200/stages_*.txt.
 """
@@ -56,7 +59,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-HBM_BYTES_PER_S = 4.3e12  # REFERENCE.md section 5's H200 figure
+HBM_BYTES_PER_S = 4.3e12  # REFERENCE.md section 5's H200 figure: the second floor printed
 
 
 def stage_bytes(shape, C=64):
@@ -112,15 +115,21 @@ def grad_chunks_per_cta(n: int, BH: int, sms: int = 132) -> list:
     return sorted({m for m in (2, 4, wave) if 1 < m <= n})
 
 
-def floor_note(name, shape, ms):
-    """'  [N MB, floor F ms, R x]' for a stage line (empty for names without a byte count)."""
+def floor_note(name, shape, ms, bandwidth=None):
+    """'  [N MB, HBM floor F ms, R x; at 4.3 TB/s F' ms, R' x]' for a stage line (empty for names
+    without a byte count): the floor at ``bandwidth`` bytes/s (the measured copy bandwidth; None:
+    4.3 TB/s only)."""
     key = "fwd state pass" if name.startswith("fwd state pass bv") else name
     key = "bwd grads m per CTA" if name.startswith("bwd grads ") and name.endswith(" per CTA") else key
     nbytes = stage_bytes(shape).get(key)
     if nbytes is None:
         return ""
-    floor = nbytes / HBM_BYTES_PER_S * 1e3
-    return f"  [{nbytes / 1e6:.0f} MB, HBM floor {floor:.3f} ms, {ms / floor:.1f}x]"
+    nominal = nbytes / HBM_BYTES_PER_S * 1e3
+    if bandwidth is None:
+        return f"  [{nbytes / 1e6:.0f} MB, HBM floor {nominal:.3f} ms, {ms / nominal:.1f}x]"
+    floor = nbytes / bandwidth * 1e3
+    return (f"  [{nbytes / 1e6:.0f} MB, HBM floor {floor:.3f} ms, {ms / floor:.2f}x; at 4.3 TB/s {nominal:.3f} ms, "
+            f"{ms / nominal:.1f}x]")
 
 
 def timeline(call, n, top=8):
@@ -213,7 +222,17 @@ def main(argv=None):
                          "with commas): time only the lines whose name contains one, e.g. 'kernel,WG,pallas' "
                          "or 'bwd grads, 1 WG;pallas'; an item starting with '=' matches a whole name only, "
                          "e.g. '=fwd WY' (default: every line)")
+    ap.add_argument("--bandwidth", default="measure",
+                    help="bytes/s of the HBM floors: 'measure' (default: the card's copy bandwidth, measured "
+                         "at the start of the run) or a number, e.g. 3.35e12; 4.3 TB/s is printed beside it")
     args = ap.parse_args(argv)
+    if args.bandwidth != "measure":
+        try:
+            args.bandwidth = float(args.bandwidth)
+        except ValueError:
+            ap.error(f"--bandwidth must be 'measure' or a number of bytes/s, got {args.bandwidth!r}")
+        if not args.bandwidth > 0:
+            ap.error(f"--bandwidth must be > 0, got {args.bandwidth}")
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     only = [o.strip() for o in args.only.split(";" if ";" in args.only else ",") if o.strip()]
@@ -236,6 +255,14 @@ def main(argv=None):
     from gdn_jax.ops.pallas.hopper import grads as HG, plan as HP, state_bwd as HR, state_fwd as HS, wy as HW
 
     print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+    if args.interpret or args.once:
+        args.bandwidth = None
+    elif args.bandwidth == "measure":
+        from hbm import measure_copy_bandwidth
+
+        args.bandwidth = measure_copy_bandwidth(1 << 30)["bandwidth"]
+        print(f"copy bandwidth measured in this run: {args.bandwidth / 1e12:.2f} TB/s (the HBM floors' bandwidth)",
+              flush=True)
 
     def t(f, arrays=None):
         """Pipelined and per-call ms of ``f(arrays)`` jitted (the arrays as arguments: closed-over
@@ -257,7 +284,7 @@ def main(argv=None):
         if args.once:
             print(f"  {name:<22} {text}", flush=True)
             return
-        note = "" if args.interpret else floor_note(name, shape, float(text.split()[0]))
+        note = "" if args.interpret else floor_note(name, shape, float(text.split()[0]), args.bandwidth)
         print(f"  {name:<22} {text} ms{note}", flush=True)
 
     base = dict(platform="interpret", gpu_kernels="mosaic") if args.interpret else {}
