@@ -36,6 +36,10 @@
 #              them, default 12, the stages' preparation kernels included; needs a runtime that gives
 #              ncu the counters, KINDS.md: Firecracker does)
 #   decode     benchmarks/bench_decode.py
+#   cp         benchmarks/bench_context_parallel.py, the context path's overhead on one GPU (CP_ARGS adds
+#              flags, e.g. "--shapes 0"), with o / S / grads against the plain op
+#   split      benchmarks/bench_seq_split.py, the one-device sequence split against the unsplit op
+#              (SPLIT_ARGS adds flags, e.g. "--shapes 1x16384x16x128 --pieces 2,4,auto")
 #   loop       benchmarks/bench_loop.py, the training loop against its step
 #   profile    the MQAR training step's top device kernels (bench_train_step.py --profile;
 #              PROFILE_ARGS replaces its mixers / widths, e.g. "--mixers gla mamba2 --d_models 128")
@@ -213,6 +217,10 @@ for s in $STEPS; do
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    cp) timeout "${LIMIT_CP:-270}" python benchmarks/bench_context_parallel.py --out "$OUT/cp" ${CP_ARGS:-} \
+             2>&1 | grep -v -i warning | tee "$OUT/context_parallel.txt" | tail -12 ;;
+    split) timeout "${LIMIT_SPLIT:-240}" python benchmarks/bench_seq_split.py --budget "$(( ${LIMIT_SPLIT:-240} - 60 ))" \
+             ${SPLIT_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/seq_split.txt" | tail -12 ;;
     ab) for tree in ${AB_TREES:-. .base/old}; do
           echo "=== tree $tree" | tee -a "$OUT/ab.txt"
           # the benchmarks put their checkout's root first on sys.path: each tree runs from a copy
