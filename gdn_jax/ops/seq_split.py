@@ -48,13 +48,14 @@ def pieces_for(q, v, *, chunk_size, forms, kernel_config):
     cfg = kernel_config
     if cfg is None or cfg.seq_split is None:
         return 1, None
-    from .pallas.platform import default_platform
+    from .pallas.platform import default_platform, hopper_asked
 
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
+    platform = cfg.platform or default_platform()
     return split_plan.decide(cfg.seq_split, B=B, T=T, H=H, K=K, V=V, chunk=chunk_size,
-                             platform=cfg.platform or default_platform(), beta_per_channel=forms.beta_per_channel,
-                             g_per_channel=forms.g_per_channel)
+                             platform=platform, beta_per_channel=forms.beta_per_channel,
+                             g_per_channel=forms.g_per_channel, hopper=hopper_asked(cfg.gpu_kernels, platform))
 
 
 def pallas_op(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size, forms,

@@ -39,13 +39,20 @@ def _check_beta(beta, v) -> None:
                          "gives every value column its own transition (one M per column): not supported")
 
 
-def _augmented_widths(backend: str, forms: GateForms, chunk_size: int, K: int, V: int, dtype) -> bool:
-    """True when ``backend`` takes the augmented width K + V in one call (else M and N are two calls)."""
+def _augmented_widths(backend: str, forms: GateForms, chunk_size: int, K: int, V: int, dtype,
+                      platform: Optional[str] = None) -> bool:
+    """True when ``backend`` runs the augmented width K + V in one call on the same backend as the
+    widths K and V (else M and N are two calls). ``"auto"`` resolves by width: at K = V = 256 the
+    width 512 is beyond the Pallas kernels and would fall to the chunk form, which on one H100 made
+    the map pass 5.85 ms where the plain forward takes 0.375 ms (2 x 8192 x 8 x 256, bf16;
+    ``results/context_parallel_gpu/NOTE.md``); two Pallas calls of widths K and V keep it there."""
     try:
-        resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=K + V, dtype=dtype)
-        return True
+        wide = resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=K + V, dtype=dtype, platform=platform)
     except NotImplementedError:
         return False
+    narrow = {resolve_backend(backend, forms, chunk_size=chunk_size, K=K, V=w, dtype=dtype, platform=platform)
+              for w in (K, V)}
+    return narrow == {wide}
 
 
 def state_map(

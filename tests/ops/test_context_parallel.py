@@ -261,6 +261,37 @@ def test_state_map_composes():
     assert close(M2, M) and close(N2, N)
 
 
+def test_state_map_width_stays_on_the_narrow_backend():
+    """The augmented width K + V runs as one call only where it resolves to the same backend as the
+    widths K and V: on a GPU, "auto" at K = V = 256 would send width 512 to the chunk form (the
+    Pallas kernels stop at 256), so M and N are two Pallas calls; at K = V = 128 (width 256 on
+    Pallas) one call; an explicit "pallas" beyond its widths: two calls; on CPU "auto" is chunk at
+    every width: one call. And the two-call maps equal the one-call maps (float32 rounding)."""
+    from gdn_jax.ops._common import GateForms
+    from gdn_jax.ops.state_maps import _augmented_widths, state_map
+    from gdn_jax.ops.piece_maps import affine_state_map
+
+    forms = GateForms(g_per_channel=False, beta_per_channel=False)
+    bf = jnp.bfloat16
+    assert _augmented_widths("auto", forms, 64, 128, 128, bf, platform="gpu")
+    assert not _augmented_widths("auto", forms, 64, 256, 256, bf, platform="gpu")
+    assert not _augmented_widths("pallas", forms, 64, 256, 256, bf, platform="gpu")
+    assert not _augmented_widths("auto", forms, 64, 128, 256, bf, platform="gpu")
+    assert _augmented_widths("auto", forms, 64, 256, 256, bf, platform="cpu")
+
+    from gdn_jax.ops.gated_delta_rule import final_state
+
+    q, k, v, g, beta = _inputs(B=2, T=32, H=2)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    fs = lambda values, start: final_state(k, k, values, g, beta, initial_state=start, backend="chunk", chunk_size=16)
+    one = affine_state_map(fs, k, v, dtype=jnp.float32, augmented=True)
+    two = affine_state_map(fs, k, v, dtype=jnp.float32, augmented=False)
+    for a, b in zip(one, two):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(a)))
+    M, N = state_map(k, v, g, beta, backend="chunk", chunk_size=16)
+    assert float(jnp.max(jnp.abs(M - one[0]))) <= 1e-5 * float(jnp.max(jnp.abs(M)))
+
+
 def test_refusals_layers_and_models():
     """Shards shorter than the conv halo, learned positions and a user-registered mixer are
     refused by name under context_axis."""

@@ -101,6 +101,22 @@ def test_planner_choices(shape):
     assert pieces == PLANS[shape] and (why is None) == (pieces > 1), (pieces, why)
 
 
+def test_planner_auto_declines_where_the_hopper_kernels_run():
+    """Where the Hopper kernels are asked for, "auto" does not split (every measured split lost on an
+    H100: split_plan.MEASURED_HOPPER), with the reason; an explicit piece count still splits; the
+    Triton kernels keep the model's choice."""
+    from gdn_jax.ops.pallas.platform import hopper_asked
+
+    assert all(max(fw, fb) < 1 for rec in split_plan.MEASURED_HOPPER.values() for fw, fb in rec.values())
+    kw = dict(B=1, T=16384, H=16, K=128, V=128, chunk=64, platform="gpu", sms=132)
+    pieces, why = split_plan.decide("auto", hopper=True, **kw)
+    assert pieces == 1 and "Hopper" in why and "MEASURED_HOPPER" in why
+    assert split_plan.decide(4, hopper=True, **kw) == (4, None)
+    assert split_plan.decide("auto", hopper=False, **kw) == (4, None)
+    assert hopper_asked("mosaic", "gpu") and not hopper_asked("triton", "gpu")
+    assert not hopper_asked("mosaic", "interpret") and not hopper_asked(None, "interpret")
+
+
 def test_planner_sm_count_and_report():
     """More SMs split more (the rule fills SMs); the report of a benchmark shape (traced, no arrays)."""
     assert split_plan.auto_pieces(4, 16, 128, 128, 4096, 64, 132) == 1

@@ -67,7 +67,7 @@ from .config import (BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCal
 from .hopper.tuning import HopperTuning
 from .tuning import TritonTuning
 from . import split_plan
-from .platform import PLATFORMS, default_platform, is_hopper
+from .platform import PLATFORMS, default_platform, hopper_asked, is_hopper
 from .vjp import KernelInputs, chunk_final_state, chunk_gated_delta_rule, to_kernel_inputs
 
 __all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
@@ -164,9 +164,10 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config,
     cfg = KernelConfig() if kernel_config is None else kernel_config
     pieces, split_reason = 1, None
     if cfg.seq_split is not None:
+        platform = cfg.platform or default_platform()
         pieces, split_reason = split_plan.decide(cfg.seq_split, B=q.shape[0], T=q.shape[1], H=v.shape[2],
-                                                 K=q.shape[-1], V=v.shape[-1], chunk=chunk_size,
-                                                 platform=cfg.platform or default_platform())
+                                                 K=q.shape[-1], V=v.shape[-1], chunk=chunk_size, platform=platform,
+                                                 hopper=hopper_asked(cfg.gpu_kernels, platform))
     if pieces > 1:  # the pieces' call: its route, traced on shapes only
         route = _route(*_piece_shapes(q, k, v, g, beta, cu_seqlens, pieces, chunk_size), chunk_size, cfg,
                        use_qk_l2norm)

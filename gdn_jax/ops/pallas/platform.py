@@ -46,6 +46,13 @@ def is_hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).split(".")[0] == "9"
 
 
+def hopper_asked(gpu_kernels, platform: str) -> bool:
+    """The Hopper (Mosaic GPU) kernels are asked for on ``platform``: ``KernelConfig.gpu_kernels``
+    "mosaic", or its default (None) on an sm_90 GPU. Whether they take a call is the path table's
+    decision (:mod:`.paths`); this is what the sequence split's planner reads."""
+    return platform == "gpu" and (gpu_kernels == "mosaic" or (gpu_kernels is None and is_hopper()))
+
+
 def interpreted(p: str) -> bool:
     """The kernels of platform ``p`` run in an interpreter (on the CPU)."""
     return p in ("interpret", "tpu_interpret")

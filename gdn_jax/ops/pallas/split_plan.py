@@ -20,6 +20,17 @@ MIN_CHUNKS = 2  # every piece at least this many chunks (an explicit piece count
 AUTO_MIN_CHUNKS = 4  # "auto": pieces of at least this many chunks
 AUTO_GAIN = 0.8  # "auto" splits only where the model's state-pass time falls to this fraction or below
 
+# Measured (the tuning record "auto" reads): the split against the unsplit op where the Hopper
+# (Mosaic GPU) kernels run, one H100, JAX 0.11.2, bf16, pipelined ms, benchmarks/bench_seq_split.py
+# (results/context_parallel_gpu/NOTE.md). Speed-up = unsplit / split; below 1 the split loses.
+# The model above picks P = 4 at both shapes (modelled 0.75 of the unsplit state-pass time); the
+# Hopper state passes are fast enough that the maps pass and the rerun cost more than the idle SMs.
+MEASURED_HOPPER = {
+    # (B, T, H, D): {P: (fwd speed-up, fwd+bwd speed-up)}
+    (1, 16384, 16, 128): {2: (0.73, 0.63), 4: (0.75, 0.55), 8: (0.65, 0.48)},
+    (1, 32768, 16, 128): {2: (0.75, 0.62), 4: (0.80, 0.55), 8: (0.72, 0.50)},
+}
+
 
 def waves(ctas: int, sms: int) -> int:
     """Waves of ``ctas`` programs on ``sms`` SMs (one resident state-pass CTA per SM)."""
@@ -51,8 +62,10 @@ def auto_pieces(B: int, H: int, K: int, V: int, T: int, chunk: int, sms: int = D
     0.75 T against T); B H = 128 (8 x 2048 x 16 x 128; 256 CTAs, two waves already) gives no split
     (P = 2 would need 4 + 4 waves of T / 2); B H = 64 (4 x 4096) no split (2T at P = 2 against T).
     P = 2 never helps on its own: it replaces one chain of T by two of T / 2 (maps, rerun).
-    Unmeasured on a GPU so far: the model ignores the scan, the maps pass's extra WY / output work
-    and the backward, whose passes split the same way (docs/kernels.md, "Sequence split")."""
+    The model ignores the scan, the maps pass's extra WY / output work and the backward, whose
+    passes split the same way (docs/kernels.md, "Sequence split"). Where the Hopper kernels run it
+    was wrong at both measured shapes (:data:`MEASURED_HOPPER`), so :func:`decide` does not use it
+    there; on the Triton / TPU kernels it is unmeasured."""
     base = state_pass_cost(B, H, K, V, T, 1, sms)
     best, best_cost = 1, base
     for p in AUTO_PIECES:
@@ -80,11 +93,13 @@ def sm_count(platform: str) -> int:
 
 def decide(seq_split, *, B: int, T: int, H: int, K: int, V: int, chunk: int, platform: str,
            beta_per_channel: bool = False, g_per_channel: bool = False,
-           sms: Optional[int] = None) -> Tuple[int, Optional[str]]:
+           sms: Optional[int] = None, hopper: bool = False) -> Tuple[int, Optional[str]]:
     """``(pieces, reason)`` for a call: ``pieces`` 1 (no split) or the piece count; ``reason`` None
     where the split runs or was not asked for (``seq_split`` None), else why it does not run (a
     decline by name, or "auto" choosing 1). ``chunk``: the call's ``chunk_size`` (pieces are whole
-    multiples of it); ``sms``: the SM count (None: :func:`sm_count` of ``platform``)."""
+    multiples of it); ``sms``: the SM count (None: :func:`sm_count` of ``platform``); ``hopper``:
+    the Hopper (Mosaic GPU) kernels run the call -- there "auto" never splits, because every
+    measured split lost (:data:`MEASURED_HOPPER`); an explicit piece count still splits."""
     if seq_split is None:
         return 1, None
     if beta_per_channel:
@@ -92,6 +107,10 @@ def decide(seq_split, *, B: int, T: int, H: int, K: int, V: int, chunk: int, pla
     if g_per_channel:
         return 1, "per-key-channel g [B,T,H,K] (the Pallas kernels decline it)"
     if seq_split == "auto":
+        if hopper:
+            return 1, ("auto: the Hopper kernels run the call, and there every measured split was slower "
+                       "than the unsplit op (split_plan.MEASURED_HOPPER: at best 0.80x forward, 0.63x "
+                       "forward+backward); ask for a piece count to split anyway")
         sms = sm_count(platform) if sms is None else sms
         p = auto_pieces(B, H, K, V, T, chunk, sms)
         if p == 1:
