@@ -133,3 +133,14 @@ def test_float16_attention_generates_under_jit():
     assert rel(y16, y32) < 2e-2
     out = generate(m16, tokens, 3, key=jax.random.key(0))
     assert out.shape == (2, 3)
+
+
+def test_default_unroll_by_platform(monkeypatch):
+    """Steps per loop iteration when unroll is None: 1 on the CPU; on an accelerator 2 for a static
+    count (measured faster on an H100, results/decode_h100/NOTE.md) and 4 for a traced one."""
+    from gdn_jax.inference import generate as gen
+
+    assert gen.default_unroll() == 1 and gen.default_unroll(True) == 1  # this process: CPU
+    monkeypatch.setattr(gen.jax, "default_backend", lambda: "gpu")
+    assert gen.default_unroll() == 2 and gen.default_unroll(True) == 4
+    assert gen._check_unroll(None) == 2 and gen._check_unroll(3) == 3
