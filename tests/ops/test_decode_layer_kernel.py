@@ -124,6 +124,40 @@ def test_fused_layer_lowers_for_gpu_and_tpu(name):
         assert "tpu_custom_call" in jax.export.export(tpu, platforms=["tpu"])(*sds).mlir_module()
 
 
+def _aliases(fn, *x):
+    """The (input, output) aliases of the one pallas_call in ``fn``'s jaxpr."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield dict(e.params["input_output_aliases"]), len(e.invars)
+            for v in e.params.values():  # nested jits (pjit's ClosedJaxpr)
+                if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                    yield from walk(v.jaxpr)
+    found = list(walk(jax.make_jaxpr(fn)(*x).jaxpr))
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize("platform", ["interpret", "tpu_interpret"])
+def test_state_and_conv_states_update_in_place(platform):
+    """The new state and conv states alias their inputs (no copy back into a loop's carry per token):
+    every output but y on TPU and, on the GPU program, at one value head per key head; with grouped
+    value heads the GPU program aliases conv_v only (conv_q / conv_k of a key head are read by all
+    its value heads' programs), and the result is the same."""
+    for name, G in (("mamba2", 1), ("gva_per_channel_negeig", 2)):
+        spec = SPECS[name]
+        x = inputs(spec, 2, F32, 3)
+        fn = lambda *a: DL.decode_layer(*a, spec=spec, state_dtype=F32, platform=platform)
+        al, n_in = _aliases(fn, *x)
+        assert sorted(al.values()) == ([1, 2, 3, 4] if platform == "tpu_interpret" or G == 1 else [1, 4]), al
+        assert max(al) == n_in - 1 and al[n_in - 1] == 1  # the state: the last input
+        ry, rS, rconvs = ref_layer(spec, *x)
+        y, S, convs = jax.jit(fn, donate_argnums=(1, 6))(*x)
+        assert rel(y, ry) < 1e-5 and rel(S, rS) < 1e-5
+        for c, rc in zip(convs, rconvs):
+            np.testing.assert_array_equal(np.asarray(c, np.float64), rc)
+
+
 def test_covers_and_errors():
     """What the kernel declines (the reason named), and argument errors."""
     ok = SPECS["mamba2"]
