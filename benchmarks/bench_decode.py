@@ -28,12 +28,14 @@ fixed H200 figure of 4.3e12 B/s (the benchmark's former floor) is reported besid
 states with the same model decoding through plain XLA ops (``decode_backend="scan"``).
 
 ``--unroll`` (comma-separated) sets the decode loop's steps per iteration (default the library's,
-4 on an accelerator). ``--profile`` adds, per model at the smallest batch and context, the
+``gdn_jax.inference.generate.default_unroll``: 2 on an accelerator). ``--profile`` adds, per model at the smallest batch and context, the
 kernels of one decode step: from the compiled (optimized) HLO of the loop bodies (every
 instruction that runs as a kernel, by opcode / custom-call target / fusion kind, divided by the
 steps per iteration) and from a ``jax.profiler`` trace of one call of ``--tokens`` steps (the
 device's kernels by name: launches and microseconds per step, against the loop's measured slope
-per step; no device kernels on a CPU).
+per step; no device kernels on a CPU), and writes the compiled module's text beside the JSON
+(``compiled_loop_<mixer>_<backend>_<state>_u<unroll>_b<batch>.hlo.txt``, not over an existing one):
+what each fusion named in the trace computes.
 
 Cache contents: by default (``--fill random``) the caches are filled with random values of the
 right shapes and dtypes instead of prefilling a prompt (prefilling 128K-token prompts would take far
@@ -360,10 +362,11 @@ def trace_kernels(fn, steps, out_dir):
     return sorted(rows, key=lambda r: -r["us_total"])
 
 
-def profile_cell(model, cache, B, n, unroll, traced_count, out_dir):
+def profile_cell(model, cache, B, n, unroll, traced_count, out_dir, hlo_path=None):
     """The ``--profile`` report of one cell: loop_kernels of the compiled decode loop (n steps,
-    greedy, the count static or traced as timed) and trace_kernels of one call of n steps. Returns
-    (dict, the cache after the traced call: the loop donates it)."""
+    greedy, the count static or traced as timed) and trace_kernels of one call of n steps; with
+    ``hlo_path`` the compiled module's text is written there too (what each fusion of the trace
+    computes). Returns (dict, the cache after the traced call: the loop donates it)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -379,6 +382,9 @@ def profile_cell(model, cache, B, n, unroll, traced_count, out_dir):
     text = _decode_loop.lower(graphdef, state, sds, tok, keys, temp, steps, top_k=None, greedy=True,
                               unroll=u).compile().as_text()
     hlo = loop_kernels(text, u, traced_count, n)
+    if hlo_path is not None:
+        with open(hlo_path, "x") as f:  # a new file: never over another run's
+            f.write(text)
     holder = {"cache": cache}
 
     def run():
@@ -669,8 +675,11 @@ def main(argv=None):
                           f"{row['tokens_per_s']:,.0f} | {floor * 1e3:.1f} | {row['ratio']:.1f}x | "
                           f"{row['floor_ms_nominal'] * 1e3:.1f} | {nbytes:,} | {r['first_call_s']:.1f} |", flush=True)
                     if args.profile and ctx == min(args.contexts) and B == min(args.batches):
+                        hlo_path = os.path.join(args.out, f"compiled_loop_{mixer}_{be}_{sdt}_u{unroll}_b{B}.hlo.txt"
+                                                .replace("=", "-").replace("/", "-"))
                         prof, cache = profile_cell(model, cache, B, args.tokens, unroll, args.traced_count,
-                                                   tempfile.mkdtemp(prefix="bench_decode_trace_"))
+                                                   tempfile.mkdtemp(prefix="bench_decode_trace_"),
+                                                   None if os.path.exists(hlo_path) else hlo_path)
                         results["profiles"].append(dict(prof, label=label, batch=B, context=ctx))
                         print_profile(label, B, ctx, prof, r["slope_s"] * 1e3)
                         print("\n" + hdr + "\n" + "|---" * 14 + "|", flush=True)

@@ -35,6 +35,8 @@ def test_bench_decode_tiny(bench, tmp_path, capsys):
     for p in res["profiles"]:
         assert p["unroll"] == 1 and len(p["hlo_loops"]) == 1 and p["hlo_loops"][0]["per_step"] > 10
         assert p["trace"] == []  # no device plane on a CPU
+    hlos = sorted(f.name for f in out.glob("compiled_loop_*.hlo.txt"))  # the compiled module of each profile
+    assert len(hlos) == 2 and all("HloModule" in (out / f).read_text()[:200] for f in hlos), hlos
     assert os.path.getsize(out / "latency.png") > 0
     rows = res["rows"]
     assert [(r["mixer"], r["batch"], r["context"]) for r in rows] == [("gdn", 2, 64), ("hybrid", 2, 64)]
