@@ -36,6 +36,8 @@
 #              them, default 12, the stages' preparation kernels included; needs a runtime that gives
 #              ncu the counters, KINDS.md: Firecracker does)
 #   decode     benchmarks/bench_decode.py
+#   dlayer     benchmarks/bench_decode_layer.py, the fused decode-layer kernel alone per program shape
+#              (num_warps x bv) at batch 1 and 64 against its byte floor (DLAYER_ARGS adds flags)
 #   cp         benchmarks/bench_context_parallel.py, the context path's overhead on one GPU (CP_ARGS adds
 #              flags, e.g. "--shapes 0"), with o / S / grads against the plain op
 #   split      benchmarks/bench_seq_split.py, the one-device sequence split against the unsplit op
@@ -217,6 +219,8 @@ for s in $STEPS; do
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
     decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
              2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    dlayer) timeout "${LIMIT_DLAYER:-150}" python benchmarks/bench_decode_layer.py --out "$OUT/decode_layer" ${DLAYER_ARGS:-} \
+             2>&1 | grep -v -i warning | tee "$OUT/decode_layer.txt" | tail -22 ;;
     cp) timeout "${LIMIT_CP:-270}" python benchmarks/bench_context_parallel.py --out "$OUT/cp" ${CP_ARGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/context_parallel.txt" | tail -12 ;;
     split) timeout "${LIMIT_SPLIT:-240}" python benchmarks/bench_seq_split.py --budget "$(( ${LIMIT_SPLIT:-240} - 60 ))" \
