@@ -23,17 +23,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's gdn_jax
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/hbm.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/hbm.py, bench_decode.py
 
-
-def _ints(name, text):
-    try:
-        vals = [int(x) for x in str(text).replace(",", " ").split()]
-    except ValueError:
-        raise SystemExit(f"{name}: comma-separated integers expected, got {text!r}")
-    if not vals or min(vals) < 1:
-        raise SystemExit(f"{name}: integers >= 1 expected, got {text!r}")
-    return vals
+from bench_decode import _ints  # noqa: E402  (the decode benchmark's list parser)
 
 
 def parse(argv=None):

@@ -67,7 +67,7 @@ from .config import (BF16_MID_MIN_DIM, MAX_DIM, SUPPORTED_CHUNK_SIZES, KernelCal
 from .hopper.tuning import HopperTuning
 from .tuning import TritonTuning
 from . import split_plan
-from .platform import PLATFORMS, default_platform, hopper_asked, is_hopper
+from .platform import PLATFORMS, default_platform, hopper_asked
 from .vjp import KernelInputs, chunk_final_state, chunk_gated_delta_rule, to_kernel_inputs
 
 __all__ = ["KernelConfig", "Precision", "TritonTuning", "HopperTuning", "KernelCall", "KernelInputs", "KernelsReport", "supports", "check_supported", "check_type", "forward_kernels", "backward_kernels", "pallas_gated_delta_rule",
@@ -180,7 +180,7 @@ def _kernels(direction, q, k, v, g, beta, chunk_size, cu_seqlens, kernel_config,
     reason = None
     if not table[chosen.path].hopper:
         call = chosen.call
-        asked = cfg.gpu_kernels == "mosaic" or (cfg.gpu_kernels is None and call.platform == "gpu" and is_hopper())
+        asked = cfg.gpu_kernels == "mosaic" or hopper_asked(cfg.gpu_kernels, call.platform)
         covers = hopper_plan.fwd_covers if direction == "fwd" else hopper_plan.bwd_covers
         reason = covers(paths.hopper_call(call) if call.hopper else call) if asked else None
     return KernelsReport(name, reason, chosen.path, chosen.not_taken, pieces, split_reason)

@@ -22,7 +22,7 @@ AUTO_GAIN = 0.8  # "auto" splits only where the model's state-pass time falls to
 
 # Measured (the tuning record "auto" reads): the split against the unsplit op where the Hopper
 # (Mosaic GPU) kernels run, one H100, JAX 0.11.2, bf16, pipelined ms, benchmarks/bench_seq_split.py
-# (results/context_parallel_gpu/NOTE.md). Speed-up = unsplit / split; below 1 the split loses.
+# (results/kernel_race_h100/NOTE.md). Speed-up = unsplit / split; below 1 the split loses.
 # The model above picks P = 4 at both shapes (modelled 0.75 of the unsplit state-pass time); the
 # Hopper state passes are fast enough that the maps pass and the rerun cost more than the idle SMs.
 MEASURED_HOPPER = {
