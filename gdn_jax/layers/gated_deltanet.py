@@ -16,6 +16,7 @@ from ..ops import backends
 from ..ops._warnings import internal_call
 from ..ops.context_parallel import context_parallel_gated_delta_rule
 from . import _checks
+from ._rows import apply_rows
 from .recurrent import GDNCache, RecurrentMixer
 
 # Whether decode_backend="auto" takes the fused layer kernel on a one-device GPU process (on since its
@@ -392,7 +393,7 @@ class GatedDeltaNet(RecurrentMixer):
                                        (self.q_conv.weight[...], self.k_conv.weight[...], self.v_conv.weight[...]),
                                        A_log, dt_bias, self.o_norm.scale[...], cache.state, spec=self._decode_spec(),
                                        state_dtype=self.state_dtype)
-        return self.o_proj(y[:, None]), GDNCache(state, *convs)
+        return apply_rows(self.o_proj, y[:, None]), GDNCache(state, *convs)
 
     def decode(self, x_t, cache: GDNCache, *, view=None):
         """One token: ``x_t [B, 1, hidden_size]`` -> ``(y_t [B, 1, hidden_size], new cache)``. Jit-able.

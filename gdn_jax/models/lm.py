@@ -10,6 +10,7 @@ from flax import nnx
 
 from ..layers import Attention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 from ..layers.norm import NORM_STYLES, rms_norm
+from ..layers._rows import apply_rows
 from ..ops import KernelConfig
 from ..ops.linear_attention import LA_BACKENDS
 
@@ -656,4 +657,4 @@ class LM(nnx.Module):
         for blk, c, v in zip(self.blocks, cache, view):
             x, c = blk.decode(x, c, v)
             new.append(c)
-        return self.logits(self.norm(x))[:, 0], tuple(new)
+        return apply_rows(self.logits, self.norm(x))[:, 0], tuple(new)

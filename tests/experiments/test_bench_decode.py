@@ -26,8 +26,8 @@ def test_bench_decode_tiny(bench, tmp_path, capsys):
     assert "random values of the right shapes (no prefill" in text and "floor µs" in text
     assert "copy bandwidth measured in this run" in text and "### profile: gdn" in text
     res = json.load(open(out / "results.json"))
-    # the floor's bandwidth: the copy bandwidth measured in the run (16 MiB read + written, 10 times)
-    assert res["bandwidth"] == res["copy"]["bandwidth"] > 0 and len(res["copy"]["times_s"]) == 10
+    # the floor's bandwidth: the fastest of the copies measured in the run (16 MiB read + written, 10 times)
+    assert res["bandwidth"] == res["copy"]["best"] >= res["copy"]["bandwidth"] > 0 and len(res["copy"]["times_s"]) == 10
     assert res["bandwidth_nominal"] == 4.3e12
     # --profile: the compiled loop's kernels per step for each model (batch 2, context 64); greedy
     # with unroll 1 on CPU: one while loop whose body holds every layer's ops

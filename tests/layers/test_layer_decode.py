@@ -96,3 +96,25 @@ def test_decode_options_checked_when_built():
     with pytest.raises(ValueError, match="mixer 'gla' keeps a float32 state"):
         LMConfig(d_model=32, num_heads=2, mixer="gla", state_dtype="bfloat16")
     LMConfig(d_model=48, num_heads=2, mixer="attention", decode_backend="pallas")  # no delta-rule layer: no kernel check
+
+
+def test_apply_rows_runs_one_row_as_two_and_leaves_batches_alone():
+    """``gdn_jax.layers._rows.apply_rows``: a single row [1, 1, d] is projected as two rows (the
+    second zero; what the wrapped function sees is recorded) and returns exactly the one-row
+    product; a batch of 3 rows passes through unpadded. Against a float64 product, 1e-6."""
+    from gdn_jax.layers._rows import apply_rows
+
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    seen = []
+
+    def f(x):
+        seen.append(x.shape)
+        return jnp.dot(x, w, precision="highest")
+
+    for shape, padded in (((1, 1, 16), (2, 1, 16)), ((1, 16), (2, 16)), ((3, 1, 16), (3, 1, 16))):
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        y = jax.jit(lambda x: apply_rows(f, x))(x)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert seen[-1] == padded and y.shape == shape[:-1] + (8,)
+        assert np.max(np.abs(np.asarray(y, np.float64) - ref)) < 1e-6 * np.max(np.abs(ref))
