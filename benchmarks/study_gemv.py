@@ -19,6 +19,14 @@ multiply and one reduction per layer, where the byte floor of an 8 MB weight is 
     python benchmarks/study_gemv.py                      # GPU, ~1 min
     python benchmarks/study_gemv.py --tiny               # CPU smoke test
 
+On one H100 (``results/decode_h100/gemv_3c48042/``) the kernels confirm the rewrite: ``vector``,
+``rows3`` and ``f32_out`` of 2048 x 2048 and 2048 x 1024 compile to ``loop_multiply_fusion`` +
+``input_reduce_fusion``, both ``pad2`` forms to a ``gemm_fusion_dot``, and 2048 x 8224 is a GEMM in
+every form. The times here do not separate them (20-26 µs per call for every form and shape: this
+loop's own per-iteration work dominates); inside the decode loop the two-row form took the
+output projection from 13 to 5 µs per layer (``docs/inference.md``), hence
+``gdn_jax.layers._rows.apply_rows``.
+
 Prints a table (µs per call, × the weight's byte floor at the copy bandwidth measured in the run,
 the compiled kernels) and writes ``<out>/gemv.json`` (a new file; an existing one is an error).
 """
