@@ -24,7 +24,7 @@ On one H100 (``results/decode_h100/gemv_3c48042/``) the kernels confirm the rewr
 ``input_reduce_fusion``, both ``pad2`` forms to a ``gemm_fusion_dot``, and 2048 x 8224 is a GEMM in
 every form. The times here do not separate them (20-26 µs per call for every form and shape: this
 loop's own per-iteration work dominates); inside the decode loop the two-row form took the
-output projection from 13 to 5 µs per layer (``docs/inference.md``), hence
+output projection from 13 to 5 µs per layer (+1.1 µs for the pad) (``docs/inference.md``), hence
 ``gdn_jax.layers._rows.apply_rows``.
 
 Prints a table (µs per call, × the weight's byte floor at the copy bandwidth measured in the run,

@@ -3,8 +3,8 @@
 At batch 1 a decode step multiplies one row by each weight. XLA's GPU algebraic simplifier rewrites a
 dot with a vector operand into an elementwise multiply and a reduction when its operands hold fewer
 than 10^7 elements (OpenXLA, ``ShouldStrengthReduceDotToReduce``): in the seed-sized model
-(d 2048) that takes the output projection (2048 x 2048) and the tied LM head (2048 x 1024), two
-kernels of 6-7 µs each per layer on one H100 where the weight's byte floor is ~3 µs
+(d 2048) that takes the output projection (2048 x 2048: two kernels of 6-7 µs per layer on one
+H100, where the weight's byte floor is ~3 µs) and the tied LM head (2048 x 1024, once per step)
 (``benchmarks/study_gemv.py`` names the kernels XLA compiles for each form of the product).
 :func:`apply_rows` runs the projection on two rows instead (the second zero) and keeps the first; the
 padded operand goes through ``lax.optimization_barrier`` so that the simplifier cannot slice the zero
