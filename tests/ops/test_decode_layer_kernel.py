@@ -3,11 +3,15 @@ norms, decay and beta, state update and read, gated RMSNorm in one kernel) again
 float64 numpy layer step: the GPU program in interpret mode (its state updated in column chunks)
 and the TPU variant under
 ``pltpu.InterpretParams()``, every decay form, per-channel gates, grouped value heads, a bfloat16
-state; the Triton and Mosaic TPU lowerings (on this CPU); what it declines.
+state; the Triton and Mosaic TPU lowerings (on this CPU); what it declines; its reverse-mode
+derivative (a custom VJP through ``decode_layer.reference``) against central differences of the
+float64 step.
 
 Tolerances (rel_rms against float64 on the same rounded inputs): 1e-5 for float32 inputs and
 state (measured ~1e-7); bf16 inputs: y within 5e-3 (it is rounded to bf16 once), the state 1e-5
 (computed in float32); a bfloat16 state: 4e-3 (one rounding, ~2^-9). Conv states: exact (a shift).
+Gradients: each argument's directional derivative of a random linear function of all outputs within
+1e-4 (relative to the largest of them) of the float64 central difference (step 1e-6).
 """
 import jax
 import jax.numpy as jnp
@@ -26,7 +30,10 @@ def rel(a, b):
 
 def ref_layer(spec, proj, convs, conv_w, A_log, dt_bias, norm_w, S):
     """float64 numpy: the GatedDeltaNet decode step written out from its definition."""
-    f = lambda x: np.asarray(jnp.asarray(x, F32), np.float64)
+    # float64 numpy inputs are taken as they are (the gradient test's finite differences); others
+    # are read as float32 values
+    f = lambda x: x if isinstance(x, np.ndarray) and x.dtype == np.float64 else np.asarray(jnp.asarray(x, F32),
+                                                                                          np.float64)
     proj, S, norm_w = f(proj), f(S), f(norm_w)
     B = proj.shape[0]
     Hk, H, K, V, W, G = spec.Hk, spec.H, spec.K, spec.V, spec.W, spec.group
@@ -173,3 +180,45 @@ def test_covers_and_errors():
         DL.decode_layer(*x, spec=ok, state_dtype=F32, platform="interpret", bv=24)
     with pytest.raises(ValueError, match=r"state must have shape \(1, 2, 32, 64\)"):
         DL.decode_layer(*x[:-1], x[-1][:, :, :16], spec=ok, state_dtype=F32)
+
+
+@pytest.mark.parametrize("name,platform", [("gva_per_channel_negeig", "interpret"), ("mamba2", "tpu_interpret"),
+                                           ("sigmoid_w3", "interpret")])
+def test_fused_layer_gradient_matches_float64_differences(name, platform):
+    """jax.grad through decode_layer (the kernel forward, ``reference``'s VJP) against the float64
+    step: for every differentiable argument a random direction, <grad, direction> against
+    (L(x + h d) - L(x - h d)) / 2h in float64 numpy, L = a random linear function of y, the new state
+    and the new conv states. Also ``reference`` itself against the float64 step (forward)."""
+    spec = SPECS[name]
+    x = inputs(spec, 2, F32, 11)
+    r = np.random.default_rng(5)
+    ry, rS, rconvs = ref_layer(spec, *x)
+    cts = (r.normal(size=ry.shape), r.normal(size=rS.shape), [r.normal(size=c.shape) for c in rconvs])
+
+    def loss64(args):
+        y, S, convs = ref_layer(spec, *args)
+        return float(np.sum(y * cts[0]) + np.sum(S * cts[1]) + sum(np.sum(c * ct) for c, ct in zip(convs, cts[2])))
+
+    def loss(*args):
+        y, S, convs = DL.decode_layer(*args, spec=spec, state_dtype=F32, platform=platform)
+        return (jnp.sum(y * cts[0]) + jnp.sum(S * cts[1])
+                + sum(jnp.sum(c * jnp.asarray(ct, F32)) for c, ct in zip(convs, cts[2])))
+
+    fy, fS, fconvs = DL.reference(*x, spec=spec, state_dtype=F32)
+    assert rel(fy, ry) < 1e-5 and rel(fS, rS) < 1e-5
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*x)
+    x64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), x)
+    leaves64, tree = jax.tree_util.tree_flatten(x64)
+    gleaves = jax.tree_util.tree_leaves(grads)
+    assert len(gleaves) == len(leaves64)
+    h, got, want = 1e-6, [], []
+    for i, (g, a) in enumerate(zip(gleaves, leaves64)):
+        d = r.normal(size=a.shape)
+        plus = [l + h * d if j == i else l for j, l in enumerate(leaves64)]
+        minus = [l - h * d if j == i else l for j, l in enumerate(leaves64)]
+        want.append((loss64(jax.tree_util.tree_unflatten(tree, plus))
+                     - loss64(jax.tree_util.tree_unflatten(tree, minus))) / (2 * h))
+        got.append(float(np.sum(np.asarray(g, np.float64) * d)))
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.max(np.abs(got - want)) < 1e-4 * np.max(np.abs(want)), np.c_[got, want]
+    assert np.all(np.abs(want) > 0)

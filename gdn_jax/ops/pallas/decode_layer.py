@@ -339,6 +339,65 @@ def _tpu_call(p, spec: LayerSpec, state_dtype, proj, convs, conv_w, A_log, dt_bi
     return (y.reshape(B, H * V), ns) + tuple(c.reshape(x.shape) for c, x in zip(cs, convs))
 
 
+# ----------------------------------------------------------------------------- XLA form (the VJP)
+def reference(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state, *, spec: LayerSpec, state_dtype):
+    """The kernel's computation in plain ``jax.numpy`` (same arguments and results as
+    :func:`decode_layer`, same float32 math and order of operations up to summation order); the
+    kernel's reverse-mode derivative is this function's (:func:`decode_layer` is a ``custom_vjp``:
+    the Pallas call aliases its state and conv buffers, which Pallas cannot differentiate)."""
+    B = proj.shape[0]
+    Hk, H, K, V, G = spec.Hk, spec.H, spec.K, spec.V, spec.group
+    seg = {n: proj[:, o:o + m] for n, (o, m) in segments(spec).items()}
+
+    def conv(c, w, x):  # conv state [B, W-1, C] (oldest first) and the token [B, C] against w [W, C]
+        acc = x.astype(F32) * w[-1].astype(F32)
+        for i in range(spec.W - 1):
+            acc = acc + c[:, i].astype(F32) * w[i].astype(F32)
+        return _silu(acc), jnp.concatenate([c[:, 1:], x[:, None].astype(c.dtype)], axis=1)
+
+    (q, cq), (k, ck), (v, cv) = (conv(c, w, seg[n]) for c, w, n in zip(conv_states, conv_weights, "qkv"))
+    q, k, v = q.reshape(B, Hk, K), k.reshape(B, Hk, K), v.reshape(B, H, V)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + L2NORM_EPS) * spec.scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + L2NORM_EPS)
+    q, k = jnp.repeat(q, G, axis=1), jnp.repeat(k, G, axis=1)  # [B, H, K]: value head h reads key head h // G
+    a = seg["a"].astype(F32).reshape(B, H, spec.ga) if spec.decay != "none" else jnp.zeros((B, H, 1), F32)
+    g = _log_decay(spec, a, None if A_log is None else A_log.astype(F32)[:, None],
+                   None if dt_bias is None else dt_bias.astype(F32).reshape(H, spec.ga))
+    beta = _beta(spec, seg["b"].astype(F32).reshape(B, H, spec.gb))  # [B, H, 1 | V]
+    S = state.astype(F32) * jnp.exp(g)[..., None]  # [B, H, K, V]
+    pred = jnp.sum(S * k[..., None], axis=2)
+    S = S + k[..., None] * (beta * (v - pred))[:, :, None, :]
+    o = jnp.sum(S * q[..., None], axis=2)  # [B, H, V]
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + spec.norm_eps)
+    y = o * norm_weight.astype(F32) * _silu(seg["z"].astype(F32).reshape(B, H, V))
+    return y.reshape(B, H * V).astype(proj.dtype), S.astype(state_dtype), (cq, ck, cv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _kernel_call(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state, spec, state_dtype, p,
+                 num_warps, bv):
+    args = (proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state)
+    if _plat.is_tpu_layout(p):
+        y, ns, *cs = _tpu_call(p, spec, state_dtype, *args)
+    else:
+        y, ns, *cs = _gpu_call(p, spec, state_dtype, num_warps, bv, *args)
+    return y, ns, tuple(cs)
+
+
+def _kernel_call_fwd(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state, spec, state_dtype, p,
+                     num_warps, bv):
+    args = (proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state)
+    return _kernel_call(*args, spec, state_dtype, p, num_warps, bv), args
+
+
+def _kernel_call_bwd(spec, state_dtype, p, num_warps, bv, args, ct):
+    _, vjp = jax.vjp(lambda *a: reference(*a, spec=spec, state_dtype=state_dtype), *args)
+    return vjp(ct)
+
+
+_kernel_call.defvjp(_kernel_call_fwd, _kernel_call_bwd)
+
+
 # ----------------------------------------------------------------------------- entry point
 def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, state, *, spec: LayerSpec,
                  state_dtype, platform: Optional[str] = None, num_warps: int = 4, bv: Optional[int] = None):
@@ -364,6 +423,11 @@ def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, s
       ``(y [B, H*V] in proj.dtype, new state [B, H, K, V] in state_dtype, (conv_q, conv_k, conv_v)
       shifted by the token, in their dtypes)``.
 
+    Differentiable in reverse mode (``jax.grad`` / ``jax.vjp``): the derivative is that of
+    :func:`reference`, the same computation in plain ``jax.numpy``, at the same inputs (the kernel
+    aliases its buffers, which Pallas cannot differentiate; under differentiation XLA copies the
+    state instead of updating it in place). Forward mode (``jax.jvp``) raises ``TypeError``.
+
     Raises:
       NotImplementedError: a layer :func:`covers` does not take (naming why).
       ValueError: arrays whose shapes do not fit ``spec``.
@@ -384,13 +448,9 @@ def decode_layer(proj, conv_states, conv_weights, A_log, dt_bias, norm_weight, s
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
     p = platform or _plat.default_platform()
-    if _plat.is_tpu_layout(p):
-        y, ns, *cs = _tpu_call(p, spec, state_dtype, proj, conv_states, conv_weights, A_log, dt_bias, norm_weight,
-                               state)
-    else:
+    if not _plat.is_tpu_layout(p):
         bv = min(V, 64) if bv is None else bv
         if bv < 1 or bv & (bv - 1) or V % bv:
             raise ValueError(f"bv must be a power of two dividing V = {V}, got {bv}")
-        y, ns, *cs = _gpu_call(p, spec, state_dtype, num_warps, bv, proj, conv_states, conv_weights, A_log, dt_bias,
-                               norm_weight, state)
-    return y, ns, tuple(cs)
+    return _kernel_call(proj, tuple(conv_states), tuple(conv_weights), A_log, dt_bias, norm_weight, state, spec,
+                        jnp.dtype(state_dtype), p, num_warps, bv)
