@@ -182,11 +182,14 @@ def _check_room(cache, num_tokens: int):
 
 
 def _check_token(token, cache):
-    """``token`` as an integer ``[B]`` array whose B is the batch of ``cache`` (the leading dim of
-    its arrays; scalars such as ``KVCache.pos`` have none)."""
+    """``token`` (``[B]``, or ``[B, 1]`` as :meth:`LM.decode_step` takes it) as an integer ``[B]``
+    array whose B is the batch of ``cache`` (the leading dim of its arrays; scalars such as
+    ``KVCache.pos`` have none)."""
     token = jnp.asarray(token)
+    if token.ndim == 2 and token.shape[1] == 1:
+        token = token[:, 0]
     if token.ndim != 1 or not jnp.issubdtype(token.dtype, jnp.integer):
-        raise ValueError(f"token must be an integer array [B], got {token.dtype} {tuple(token.shape)}")
+        raise ValueError(f"token must be an integer array [B] or [B, 1], got {token.dtype} {tuple(token.shape)}")
     batches = sorted({x.shape[0] for x in jax.tree_util.tree_leaves(cache) if np.ndim(x) >= 1})
     if batches and batches != [token.shape[0]]:
         got = batches[0] if len(batches) == 1 else batches
@@ -233,7 +236,8 @@ def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: 
       model: an :class:`gdn_jax.models.LM`.
       cache: its cache (``model.init_cache`` / ``model.prefill``, or arrays of the same shapes and
         dtypes); an attention layer must have ``num_tokens`` free slots after ``pos``.
-      token: int ``[B]``, the last token already in the context (its logits are not yet computed).
+      token: int ``[B]`` (or ``[B, 1]``), the last token already in the context (its logits are not
+        yet computed).
       num_tokens: steps to run (>= 0).
       key, temperature, top_k: as in :func:`generate`.
       unroll: decode steps per loop iteration (None: :func:`default_unroll`, 2 for this loop of
@@ -243,7 +247,7 @@ def decode_loop(model, cache, token, num_tokens: int, *, key=None, temperature: 
       (int32 ``[B, num_tokens]``: the token sampled after each step, the cache after the last step).
 
     Raises:
-      ValueError: a non-integer ``token`` not of shape ``[B]`` or whose B is not the cache's batch,
+      ValueError: a non-integer ``token`` not of shape ``[B]`` / ``[B, 1]`` or whose B is not the cache's batch,
         concrete ``token`` ids outside ``[0, vocab_size)`` (a traced one cannot be checked: an
         id past the table gives NaN logits), a negative ``num_tokens``, a negative or non-finite ``temperature``, an out-of-range
         ``top_k``, an attention cache with fewer than ``num_tokens`` free slots after ``pos``, an

@@ -82,8 +82,11 @@ def test_generate_fused_step_bf16_state_and_timed_loop():
     r = time_decode_loop(model, r["cache"], greedy[:, -1], 2, reps=1, traced_count=True)  # one compile of 2n
     assert TRACE_COUNT["decode_loop"] == before + 2                                       # slots, traced count
     assert int(r["cache"][1].pos) == 20 + 2 * (1 + 3)
-    with pytest.raises(ValueError, match="token must be an integer array"):
+    with pytest.raises(ValueError, match=r"token must be an integer array \[B\] or \[B, 1\]"):
         decode_loop(model, r["cache"], greedy, 2, key=key)
+    from gdn_jax.inference.generate import _check_token  # [B, 1] as decode_step takes it: the same [B]
+
+    np.testing.assert_array_equal(_check_token(greedy[:, -1:], r["cache"]), greedy[:, -1])
     with pytest.raises(ValueError, match="num_tokens must be"):
         decode_loop(model, r["cache"], greedy[:, 0], -1, key=key)
 
