@@ -35,7 +35,9 @@
 #              fusions and autotuning kernels used all 60 launches of the first run; NCU_LAUNCHES caps
 #              them, default 12, the stages' preparation kernels included; needs a runtime that gives
 #              ncu the counters, KINDS.md: Firecracker does)
-#   decode     benchmarks/bench_decode.py
+#   decode     benchmarks/bench_decode.py --check (the full table: ~330 s on one H100; DECODE_ARGS adds flags)
+#   dtests     the decode test files on the GPU (tests/models/test_fused_decode.py,
+#              tests/ops/test_decode_layer_kernel.py; pytest, ~2-4 min; output decode_tests.txt)
 #   dlayer     benchmarks/bench_decode_layer.py, the fused decode-layer kernel alone per program shape
 #              (num_warps x bv) at batch 1 and 64 against its byte floor (DLAYER_ARGS adds flags)
 #   cp         benchmarks/bench_context_parallel.py, the context path's overhead on one GPU (CP_ARGS adds
@@ -217,8 +219,10 @@ for s in $STEPS; do
              --no-fla --no-jla --no-chunk ${BREAKDOWN_FLAGS:-} 2>&1 | grep -v -i warning | tee "$OUT/breakdown.txt" | tail -3 ;;
     stages) timeout "${LIMIT_STAGES:-240}" python benchmarks/bench_hopper_stages.py ${STAGES_ARGS:---shapes 0,3,2 --reps 20} \
              ${STAGES_ONLY:+--only "$STAGES_ONLY"} 2>&1 | grep -v -i warning | tee "$OUT/stages.txt" | tail -3 ;;
-    decode) timeout "${LIMIT_DECODE:-280}" python benchmarks/bench_decode.py --max_seconds 200 --out "$OUT/decode_h200" \
-             2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    decode) timeout "${LIMIT_DECODE:-420}" python benchmarks/bench_decode.py --check --max_seconds "$(( ${LIMIT_DECODE:-420} - 60 ))" \
+             --out "$OUT/decode" ${DECODE_ARGS:-} 2>&1 | grep -v -i warning | tee "$OUT/decode.txt" | tail -3 ;;
+    dtests) timeout "${LIMIT_DTESTS:-300}" python -m pytest -q -p no:cacheprovider tests/models/test_fused_decode.py \
+             tests/ops/test_decode_layer_kernel.py 2>&1 | grep -v -i warning | tee "$OUT/decode_tests.txt" | tail -5 ;;
     dlayer) timeout "${LIMIT_DLAYER:-150}" python benchmarks/bench_decode_layer.py --out "$OUT/decode_layer" ${DLAYER_ARGS:-} \
              2>&1 | grep -v -i warning | tee "$OUT/decode_layer.txt" | tail -22 ;;
     cp) timeout "${LIMIT_CP:-270}" python benchmarks/bench_context_parallel.py --out "$OUT/cp" ${CP_ARGS:-} \
